@@ -1,0 +1,313 @@
+"""The SQLite catalog: the source of truth for volumes, stages and publishes.
+
+WAL with synchronous=FULL, so a committed row survives a crash. Callers record
+intent (a row in a transitional state) before they act and commit the final
+state after; the start-up reconcile finishes or undoes what is left in a
+transitional state. All I/O runs in a worker thread, never on the event loop.
+This module knows nothing of QSD, mounts or gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from csi_qsd.params import VolumeParameters
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS volumes (
+    id          TEXT PRIMARY KEY,
+    name        TEXT NOT NULL UNIQUE,
+    capacity    INTEGER NOT NULL,
+    params      TEXT NOT NULL,
+    image       TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    created_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS stages (
+    volume_id    TEXT PRIMARY KEY REFERENCES volumes(id),
+    staging_path TEXT NOT NULL,
+    access_type  TEXT NOT NULL,
+    fs_type      TEXT NOT NULL,
+    mount_flags  TEXT NOT NULL,
+    mount_group  TEXT NOT NULL,
+    state        TEXT NOT NULL,
+    loop_device  TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS publishes (
+    target_path TEXT PRIMARY KEY,
+    volume_id   TEXT NOT NULL REFERENCES volumes(id),
+    readonly    INTEGER NOT NULL,
+    mount_flags TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    loop_device TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS publishes_by_volume ON publishes(volume_id);
+"""
+
+
+class VolumeState(enum.Enum):
+    CREATING = "creating"
+    READY = "ready"
+    DELETING = "deleting"
+
+
+class StageState(enum.Enum):
+    STAGING = "staging"
+    STAGED = "staged"
+    UNSTAGING = "unstaging"
+
+
+class PublishState(enum.Enum):
+    PUBLISHING = "publishing"
+    PUBLISHED = "published"
+    UNPUBLISHING = "unpublishing"
+
+
+class AccessType(enum.Enum):
+    MOUNT = "mount"
+    BLOCK = "block"
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeRecord:
+    id: str
+    name: str
+    capacity: int
+    params: VolumeParameters
+    image: Path
+    state: VolumeState
+    created_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRecord:
+    volume_id: str
+    staging_path: Path
+    access_type: AccessType
+    fs_type: str
+    mount_flags: tuple[str, ...]
+    mount_group: str
+    state: StageState
+    loop_device: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishRecord:
+    target_path: Path
+    volume_id: str
+    readonly: bool
+    mount_flags: tuple[str, ...]
+    state: PublishState
+    loop_device: str = ""
+
+
+class Catalog:
+    """Typed access to the catalog database; every method is a coroutine."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self._open)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close)
+
+    async def __aenter__(self) -> "Catalog":
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def usable(self) -> bool:
+        """True while the database answers a trivial query (used by Probe)."""
+        try:
+            self._call(lambda db: db.execute("SELECT 1").fetchone())
+            return True
+        except (sqlite3.Error, RuntimeError):
+            return False
+
+    # volumes ------------------------------------------------------------
+
+    async def add_volume(self, record: VolumeRecord) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT INTO volumes VALUES (?,?,?,?,?,?,?)",
+                (record.id, record.name, record.capacity, record.params.to_json(),
+                 str(record.image), record.state.value, record.created_at),
+            )
+        )
+
+    async def set_volume_state(self, volume_id: str, state: VolumeState) -> None:
+        await self._run(lambda db: db.execute("UPDATE volumes SET state=? WHERE id=?", (state.value, volume_id)))
+
+    async def set_volume_capacity(self, volume_id: str, capacity: int) -> None:
+        await self._run(lambda db: db.execute("UPDATE volumes SET capacity=? WHERE id=?", (capacity, volume_id)))
+
+    async def delete_volume(self, volume_id: str) -> None:
+        def delete(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM publishes WHERE volume_id=?", (volume_id,))
+            db.execute("DELETE FROM stages WHERE volume_id=?", (volume_id,))
+            db.execute("DELETE FROM volumes WHERE id=?", (volume_id,))
+        await self._run(delete)
+
+    async def volume(self, volume_id: str) -> VolumeRecord | None:
+        rows = await self._query("SELECT * FROM volumes WHERE id=?", (volume_id,))
+        return _volume(rows[0]) if rows else None
+
+    async def volume_by_name(self, name: str) -> VolumeRecord | None:
+        rows = await self._query("SELECT * FROM volumes WHERE name=?", (name,))
+        return _volume(rows[0]) if rows else None
+
+    async def volumes(
+        self, *, after_id: str = "", limit: int = 0, state: VolumeState | None = None
+    ) -> list[VolumeRecord]:
+        """Volumes ordered by ID, starting after `after_id`, optionally in one state; `limit` 0 means all."""
+        sql = "SELECT * FROM volumes WHERE id > ?"
+        args: tuple[Any, ...] = (after_id,)
+        if state is not None:
+            sql += " AND state = ?"
+            args += (state.value,)
+        sql += " ORDER BY id"
+        if limit:
+            sql += " LIMIT ?"
+            args += (limit,)
+        return [_volume(row) for row in await self._query(sql, args)]
+
+    # stages -------------------------------------------------------------
+
+    async def put_stage(self, record: StageRecord) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?,?,?)",
+                (record.volume_id, str(record.staging_path), record.access_type.value, record.fs_type,
+                 json.dumps(list(record.mount_flags)), record.mount_group, record.state.value,
+                 record.loop_device),
+            )
+        )
+
+    async def delete_stage(self, volume_id: str) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM stages WHERE volume_id=?", (volume_id,)))
+
+    async def stage(self, volume_id: str) -> StageRecord | None:
+        rows = await self._query("SELECT * FROM stages WHERE volume_id=?", (volume_id,))
+        return _stage(rows[0]) if rows else None
+
+    async def stages(self) -> list[StageRecord]:
+        return [_stage(row) for row in await self._query("SELECT * FROM stages ORDER BY volume_id", ())]
+
+    # publishes ----------------------------------------------------------
+
+    async def put_publish(self, record: PublishRecord) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR REPLACE INTO publishes VALUES (?,?,?,?,?,?)",
+                (str(record.target_path), record.volume_id, int(record.readonly),
+                 json.dumps(list(record.mount_flags)), record.state.value, record.loop_device),
+            )
+        )
+
+    async def delete_publish(self, target_path: Path) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM publishes WHERE target_path=?", (str(target_path),)))
+
+    async def publish(self, target_path: Path) -> PublishRecord | None:
+        rows = await self._query("SELECT * FROM publishes WHERE target_path=?", (str(target_path),))
+        return _publish(rows[0]) if rows else None
+
+    async def publishes(self, volume_id: str | None = None) -> list[PublishRecord]:
+        if volume_id is None:
+            rows = await self._query("SELECT * FROM publishes ORDER BY target_path", ())
+        else:
+            rows = await self._query(
+                "SELECT * FROM publishes WHERE volume_id=? ORDER BY target_path", (volume_id,)
+            )
+        return [_publish(row) for row in rows]
+
+    # plumbing -----------------------------------------------------------
+
+    def _open(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=ON")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            db.close()
+            raise RuntimeError(
+                f"catalog {self._path} has schema {version}, newer than this driver's {SCHEMA_VERSION}"
+            )
+        db.executescript(_SCHEMA)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._db = db
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            if self._db is None:
+                raise RuntimeError("catalog is closed")
+            return fn(self._db)
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], object]) -> None:
+        def transaction(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                fn(db)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        await asyncio.to_thread(self._call, transaction)
+
+    async def _query(self, sql: str, args: tuple[Any, ...]) -> list[sqlite3.Row]:
+        return await asyncio.to_thread(self._call, lambda db: db.execute(sql, args).fetchall())
+
+
+def _volume(row: sqlite3.Row) -> VolumeRecord:
+    return VolumeRecord(
+        id=row["id"], name=row["name"], capacity=row["capacity"],
+        params=VolumeParameters.from_json(row["params"]), image=Path(row["image"]),
+        state=VolumeState(row["state"]), created_at=row["created_at"],
+    )
+
+
+def _stage(row: sqlite3.Row) -> StageRecord:
+    return StageRecord(
+        volume_id=row["volume_id"], staging_path=Path(row["staging_path"]),
+        access_type=AccessType(row["access_type"]), fs_type=row["fs_type"],
+        mount_flags=tuple(json.loads(row["mount_flags"])), mount_group=row["mount_group"],
+        state=StageState(row["state"]), loop_device=row["loop_device"],
+    )
+
+
+def _publish(row: sqlite3.Row) -> PublishRecord:
+    return PublishRecord(
+        target_path=Path(row["target_path"]), volume_id=row["volume_id"], readonly=bool(row["readonly"]),
+        mount_flags=tuple(json.loads(row["mount_flags"])), state=PublishState(row["state"]),
+        loop_device=row["loop_device"],
+    )
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,210 @@
+"""`csi-qsd`: serve the driver, run QSD for a sibling container, or drive a served driver.
+
+The only place that reads flags and `CSI_QSD_*` environment variables; it
+builds a `Config` and hands it down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from google.protobuf import json_format
+
+from csi_qsd import __version__
+from csi_qsd.config import DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, Config, QSDMode
+from csi_qsd.csi_client import CSIClient
+
+ENV_PREFIX = "CSI_QSD_"
+
+
+def env_name(flag: str) -> str:
+    """The environment variable that stands for a flag: --state-dir → CSI_QSD_STATE_DIR."""
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def _option(parser: argparse.ArgumentParser, flag: str, default: str, help_text: str, **kw: object) -> None:
+    env = env_name(flag)
+    parser.add_argument(flag, default=os.environ.get(env, default), help=f"{help_text} (env {env})", **kw)  # type: ignore[arg-type]
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    _option(parser, "--state-dir", str(DEFAULT_STATE_DIR), "catalog, QSD sockets and exports live here")
+    _option(parser, "--pool-dir", "", "directory for volume images (default: <state-dir>/pool)")
+    _option(parser, "--log-level", "info", "debug, info, warning or error")
+    _option(parser, "--qsd-binary", "qemu-storage-daemon", "qemu-storage-daemon executable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="csi-qsd", description="CSI driver on qemu-storage-daemon")
+    parser.add_argument("--version", action="version", version=f"csi-qsd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the CSI driver on a UNIX socket")
+    _common(serve)
+    _option(serve, "--endpoint", "", "CSI endpoint, unix:///path (default: unix://<state-dir>/csi.sock)")
+    _option(serve, "--node-id", "", "this node's ID (default: the host name)")
+    _option(serve, "--driver-name", DEFAULT_DRIVER_NAME, "CSI driver name")
+    _option(serve, "--target-root", str(DEFAULT_TARGET_ROOT),
+            "staging and target paths must lie under this directory (kubelet's root)")
+    _option(serve, "--metrics-address", "", "host:port for Prometheus metrics (empty: off)")
+    _option(serve, "--qsd-mode", QSDMode.MANAGED.value,
+            "managed: start QSD ourselves; external: adopt the one `csi-qsd qsd-run` keeps running",
+            choices=[m.value for m in QSDMode])
+    _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
+
+    run = sub.add_parser("qsd-run", help="run qemu-storage-daemon in the foreground (its own container)")
+    _common(run)
+
+    client = sub.add_parser("volume", help="drive a served csi-qsd over CSI gRPC")
+    _option(client, "--endpoint", f"unix://{DEFAULT_STATE_DIR}/csi.sock", "CSI endpoint to talk to")
+    actions = client.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="CreateVolume")
+    create.add_argument("name")
+    create.add_argument("--size", default="1Gi", help="bytes, or with suffix Ki/Mi/Gi/Ti")
+    create.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="StorageClass parameter (repeatable)")
+    create.add_argument("--block", action="store_true", help="request the block access type")
+    actions.add_parser("list", help="ListVolumes")
+    delete = actions.add_parser("delete", help="DeleteVolume")
+    delete.add_argument("volume_id")
+    for name, text in (("stage", "NodeStageVolume"), ("unstage", "NodeUnstageVolume")):
+        p = actions.add_parser(name, help=text)
+        p.add_argument("volume_id")
+        p.add_argument("staging_path")
+        if name == "stage":
+            p.add_argument("--block", action="store_true")
+            p.add_argument("--fs-type", default="")
+            p.add_argument("--mount-group", default="")
+    publish = actions.add_parser("publish", help="NodePublishVolume")
+    publish.add_argument("volume_id")
+    publish.add_argument("staging_path")
+    publish.add_argument("target_path")
+    publish.add_argument("--block", action="store_true")
+    publish.add_argument("--readonly", action="store_true")
+    publish.add_argument("--mount-group", default="")
+    unpublish = actions.add_parser("unpublish", help="NodeUnpublishVolume")
+    unpublish.add_argument("volume_id")
+    unpublish.add_argument("target_path")
+    stats = actions.add_parser("stats", help="NodeGetVolumeStats")
+    stats.add_argument("volume_id")
+    stats.add_argument("path")
+    actions.add_parser("info", help="GetPluginInfo, Probe and GetCapacity")
+    return parser
+
+
+def parse_size(text: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor
+    return int(text)
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    return Config(
+        state_dir=Path(args.state_dir),
+        pool_dir=Path(args.pool_dir) if args.pool_dir else None,
+        endpoint=getattr(args, "endpoint", ""),
+        node_id=getattr(args, "node_id", "") or os.uname().nodename,
+        driver_name=getattr(args, "driver_name", DEFAULT_DRIVER_NAME),
+        target_root=Path(getattr(args, "target_root", str(DEFAULT_TARGET_ROOT))),
+        log_level=args.log_level,
+        metrics_address=getattr(args, "metrics_address", ""),
+        qsd_mode=QSDMode(getattr(args, "qsd_mode", QSDMode.MANAGED.value)),
+        max_volumes=int(getattr(args, "max_volumes", 0)),
+        qsd_binary=args.qsd_binary,
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+
+
+async def _serve(config: Config) -> None:
+    from csi_qsd.metrics import serving_metrics
+    from csi_qsd.server import serving
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with serving(config) as driver, serving_metrics(config, driver):
+        print(f"csi-qsd {__version__} listening on {config.endpoint} "
+              f"(node {config.node_id}, pool {config.pool})", flush=True)
+        await stop.wait()
+
+
+def _qsd_run(config: Config) -> None:
+    from csi_qsd.qsd.daemon import daemon_argv
+
+    config.qsd_dir.mkdir(parents=True, exist_ok=True)
+    argv = daemon_argv(config, daemonize=False)
+    os.execvp(argv[0], argv)
+
+
+async def _client(args: argparse.Namespace) -> int:
+    async with CSIClient(args.endpoint) as client:
+        action = args.action
+        if action == "create":
+            params = dict(item.split("=", 1) for item in args.param)
+            volume = await client.create_volume(args.name, parse_size(args.size), params, block=args.block)
+            _print(volume)
+        elif action == "list":
+            for volume in await client.list_volumes():
+                _print(volume)
+        elif action == "delete":
+            await client.delete_volume(args.volume_id)
+        elif action == "stage":
+            await client.stage(args.volume_id, args.staging_path, block=args.block, fs_type=args.fs_type,
+                               mount_group=args.mount_group)
+        elif action == "unstage":
+            await client.unstage(args.volume_id, args.staging_path)
+        elif action == "publish":
+            await client.publish(args.volume_id, args.staging_path, args.target_path, block=args.block,
+                                 readonly=args.readonly, mount_group=args.mount_group)
+        elif action == "unpublish":
+            await client.unpublish(args.volume_id, args.target_path)
+        elif action == "stats":
+            _print(await client.stats(args.volume_id, args.path))
+        elif action == "info":
+            info = await client.plugin_info()
+            print(json.dumps({"name": info.name, "version": info.vendor_version,
+                              "ready": await client.probe(), "available_bytes": await client.capacity()}))
+    return 0
+
+
+def _print(message: object) -> None:
+    print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "volume":
+        try:
+            return asyncio.run(_client(args))
+        except grpc.aio.AioRpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    config = config_from(args)
+    setup_logging(config.log_level)
+    if args.command == "qsd-run":
+        _qsd_run(config)
+        return 0
+    asyncio.run(_serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Translate CSI messages into domain values, validating as it goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from csi_qsd.config import Config, TOPOLOGY_KEY_NODE
+from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.errors import InvalidArgument
+from csi_qsd import validate
+from csi_qsd.volumes import AccessMode, Capability
+
+_MODES = {value: AccessMode[name] for name, value in pb.VolumeCapability.AccessMode.Mode.items()}
+
+
+def capability(cap: pb.VolumeCapability, field: str = "volume_capability") -> Capability:
+    kind = cap.WhichOneof("access_type")
+    if kind is None:
+        raise InvalidArgument(f"{field} needs an access_type (block or mount)")
+    if not cap.HasField("access_mode"):
+        raise InvalidArgument(f"{field} needs an access_mode")
+    mode = _MODES.get(cap.access_mode.mode, AccessMode.UNKNOWN)
+    if mode is AccessMode.UNKNOWN:
+        raise InvalidArgument(f"{field} has an unknown access_mode")
+    if kind == "mount":
+        validate.mount_flags(list(cap.mount.mount_flags))
+        return Capability(block=False, fs_type=cap.mount.fs_type, mode=mode)
+    return Capability(block=True, fs_type="", mode=mode)
+
+
+def capabilities(caps: list[pb.VolumeCapability]) -> list[Capability]:
+    if not caps:
+        raise InvalidArgument("volume_capabilities must not be empty")
+    return [capability(cap, f"volume_capabilities[{i}]") for i, cap in enumerate(caps)]
+
+
+def request_path(value: str, field: str, config: Config) -> Path:
+    return validate.request_path(
+        value, field, root=config.target_root, forbidden=(config.state_dir, config.pool),
+    )
+
+
+def mount_group(value: str) -> str:
+    if value and (not value.isdigit() or int(value) > 0xFFFFFFFE):
+        raise InvalidArgument(f"volume_mount_group {value!r} must be a numeric group ID")
+    return value
+
+
+def node_topology(config: Config) -> pb.Topology:
+    return pb.Topology(segments={TOPOLOGY_KEY_NODE: config.node_id})
+
+
+def topology_allows(config: Config, topologies: list[pb.Topology]) -> bool:
+    """True if any of `topologies` names this node (or names no node at all)."""
+    for topology in topologies:
+        node = topology.segments.get(TOPOLOGY_KEY_NODE)
+        if node is None or node == config.node_id:
+            return True
+    return False

@@ -1,0 +1,79 @@
+"""Map domain errors to gRPC status codes, in one place, and log every call.
+
+Each handler is wrapped by `rpc`: a DriverError (matched by isinstance, so a
+subclass keeps its code) becomes `context.abort` with its code and message;
+anything else becomes INTERNAL and is logged with its traceback. Every call
+is logged key=value with its method, volume ID, code and duration.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from csi_qsd.errors import DriverError
+
+log = logging.getLogger("csi_qsd.rpc")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Observer = Callable[[str, str, float], None]
+
+_observers: list[Observer] = []
+
+
+def add_observer(observer: Observer) -> None:
+    """Called with (method, code name, seconds) after every RPC; used for metrics."""
+    _observers.append(observer)
+
+
+def remove_observer(observer: Observer) -> None:
+    _observers.remove(observer)
+
+
+def _object_id(request: Any) -> str:
+    for field in ("volume_id", "snapshot_id", "source_volume_id", "name"):
+        value = getattr(request, field, "")
+        if isinstance(value, str) and value:
+            return f"{field}={value}"
+    return "-"
+
+
+def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Wrap a servicer method with error mapping, logging and timing."""
+    method = handler.__name__
+
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        start = time.monotonic()
+        code = "OK"
+        level = logging.DEBUG if method == "Probe" else logging.INFO
+        try:
+            return await handler(self, request, context)
+        except DriverError as exc:
+            code = exc.code.value
+            log.log(level, "rpc=%s %s code=%s error=%r seconds=%.4f",
+                    method, _object_id(request), code, str(exc), time.monotonic() - start)
+            await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+            raise  # unreachable: abort raises
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            code = "INTERNAL"
+            log.exception("rpc=%s %s code=INTERNAL", method, _object_id(request))
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc}")
+            raise
+        finally:
+            elapsed = time.monotonic() - start
+            if code == "OK":
+                log.log(level, "rpc=%s %s code=OK seconds=%.4f", method, _object_id(request), elapsed)
+            for observer in _observers:
+                observer(method, code, elapsed)
+
+    return wrapper

@@ -1,0 +1,124 @@
+"""CSI Node service: stage, publish and report volumes on this node."""
+
+from __future__ import annotations
+
+import grpc
+
+from csi_qsd import validate
+from csi_qsd.config import Config, TOPOLOGY_KEY_FUSE, TOPOLOGY_KEY_NODE, TOPOLOGY_KEY_VHOST_USER
+from csi_qsd.csi import convert
+from csi_qsd.csi.errors import rpc
+from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.errors import InvalidArgument, Unimplemented
+from csi_qsd.staging import NodeVolumes, PublishSpec, StageSpec
+from csi_qsd.volumes import unsupported_capability
+
+_RPC = pb.NodeServiceCapability.RPC.Type
+CAPABILITIES = (
+    _RPC.STAGE_UNSTAGE_VOLUME, _RPC.GET_VOLUME_STATS, _RPC.VOLUME_CONDITION,
+    _RPC.SINGLE_NODE_MULTI_WRITER, _RPC.VOLUME_MOUNT_GROUP,
+)
+
+
+class NodeService(pb_grpc.NodeServicer):
+    def __init__(self, config: Config, node: NodeVolumes, features: dict[str, bool]) -> None:
+        self._config = config
+        self._node = node
+        self._features = features
+
+    def _capability(self, request: pb.NodeStageVolumeRequest | pb.NodePublishVolumeRequest) -> tuple[bool, str, tuple[str, ...], str]:
+        if not request.HasField("volume_capability"):
+            raise InvalidArgument("volume_capability is required")
+        cap = convert.capability(request.volume_capability)
+        reason = unsupported_capability(cap, None)
+        if reason:
+            raise InvalidArgument(reason)
+        mount = request.volume_capability.mount
+        flags = tuple(validate.mount_flags(list(mount.mount_flags))) if not cap.block else ()
+        group = convert.mount_group(mount.volume_mount_group) if not cap.block else ""
+        return cap.block, cap.fs_type, flags, group
+
+    @rpc
+    async def NodeStageVolume(
+        self, request: pb.NodeStageVolumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeStageVolumeResponse:
+        volume_id = validate.volume_id(request.volume_id)
+        staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
+        block, fs_type, flags, group = self._capability(request)
+        await self._node.stage(StageSpec(volume_id, staging, block, fs_type, flags, group))
+        return pb.NodeStageVolumeResponse()
+
+    @rpc
+    async def NodeUnstageVolume(
+        self, request: pb.NodeUnstageVolumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeUnstageVolumeResponse:
+        volume_id = validate.volume_id(request.volume_id)
+        staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
+        await self._node.unstage(volume_id, staging)
+        return pb.NodeUnstageVolumeResponse()
+
+    @rpc
+    async def NodePublishVolume(
+        self, request: pb.NodePublishVolumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodePublishVolumeResponse:
+        volume_id = validate.volume_id(request.volume_id)
+        staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
+        target = convert.request_path(request.target_path, "target_path", self._config)
+        if target == staging:
+            raise InvalidArgument("target_path must differ from staging_target_path")
+        block, _fs_type, flags, group = self._capability(request)
+        await self._node.publish(PublishSpec(volume_id, staging, target, block, request.readonly, flags, group))
+        return pb.NodePublishVolumeResponse()
+
+    @rpc
+    async def NodeUnpublishVolume(
+        self, request: pb.NodeUnpublishVolumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeUnpublishVolumeResponse:
+        volume_id = validate.volume_id(request.volume_id)
+        target = convert.request_path(request.target_path, "target_path", self._config)
+        await self._node.unpublish(volume_id, target)
+        return pb.NodeUnpublishVolumeResponse()
+
+    @rpc
+    async def NodeGetVolumeStats(
+        self, request: pb.NodeGetVolumeStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeGetVolumeStatsResponse:
+        volume_id = validate.volume_id(request.volume_id)
+        path = convert.request_path(request.volume_path, "volume_path", self._config)
+        stats = await self._node.stats(volume_id, path)
+        usage = [pb.VolumeUsage(unit=pb.VolumeUsage.BYTES, total=stats.total_bytes,
+                                available=stats.available_bytes, used=stats.used_bytes)]
+        if not stats.block:
+            usage.append(pb.VolumeUsage(unit=pb.VolumeUsage.INODES, total=stats.total_inodes,
+                                        available=stats.available_inodes, used=stats.used_inodes))
+        return pb.NodeGetVolumeStatsResponse(
+            usage=usage, volume_condition=pb.VolumeCondition(abnormal=stats.abnormal, message=stats.message)
+        )
+
+    @rpc
+    async def NodeExpandVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
+        raise Unimplemented("volume expansion is not supported by this driver version")
+
+    @rpc
+    async def NodeGetCapabilities(
+        self, request: pb.NodeGetCapabilitiesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeGetCapabilitiesResponse:
+        return pb.NodeGetCapabilitiesResponse(
+            capabilities=[pb.NodeServiceCapability(rpc=pb.NodeServiceCapability.RPC(type=kind))
+                          for kind in CAPABILITIES]
+        )
+
+    @rpc
+    async def NodeGetInfo(
+        self, request: pb.NodeGetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeGetInfoResponse:
+        segments = {TOPOLOGY_KEY_NODE: self._config.node_id}
+        if self._features.get("fuse"):
+            segments[TOPOLOGY_KEY_FUSE] = "true"
+        if self._features.get("vhost-user-blk"):
+            segments[TOPOLOGY_KEY_VHOST_USER] = "true"
+        return pb.NodeGetInfoResponse(
+            node_id=self._config.node_id, max_volumes_per_node=self._config.max_volumes,
+            accessible_topology=pb.Topology(segments=segments),
+        )

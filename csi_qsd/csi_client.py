@@ -1,0 +1,130 @@
+"""A small CSI client for people: the calls a provisioner and kubelet would make.
+
+Used by `csi-qsd volume …` so a newcomer can drive a served driver without a
+cluster, and by tests that run the driver as a separate process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+
+SINGLE_NODE_WRITER = pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
+
+
+def capability(*, block: bool = False, fs_type: str = "", mount_flags: tuple[str, ...] = (),
+               mount_group: str = "", mode: int = SINGLE_NODE_WRITER) -> pb.VolumeCapability:
+    access = pb.VolumeCapability.AccessMode(mode=mode)  # type: ignore[arg-type]
+    if block:
+        return pb.VolumeCapability(block=pb.VolumeCapability.BlockVolume(), access_mode=access)
+    return pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(fs_type=fs_type, mount_flags=list(mount_flags),
+                                              volume_mount_group=mount_group),
+        access_mode=access,
+    )
+
+
+class CSIClient:
+    """Async stubs for the three CSI services on one endpoint."""
+
+    def __init__(self, endpoint: str, timeout: float = 120.0) -> None:
+        self._channel = grpc.aio.insecure_channel(endpoint)
+        self.identity = pb_grpc.IdentityStub(self._channel)
+        self.controller = pb_grpc.ControllerStub(self._channel)
+        self.node = pb_grpc.NodeStub(self._channel)
+        self.timeout = timeout
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "CSIClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    async def create_volume(self, name: str, size: int, parameters: dict[str, str] | None = None,
+                            *, block: bool = False, fs_type: str = "") -> pb.Volume:
+        response: Any = await self.controller.CreateVolume(
+            pb.CreateVolumeRequest(
+                name=name, capacity_range=pb.CapacityRange(required_bytes=size),
+                volume_capabilities=[capability(block=block, fs_type=fs_type)],
+                parameters=parameters or {},
+            ),
+            timeout=self.timeout,
+        )
+        return response.volume  # type: ignore[no-any-return]
+
+    async def delete_volume(self, volume_id: str) -> None:
+        await self.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=volume_id), timeout=self.timeout)
+
+    async def list_volumes(self) -> list[pb.Volume]:
+        volumes: list[pb.Volume] = []
+        token = ""
+        while True:
+            page = await self.controller.ListVolumes(
+                pb.ListVolumesRequest(max_entries=100, starting_token=token), timeout=self.timeout
+            )
+            volumes.extend(entry.volume for entry in page.entries)
+            token = page.next_token
+            if not token:
+                return volumes
+
+    async def stage(self, volume_id: str, staging_path: str, *, block: bool = False, fs_type: str = "",
+                    mount_group: str = "") -> None:
+        await self.node.NodeStageVolume(
+            pb.NodeStageVolumeRequest(
+                volume_id=volume_id, staging_target_path=staging_path,
+                volume_capability=capability(block=block, fs_type=fs_type, mount_group=mount_group),
+            ),
+            timeout=self.timeout,
+        )
+
+    async def unstage(self, volume_id: str, staging_path: str) -> None:
+        await self.node.NodeUnstageVolume(
+            pb.NodeUnstageVolumeRequest(volume_id=volume_id, staging_target_path=staging_path),
+            timeout=self.timeout,
+        )
+
+    async def publish(self, volume_id: str, staging_path: str, target_path: str, *, block: bool = False,
+                      fs_type: str = "", readonly: bool = False, mount_group: str = "") -> None:
+        await self.node.NodePublishVolume(
+            pb.NodePublishVolumeRequest(
+                volume_id=volume_id, staging_target_path=staging_path, target_path=target_path,
+                volume_capability=capability(block=block, fs_type=fs_type, mount_group=mount_group),
+                readonly=readonly,
+            ),
+            timeout=self.timeout,
+        )
+
+    async def unpublish(self, volume_id: str, target_path: str) -> None:
+        await self.node.NodeUnpublishVolume(
+            pb.NodeUnpublishVolumeRequest(volume_id=volume_id, target_path=target_path), timeout=self.timeout
+        )
+
+    async def stats(self, volume_id: str, path: str) -> pb.NodeGetVolumeStatsResponse:
+        response: Any = await self.node.NodeGetVolumeStats(
+            pb.NodeGetVolumeStatsRequest(volume_id=volume_id, volume_path=path), timeout=self.timeout
+        )
+        return response  # type: ignore[no-any-return]
+
+    async def capacity(self) -> int:
+        response = await self.controller.GetCapacity(pb.GetCapacityRequest(), timeout=self.timeout)
+        return int(response.available_capacity)
+
+    async def plugin_info(self) -> pb.GetPluginInfoResponse:
+        response: Any = await self.identity.GetPluginInfo(pb.GetPluginInfoRequest(), timeout=self.timeout)
+        return response  # type: ignore[no-any-return]
+
+    async def probe(self) -> bool:
+        response = await self.identity.Probe(pb.ProbeRequest(), timeout=self.timeout)
+        return bool(response.ready.value)
+

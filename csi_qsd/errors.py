@@ -1,0 +1,79 @@
+"""The driver's exception tree: each class carries the gRPC code the CSI spec names.
+
+Domain code raises these; the gRPC layer maps them to a status in exactly one
+place (`csi_qsd.csi.errors`). Subclasses keep their parent's code, so matching
+is by `isinstance`, never by exact type. This module must not import grpc.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.Enum):
+    """The gRPC status codes the driver answers with (names match grpc.StatusCode)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    ABORTED = "ABORTED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+
+
+class DriverError(Exception):
+    """Base of every error the driver reports to a caller; message is for an operator."""
+
+    code: Code = Code.INTERNAL
+
+
+class InvalidArgument(DriverError):
+    code = Code.INVALID_ARGUMENT
+
+
+class NotFound(DriverError):
+    code = Code.NOT_FOUND
+
+
+class AlreadyExists(DriverError):
+    code = Code.ALREADY_EXISTS
+
+
+class FailedPrecondition(DriverError):
+    code = Code.FAILED_PRECONDITION
+
+
+class ResourceExhausted(DriverError):
+    code = Code.RESOURCE_EXHAUSTED
+
+
+class OutOfRange(DriverError):
+    code = Code.OUT_OF_RANGE
+
+
+class Aborted(DriverError):
+    code = Code.ABORTED
+
+
+class Unimplemented(DriverError):
+    code = Code.UNIMPLEMENTED
+
+
+class Unavailable(DriverError):
+    code = Code.UNAVAILABLE
+
+
+class Internal(DriverError):
+    code = Code.INTERNAL
+
+
+class QSDError(Internal):
+    """qemu-storage-daemon refused a command or could not be reached."""
+
+
+class HostCommandError(Internal):
+    """A host tool (losetup, mkfs, mount, qemu-img) failed."""

@@ -1,0 +1,1 @@
+"""Where volume bytes live."""

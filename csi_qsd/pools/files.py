@@ -1,0 +1,103 @@
+"""A pool of qcow2/raw image files in one directory.
+
+Image names derive from validated volume IDs only. Creation goes through a
+temporary name and an atomic rename, so a crash never leaves a half-written
+image under a volume's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from csi_qsd.errors import ResourceExhausted
+from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
+from csi_qsd.sys.run import run
+
+TMP_SUFFIX = ".tmp"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolUsage:
+    total: int
+    available: int
+
+
+class FilePool:
+    """Image files in `directory`, one per volume."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def prepare(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def image_path(self, volume_id: str, fmt: ImageFormat) -> Path:
+        return self.directory / f"{volume_id}.{fmt.value}"
+
+    def usage(self) -> PoolUsage:
+        st = os.statvfs(self.directory)
+        return PoolUsage(total=st.f_blocks * st.f_frsize, available=st.f_bavail * st.f_frsize)
+
+    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
+        """Create `image` of `size` bytes; RESOURCE_EXHAUSTED if the pool cannot hold it."""
+        available = self.usage().available
+        if size > available:
+            raise ResourceExhausted(
+                f"pool {self.directory} has {available} bytes free, volume needs {size}"
+            )
+        tmp = image.with_name(image.name + TMP_SUFFIX)
+        tmp.unlink(missing_ok=True)
+        argv = ["qemu-img", "create", "-q", "-f", params.format.value]
+        options = []
+        if params.preallocation is not Preallocation.OFF:
+            options.append(f"preallocation={params.preallocation.value}")
+        if params.format is ImageFormat.QCOW2:
+            options.append("lazy_refcounts=off")
+        if options:
+            argv += ["-o", ",".join(options)]
+        try:
+            await run(*argv, str(tmp), str(size), timeout=3600)
+            await asyncio.to_thread(_fsync_and_rename, tmp, image)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def delete(self, image: Path) -> None:
+        await asyncio.to_thread(_unlink_durably, image)
+
+    async def virtual_size(self, image: Path) -> int:
+        _, out = await run("qemu-img", "info", "--force-share", "--output=json", str(image))
+        return int(json.loads(out)["virtual-size"])
+
+    def leftovers(self) -> list[Path]:
+        """Temporary files a crash left during creation: never user data."""
+        return sorted(self.directory.glob(f"vol-*{TMP_SUFFIX}"))
+
+    def images(self) -> list[Path]:
+        return sorted(p for p in self.directory.glob("vol-*") if not p.name.endswith(TMP_SUFFIX))
+
+
+def _fsync_and_rename(tmp: Path, image: Path) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, image)
+    _fsync_dir(image.parent)
+
+
+def _unlink_durably(image: Path) -> None:
+    image.unlink(missing_ok=True)
+    _fsync_dir(image.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,67 @@
+"""Filesystem volumes: loop device → (mkfs once) → mount at staging → bind to targets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from csi_qsd.errors import AlreadyExists, FailedPrecondition
+from csi_qsd.sys import filesystems, mounts
+
+
+def _devno(device: Path) -> str:
+    rdev = os.stat(device).st_rdev
+    return f"{os.major(rdev)}:{os.minor(rdev)}"
+
+
+async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str]) -> str:
+    """Mount the volume's filesystem at `staging`, creating it only if the device holds none.
+
+    Returns the filesystem type mounted. Raises FailedPrecondition when the
+    device holds another filesystem than asked, or `staging` holds another mount.
+    """
+    entry = mounts.mounted_at(staging)
+    if entry is not None:
+        if entry.major_minor == _devno(loop):
+            return entry.fs_type
+        raise FailedPrecondition(f"staging path {staging} already has {entry.source} mounted")
+    existing = await filesystems.probe(loop)
+    if not existing:
+        await filesystems.make(loop, fs_type)
+        existing = fs_type
+    elif existing != fs_type:
+        raise FailedPrecondition(
+            f"volume holds a {existing} filesystem but {fs_type} was requested; "
+            f"use fsType {existing} or a new volume"
+        )
+    staging.mkdir(mode=0o750, exist_ok=True)
+    await mounts.mount(loop, staging, fs_type=existing, options=flags)
+    return existing
+
+
+async def ensure_published(staging: Path, target: Path, *, readonly: bool, flags: list[str]) -> None:
+    staged = mounts.mounted_at(staging)
+    if staged is None:
+        raise FailedPrecondition(f"volume is not mounted at its staging path {staging}; stage it first")
+    target.mkdir(mode=0o750, exist_ok=True)
+    entry = mounts.mounted_at(target)
+    if entry is not None:
+        if entry.major_minor != staged.major_minor:
+            raise AlreadyExists(f"target {target} already has another volume mounted")
+        if entry.readonly != readonly:
+            raise AlreadyExists(f"target {target} is already published with readonly={entry.readonly}")
+        return
+    await mounts.bind(staging, target, readonly=readonly, options=flags)
+
+
+async def unpublish(target: Path, *, lazy: bool = False) -> None:
+    await mounts.unmount(target, lazy=lazy)
+    if target.is_dir():
+        try:
+            target.rmdir()
+        except OSError:
+            pass  # not empty: something else lives there; leave it to the CO
+
+
+async def unstage(staging: Path, *, lazy: bool = False) -> None:
+    await mounts.unmount(staging, lazy=lazy)

@@ -1,0 +1,1 @@
+"""Everything that speaks to qemu-storage-daemon; QMP JSON never leaves this package."""

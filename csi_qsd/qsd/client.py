@@ -1,0 +1,139 @@
+"""Typed async wrappers over `qemu.qmp.QMPClient` for the commands the driver uses.
+
+Every command runs under a timeout and every QMP failure comes back as a
+`QSDError` that names the command and QSD's own message, never a raw QMP
+exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, TypedDict, cast
+
+from qemu.qmp import EventListener, ExecuteError, QMPClient, QMPError, Runstate
+
+from csi_qsd.errors import QSDError
+from csi_qsd.qsd.graph import QMPArgs
+
+log = logging.getLogger(__name__)
+
+
+class BlockExportInfo(TypedDict):
+    id: str
+    type: str
+    node_name: str
+    shutting_down: bool
+
+
+class BlockNodeInfo(TypedDict):
+    node_name: str
+    drv: str
+    file: str
+    ro: bool
+    virtual_size: int
+
+
+class QSDClient:
+    """One QMP session with one qemu-storage-daemon."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self._qmp = QMPClient(name)
+        self._timeout = timeout
+
+    @property
+    def connected(self) -> bool:
+        return self._qmp.runstate is Runstate.RUNNING
+
+    async def connect(self, socket: Path) -> None:
+        try:
+            await asyncio.wait_for(self._qmp.connect(str(socket)), self._timeout)
+        except (QMPError, OSError, asyncio.TimeoutError) as exc:
+            await self._reset()
+            raise QSDError(f"cannot reach qemu-storage-daemon at {socket}: {exc or type(exc).__name__}") from exc
+
+    async def disconnect(self) -> None:
+        await self._reset()
+
+    async def wait_disconnected(self) -> None:
+        """Return once the daemon has gone away (QMP session lost), leaving the client reusable."""
+        while self._qmp.runstate is Runstate.RUNNING:
+            await self._qmp.runstate_changed()
+        await self._reset()
+
+    async def execute(self, command: str, arguments: QMPArgs | None = None) -> Any:
+        try:
+            return await asyncio.wait_for(self._qmp.execute(command, arguments), self._timeout)
+        except ExecuteError as exc:
+            raise QSDError(f"qemu-storage-daemon refused {command}: {exc}") from exc
+        except asyncio.TimeoutError as exc:
+            raise QSDError(f"qemu-storage-daemon did not answer {command} within {self._timeout}s") from exc
+        except (QMPError, OSError) as exc:
+            raise QSDError(f"qemu-storage-daemon connection failed during {command}: {exc}") from exc
+
+    # graph --------------------------------------------------------------
+
+    async def named_nodes(self) -> dict[str, BlockNodeInfo]:
+        raw = await self.execute("query-named-block-nodes", {"flat": True})
+        nodes: dict[str, BlockNodeInfo] = {}
+        for item in raw:
+            nodes[item["node-name"]] = BlockNodeInfo(
+                node_name=item["node-name"], drv=item["drv"], file=item["file"], ro=item["ro"],
+                virtual_size=int(item.get("image", {}).get("virtual-size", 0)),
+            )
+        return nodes
+
+    async def exports(self) -> dict[str, BlockExportInfo]:
+        raw = await self.execute("query-block-exports")
+        return {
+            item["id"]: BlockExportInfo(
+                id=item["id"], type=item["type"], node_name=item["node-name"],
+                shutting_down=item["shutting-down"],
+            )
+            for item in raw
+        }
+
+    async def blockdev_add(self, spec: QMPArgs) -> None:
+        await self.execute("blockdev-add", spec)
+
+    async def blockdev_del(self, node_name: str) -> None:
+        await self.execute("blockdev-del", {"node-name": node_name})
+
+    async def export_add(self, spec: QMPArgs) -> None:
+        await self.execute("block-export-add", spec)
+
+    async def export_del(self, export_id: str) -> None:
+        """Remove an export and wait until QSD reports it gone (clients are cut off)."""
+        listener = EventListener(("BLOCK_EXPORT_DELETED",))
+        with self._qmp.listen(listener):
+            if export_id not in await self.exports():
+                return
+            await self.execute("block-export-del", {"id": export_id, "mode": "hard"})
+            async def deleted() -> None:
+                async for event in listener:
+                    data = cast(dict[str, Any], event["data"])
+                    if data.get("id") == export_id:
+                        return
+            try:
+                await asyncio.wait_for(deleted(), self._timeout)
+            except asyncio.TimeoutError as exc:
+                raise QSDError(f"export {export_id} was not removed within {self._timeout}s") from exc
+
+    async def block_resize(self, node_name: str, size: int) -> None:
+        await self.execute("block_resize", {"node-name": node_name, "size": size})
+
+    async def blockstats(self) -> list[dict[str, Any]]:
+        return cast(list[dict[str, Any]], await self.execute("query-blockstats", {"query-nodes": True}))
+
+    async def quit(self) -> None:
+        await self.execute("quit")
+
+    # plumbing -----------------------------------------------------------
+
+    async def _reset(self) -> None:
+        try:
+            await self._qmp.disconnect()
+        except Exception as exc:  # disconnect re-raises whatever ended the session (EOF, reset, ...)
+            log.debug("qmp session ended: %r", exc)
+

@@ -1,0 +1,112 @@
+"""The node-name scheme and the blockdev/export JSON the driver sends to QSD.
+
+Pure functions: given a volume, say which nodes and exports it needs. Names
+derive from the volume ID, so a restarted driver can tell its own nodes from
+anything else in the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from csi_qsd.validate import ID_HEX_DIGITS
+from csi_qsd.params import CacheMode, ImageFormat, VolumeParameters
+
+IOTHREAD_ID = "iothread0"
+# Per-volume qcow2 metadata cache: bounded on purpose (default would grow to 32 MiB each).
+L2_CACHE_BYTES = 1 << 20
+# QEMU caps node names at 31 characters: "cq" + 24 hex digits + "-file" fits exactly.
+NODE_PREFIX = "cq"
+
+QMPArgs = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeNodes:
+    """The QSD names belonging to one volume."""
+
+    file: str
+    format: str
+    fuse_export: str
+    vhost_export: str
+
+    @property
+    def all_nodes(self) -> tuple[str, str]:
+        return (self.format, self.file)
+
+
+def nodes_for(volume_id: str) -> VolumeNodes:
+    suffix = volume_id.removeprefix("vol-")
+    return VolumeNodes(
+        file=f"{NODE_PREFIX}{suffix}-file",
+        format=f"{NODE_PREFIX}{suffix}-fmt",
+        fuse_export=f"{NODE_PREFIX}{suffix}-fuse",
+        vhost_export=f"{NODE_PREFIX}{suffix}-vhost",
+    )
+
+
+def volume_of(node_or_export: str) -> str | None:
+    """Map one of our node or export names back to its volume ID; None if not ours."""
+    if not node_or_export.startswith(NODE_PREFIX):
+        return None
+    body = node_or_export[len(NODE_PREFIX):]
+    suffix, _, _kind = body.rpartition("-")
+    return f"vol-{suffix}" if len(suffix) == ID_HEX_DIGITS else None
+
+
+def file_blockdev(nodes: VolumeNodes, image: Path, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
+    return {
+        "driver": "file",
+        "node-name": nodes.file,
+        "filename": str(image),
+        "aio": "threads",
+        "cache": {"direct": False, "no-flush": False},
+        "discard": params.discard.value,
+        "read-only": read_only,
+    }
+
+
+def format_blockdev(nodes: VolumeNodes, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
+    spec: QMPArgs = {
+        "driver": params.format.value,
+        "node-name": nodes.format,
+        "file": nodes.file,
+        "discard": params.discard.value,
+        "detect-zeroes": params.detect_zeroes.value,
+        "read-only": read_only,
+    }
+    if params.format is ImageFormat.QCOW2:
+        spec["l2-cache-size"] = L2_CACHE_BYTES
+    return spec
+
+
+def fuse_export(nodes: VolumeNodes, mountpoint: Path, *, writable: bool) -> QMPArgs:
+    return {
+        "type": "fuse",
+        "id": nodes.fuse_export,
+        "node-name": nodes.format,
+        "mountpoint": str(mountpoint),
+        "writable": writable,
+        "growable": False,
+        "allow-other": "off",
+    }
+
+
+def vhost_user_blk_export(
+    nodes: VolumeNodes, socket: Path, params: VolumeParameters, *, writable: bool
+) -> QMPArgs:
+    return {
+        "type": "vhost-user-blk",
+        "id": nodes.vhost_export,
+        "node-name": nodes.format,
+        "addr": {"type": "unix", "path": str(socket)},
+        "writable": writable,
+        # The guest sees a write-through cache and never flushes; only this keeps
+        # acknowledged writes through a QSD crash.
+        "writethrough": params.cache is CacheMode.WRITETHROUGH,
+        "num-queues": params.num_queues,
+        "logical-block-size": params.logical_block_size,
+        "iothread": IOTHREAD_ID,
+    }

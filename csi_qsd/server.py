@@ -1,0 +1,91 @@
+"""Assemble one driver: catalog → reconcile → QSD supervisor → gRPC server.
+
+Startup and teardown nest in that order, so nothing serves before the catalog
+is consistent and the daemon's graph rebuilt, and nothing outlives what it
+uses. Stopping the driver leaves QSD and every export running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from csi_qsd.catalog import Catalog
+from csi_qsd.config import Config
+from csi_qsd.csi.controller import ControllerService
+from csi_qsd.csi.identity import IdentityService
+from csi_qsd.csi.node import NodeService
+from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.locks import KeyedLocks
+from csi_qsd.pools.files import FilePool
+from csi_qsd.qsd.daemon import QSDDaemon
+from csi_qsd.staging import NodeVolumes
+from csi_qsd.volumes import Volumes
+
+log = logging.getLogger(__name__)
+
+
+class Driver:
+    """A running driver's parts, for the server and for tests that look inside."""
+
+    def __init__(self, config: Config, catalog: Catalog, daemon: QSDDaemon, volumes: Volumes, node: NodeVolumes) -> None:
+        self.config = config
+        self.catalog = catalog
+        self.daemon = daemon
+        self.volumes = volumes
+        self.node = node
+
+    def ready(self) -> bool:
+        return self.daemon.ready and self.catalog.usable()
+
+
+def node_features() -> dict[str, bool]:
+    return {"fuse": Path("/dev/fuse").exists(), "vhost-user-blk": True}
+
+
+@contextlib.asynccontextmanager
+async def running_driver(config: Config) -> AsyncIterator[Driver]:
+    """The driver's domain, reconciled and connected to QSD, without the gRPC server."""
+    for directory in (config.state_dir, config.qsd_dir, config.exports_dir):
+        directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(config.state_dir, 0o700)
+    pool = FilePool(config.pool)
+    pool.prepare()
+    async with Catalog(config.catalog_path) as catalog:
+        locks = KeyedLocks("volume")
+        volumes = Volumes(catalog, pool, locks)
+        await volumes.reconcile()
+        daemon = QSDDaemon(config)
+        node = NodeVolumes(config, catalog, daemon, locks)
+        await daemon.start(node.rebuild)
+        try:
+            yield Driver(config, catalog, daemon, volumes, node)
+        finally:
+            await daemon.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(config: Config) -> AsyncIterator[Driver]:
+    """A driver answering CSI calls on its endpoint until the context exits."""
+    async with running_driver(config) as driver:
+        server = grpc.aio.server()
+        pb_grpc.add_IdentityServicer_to_server(IdentityService(config.driver_name, driver.ready), server)
+        pb_grpc.add_ControllerServicer_to_server(ControllerService(config, driver.volumes), server)
+        pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features()), server)
+        socket = config.socket_path
+        socket.parent.mkdir(parents=True, exist_ok=True)
+        socket.unlink(missing_ok=True)
+        server.add_insecure_port(config.endpoint)
+        await server.start()
+        os.chmod(socket, 0o660)
+        log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
+        try:
+            yield driver
+        finally:
+            await server.stop(grace=5)
+            socket.unlink(missing_ok=True)

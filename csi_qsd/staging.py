@@ -1,0 +1,415 @@
+"""The node side of the domain: stage, publish, unpublish, unstage, stats, rebuild.
+
+Each operation records intent in the catalog, then brings QSD and the host
+into the wanted shape with idempotent "ensure" steps, then commits. The same
+steps rebuild everything after a QSD restart: a lost FUSE export leaves dead
+loop devices and mounts behind, which are dropped lazily and made anew.
+No gRPC types here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from csi_qsd.catalog import (
+    AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord, VolumeState,
+)
+from csi_qsd.config import Config
+from csi_qsd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from csi_qsd.locks import KeyedLocks
+from csi_qsd.params import ExportKind
+from csi_qsd.publish import block, filesystem, vhost_user
+from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.daemon import QSDDaemon
+from csi_qsd.sys import filesystems, loop, mounts
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    volume_id: str
+    staging_path: Path
+    block: bool
+    fs_type: str
+    mount_flags: tuple[str, ...]
+    mount_group: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishSpec:
+    volume_id: str
+    staging_path: Path
+    target_path: Path
+    block: bool
+    readonly: bool
+    mount_flags: tuple[str, ...]
+    mount_group: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeStats:
+    block: bool
+    total_bytes: int
+    available_bytes: int
+    used_bytes: int
+    total_inodes: int = 0
+    available_inodes: int = 0
+    used_inodes: int = 0
+    abnormal: bool = False
+    message: str = ""
+
+
+class NodeVolumes:
+    """Stage and publish volumes of one pool on this node."""
+
+    def __init__(self, config: Config, catalog: Catalog, daemon: QSDDaemon, locks: KeyedLocks) -> None:
+        self._config = config
+        self._catalog = catalog
+        self._daemon = daemon
+        self._locks = locks
+
+    # paths --------------------------------------------------------------
+
+    def export_dir(self, volume_id: str) -> Path:
+        return self._config.exports_dir / volume_id
+
+    def export_file(self, volume_id: str) -> Path:
+        return self.export_dir(volume_id) / "disk"
+
+    def socket_dir(self, volume_id: str) -> Path:
+        return self.export_dir(volume_id) / "vhost"
+
+    # operations ---------------------------------------------------------
+
+    async def stage(self, spec: StageSpec) -> None:
+        """Raises NotFound, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
+        async with self._locks.hold(spec.volume_id):
+            volume = await self._volume(spec.volume_id)
+            self._require_qsd()
+            self._check_kind(volume, spec.block)
+            fs_type = "" if spec.block or _is_vhost(volume) else filesystems.check_fs_type(spec.fs_type)
+            access = AccessType.BLOCK if spec.block else AccessType.MOUNT
+            existing = await self._catalog.stage(spec.volume_id)
+            if existing is not None and existing.state is StageState.STAGED:
+                if existing.staging_path != spec.staging_path:
+                    raise FailedPrecondition(
+                        f"volume {spec.volume_id} is already staged at {existing.staging_path}"
+                    )
+                if existing.access_type is not access or existing.fs_type != fs_type:
+                    raise AlreadyExists(
+                        f"volume {spec.volume_id} is staged as {existing.access_type.value}"
+                        f"{'/' + existing.fs_type if existing.fs_type else ''}; requested otherwise"
+                    )
+                await self._bring_up(volume, existing, [])
+                return
+            if existing is not None:
+                await self._tear_down(volume, existing)
+            record = StageRecord(
+                volume_id=spec.volume_id, staging_path=spec.staging_path, access_type=access,
+                fs_type=fs_type, mount_flags=spec.mount_flags, mount_group=spec.mount_group,
+                state=StageState.STAGING,
+            )
+            await self._catalog.put_stage(record)
+            try:
+                record = await self._bring_up(volume, record, [])
+            except BaseException:
+                await self._undo_stage(volume, record)
+                raise
+            await self._catalog.put_stage(dataclasses.replace(record, state=StageState.STAGED))
+            log.info("event=staged volume_id=%s path=%s loop=%s", volume.id, spec.staging_path, record.loop_device)
+
+    async def unstage(self, volume_id: str, staging_path: Path) -> None:
+        """Raises NotFound for an unknown volume, FailedPrecondition while published."""
+        async with self._locks.hold(volume_id):
+            volume = await self._catalog.volume(volume_id)
+            if volume is None:
+                raise NotFound(f"volume {volume_id} does not exist")
+            record = await self._catalog.stage(volume_id)
+            if record is None or record.staging_path != staging_path:
+                return
+            published = [p for p in await self._catalog.publishes(volume_id)]
+            if published:
+                raise FailedPrecondition(
+                    f"volume {volume_id} is still published at {published[0].target_path}; unpublish it first"
+                )
+            self._require_qsd()
+            await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING))
+            await self._tear_down(volume, record)
+            await self._catalog.delete_stage(volume_id)
+            log.info("event=unstaged volume_id=%s path=%s", volume_id, staging_path)
+
+    async def publish(self, spec: PublishSpec) -> None:
+        """Raises NotFound, FailedPrecondition (not staged), AlreadyExists (incompatible), Unavailable."""
+        async with self._locks.hold(spec.volume_id):
+            volume = await self._volume(spec.volume_id)
+            stage = await self._catalog.stage(spec.volume_id)
+            if stage is None or stage.state is not StageState.STAGED or stage.staging_path != spec.staging_path:
+                raise FailedPrecondition(
+                    f"volume {spec.volume_id} is not staged at {spec.staging_path}; call NodeStageVolume first"
+                )
+            if (stage.access_type is AccessType.BLOCK) != spec.block:
+                raise InvalidArgument(
+                    f"volume {spec.volume_id} is staged as {stage.access_type.value}; publish it the same way"
+                )
+            self._require_qsd()
+            existing = await self._catalog.publish(spec.target_path)
+            if existing is not None and existing.state is PublishState.PUBLISHED:
+                if existing.volume_id != spec.volume_id:
+                    raise AlreadyExists(f"target {spec.target_path} already holds volume {existing.volume_id}")
+                if existing.readonly != spec.readonly or existing.mount_flags != spec.mount_flags:
+                    raise AlreadyExists(
+                        f"volume {spec.volume_id} is already published at {spec.target_path} "
+                        f"with readonly={existing.readonly} and other flags"
+                    )
+                await self._ensure_published(volume, stage, existing)
+                return
+            if existing is not None:
+                await self._remove_publish(volume, existing)
+            record = PublishRecord(
+                target_path=spec.target_path, volume_id=spec.volume_id, readonly=spec.readonly,
+                mount_flags=spec.mount_flags, state=PublishState.PUBLISHING,
+            )
+            await self._catalog.put_publish(record)
+            try:
+                record = await self._ensure_published(volume, stage, record)
+            except BaseException:
+                await self._remove_publish(volume, record)
+                raise
+            await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.PUBLISHED))
+            log.info("event=published volume_id=%s target=%s readonly=%s", volume.id, spec.target_path, spec.readonly)
+
+    async def unpublish(self, volume_id: str, target_path: Path) -> None:
+        """Raises NotFound for an unknown volume; an unpublished target is success."""
+        async with self._locks.hold(volume_id):
+            volume = await self._catalog.volume(volume_id)
+            if volume is None:
+                raise NotFound(f"volume {volume_id} does not exist")
+            record = await self._catalog.publish(target_path)
+            if record is None or record.volume_id != volume_id:
+                return
+            await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.UNPUBLISHING))
+            await self._remove_publish(volume, record)
+            log.info("event=unpublished volume_id=%s target=%s", volume_id, target_path)
+
+    async def stats(self, volume_id: str, path: Path) -> VolumeStats:
+        """Usage of a volume at its staging or target path. Raises NotFound."""
+        volume = await self._volume(volume_id)
+        stage = await self._catalog.stage(volume_id)
+        paths = {p.target_path for p in await self._catalog.publishes(volume_id)}
+        if stage is not None:
+            paths.add(stage.staging_path)
+        if stage is None or path not in paths:
+            raise NotFound(f"volume {volume_id} is not staged or published at {path}")
+        abnormal, message = await self._condition(volume)
+        if stage.access_type is AccessType.BLOCK or _is_vhost(volume):
+            return VolumeStats(block=True, total_bytes=volume.capacity, available_bytes=0, used_bytes=0,
+                               abnormal=abnormal, message=message)
+        if mounts.mounted_at(path) is None:
+            raise NotFound(f"volume {volume_id} has no filesystem mounted at {path}")
+        st = await asyncio.to_thread(os.statvfs, path)
+        return VolumeStats(
+            block=False, total_bytes=st.f_blocks * st.f_frsize, available_bytes=st.f_bavail * st.f_frsize,
+            used_bytes=(st.f_blocks - st.f_bfree) * st.f_frsize, total_inodes=st.f_files,
+            available_inodes=st.f_favail, used_inodes=st.f_files - st.f_ffree, abnormal=abnormal, message=message,
+        )
+
+    async def staged_count(self) -> int:
+        return len(await self._catalog.stages())
+
+    async def rebuild(self, client: QSDClient) -> None:
+        """Make QSD and the host match the catalog; called after every (re)connect to QSD.
+
+        Finishes or undoes transitional rows a crash left, re-creates lost
+        exports, loop devices and mounts, and removes our graph nodes that no
+        staged volume needs. Image files are never touched.
+        """
+        wanted: set[str] = set()
+        for publish in await self._catalog.publishes():
+            if publish.state is not PublishState.PUBLISHED:
+                volume = await self._catalog.volume(publish.volume_id)
+                if volume is not None:
+                    log.info("event=reconcile_publish volume_id=%s target=%s state=%s",
+                             publish.volume_id, publish.target_path, publish.state.value)
+                    await self._remove_publish(volume, publish, client)
+        for stage in await self._catalog.stages():
+            volume = await self._catalog.volume(stage.volume_id)
+            if volume is None:
+                await self._catalog.delete_stage(stage.volume_id)
+                continue
+            if stage.state is not StageState.STAGED:
+                log.info("event=reconcile_stage volume_id=%s state=%s", stage.volume_id, stage.state.value)
+                await self._tear_down(volume, stage, client)
+                await self._catalog.delete_stage(stage.volume_id)
+                continue
+            wanted.add(volume.id)
+            try:
+                publishes = await self._catalog.publishes(volume.id)
+                stage = await self._bring_up(volume, stage, publishes, client)
+                await self._catalog.put_stage(stage)
+                for publish in publishes:
+                    updated = await self._ensure_published(volume, stage, publish)
+                    await self._catalog.put_publish(updated)
+            except Exception:
+                log.exception("event=rebuild_failed volume_id=%s", volume.id)
+        for volume_id in await attach.volumes_in_graph(client) - wanted:
+            log.info("event=reconcile_remove_graph volume_id=%s", volume_id)
+            await attach.remove_volume(client, volume_id)
+
+    # steps --------------------------------------------------------------
+
+    async def _bring_up(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord],
+        client: QSDClient | None = None,
+    ) -> StageRecord:
+        """Ensure the volume's nodes, export, loop device and staging mount; return the stage with its loop."""
+        client = client or self._daemon.client
+        nodes = graph.nodes_for(volume.id)
+        if _is_vhost(volume):
+            await attach.ensure_nodes(client, volume.id, volume.image, volume.params)
+            socket_dir = self.socket_dir(volume.id)
+            vhost_user.prepare_dir(socket_dir, stage.mount_group)
+            socket = socket_dir / vhost_user.SOCKET_NAME
+            await attach.ensure_vhost_export(client, volume.id, socket, volume.params, writable=True)
+            vhost_user.restrict_socket(socket, stage.mount_group)
+            return stage
+        export_file = self.export_file(volume.id)
+        if not await attach.has_export(client, nodes.fuse_export):
+            await self._drop_stale_host_state(volume, stage, publishes)
+        await attach.ensure_nodes(client, volume.id, volume.image, volume.params)
+        await attach.ensure_fuse_export(client, volume.id, export_file, writable=True)
+        loops = loop.find_loop(export_file, readonly=False)
+        device = loops[0].device if loops else await loop.attach(export_file)
+        stage = dataclasses.replace(stage, loop_device=str(device))
+        if stage.access_type is AccessType.MOUNT:
+            fs_type = await filesystem.ensure_staged(device, stage.staging_path, stage.fs_type, list(stage.mount_flags))
+            if stage.mount_group:
+                await asyncio.to_thread(_apply_group, stage.staging_path, stage.mount_group)
+            if fs_type != stage.fs_type:
+                stage = dataclasses.replace(stage, fs_type=fs_type)
+        return stage
+
+    async def _ensure_published(self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord) -> PublishRecord:
+        if _is_vhost(volume):
+            await vhost_user.ensure_published(self.socket_dir(volume.id), record.target_path)
+            return record
+        if stage.access_type is AccessType.MOUNT:
+            await filesystem.ensure_published(
+                stage.staging_path, record.target_path, readonly=record.readonly, flags=list(record.mount_flags)
+            )
+            return record
+        if record.readonly:
+            export_file = self.export_file(volume.id)
+            loops = [lp.device for lp in loop.find_loop(export_file, readonly=True)]
+            device = Path(record.loop_device) if record.loop_device and Path(record.loop_device) in loops else None
+            if device is None:
+                device = await loop.attach(export_file, readonly=True)
+                record = dataclasses.replace(record, loop_device=str(device))
+        else:
+            device = Path(stage.loop_device)
+        await block.ensure_published(device, record.target_path, readonly=record.readonly)
+        return record
+
+    async def _remove_publish(
+        self, volume: VolumeRecord, record: PublishRecord, client: QSDClient | None = None
+    ) -> None:
+        if _is_vhost(volume):
+            await vhost_user.unpublish(record.target_path)
+        elif record.target_path.is_dir():
+            await filesystem.unpublish(record.target_path)
+        else:
+            await block.unpublish(record.target_path)
+        if record.loop_device:
+            await loop.detach(Path(record.loop_device))
+        await self._catalog.delete_publish(record.target_path)
+
+    async def _tear_down(self, volume: VolumeRecord, stage: StageRecord, client: QSDClient | None = None) -> None:
+        """Undo everything staging did, in reverse; safe on a partly staged volume."""
+        client = client or self._daemon.client
+        export_file = self.export_file(volume.id)
+        if stage.access_type is AccessType.MOUNT and not _is_vhost(volume):
+            entry = mounts.mounted_at(stage.staging_path)
+            if entry is not None and _is_loop_over(entry.source, export_file):
+                await filesystem.unstage(stage.staging_path)
+        for lp in loop.find_loop(export_file):
+            await loop.detach(lp.device)
+        await attach.remove_volume(client, volume.id)
+        if mounts.mounted_at(export_file) is not None:
+            await mounts.unmount(export_file, lazy=True)
+        await asyncio.to_thread(shutil.rmtree, self.export_dir(volume.id), True)
+
+    async def _undo_stage(self, volume: VolumeRecord, record: StageRecord) -> None:
+        try:
+            await self._tear_down(volume, record)
+            await self._catalog.delete_stage(volume.id)
+        except Exception:
+            log.exception("event=undo_stage_failed volume_id=%s (the start-up reconcile will retry)", volume.id)
+
+    async def _drop_stale_host_state(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord]
+    ) -> None:
+        """After QSD lost the export: lazily drop mounts and loops that point at the dead FUSE file."""
+        export_file = self.export_file(volume.id)
+        stale = loop.find_loop(export_file)
+        if not stale and mounts.mounted_at(export_file) is None:
+            return
+        log.warning("event=drop_stale volume_id=%s loops=%s", volume.id, [str(s.device) for s in stale])
+        for publish in publishes:
+            await mounts.unmount(publish.target_path, lazy=True)
+        if stage.access_type is AccessType.MOUNT:
+            entry = mounts.mounted_at(stage.staging_path)
+            if entry is not None and _is_loop_over(entry.source, export_file):
+                await mounts.unmount(stage.staging_path, lazy=True)
+        for lp in stale:
+            await loop.detach(lp.device)
+        await mounts.unmount(export_file, lazy=True)
+
+    async def _condition(self, volume: VolumeRecord) -> tuple[bool, str]:
+        if not self._daemon.ready:
+            return True, "qemu-storage-daemon is restarting; I/O will resume when it is back"
+        nodes = graph.nodes_for(volume.id)
+        export_id = nodes.vhost_export if _is_vhost(volume) else nodes.fuse_export
+        if not await attach.has_export(self._daemon.client, export_id):
+            return True, f"export {export_id} is missing from qemu-storage-daemon"
+        return False, "volume is healthy"
+
+    async def _volume(self, volume_id: str) -> VolumeRecord:
+        volume = await self._catalog.volume(volume_id)
+        if volume is None or volume.state is not VolumeState.READY:
+            raise NotFound(f"volume {volume_id} does not exist")
+        return volume
+
+    def _require_qsd(self) -> None:
+        if not self._daemon.ready:
+            raise Unavailable("qemu-storage-daemon is not ready (starting or restarting); retry shortly")
+
+    @staticmethod
+    def _check_kind(volume: VolumeRecord, block_access: bool) -> None:
+        if _is_vhost(volume) and block_access:
+            raise InvalidArgument(
+                f"volume {volume.id} is a vhost-user-blk volume: stage it with the mount access type"
+            )
+
+
+def _is_vhost(volume: VolumeRecord) -> bool:
+    return volume.params.export is ExportKind.VHOST_USER_BLK
+
+
+def _is_loop_over(source: str, export_file: Path) -> bool:
+    """True if mount source `source` is a loop device whose backing file is `export_file`."""
+    return any(str(lp.device) == source for lp in loop.find_loop(export_file))
+
+
+def _apply_group(root: Path, group: str) -> None:
+    """Give the filesystem's root to the pod's group (setgid, group-writable): VOLUME_MOUNT_GROUP."""
+    gid = int(group)
+    st = os.stat(root)
+    if st.st_gid != gid:
+        os.chown(root, -1, gid)
+    os.chmod(root, (st.st_mode & 0o7777) | 0o2070)

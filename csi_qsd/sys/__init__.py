@@ -1,0 +1,1 @@
+"""Host plumbing: subprocesses, mounts, loop devices, filesystems. Knows nothing of volumes."""

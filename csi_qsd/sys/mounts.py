@@ -1,0 +1,107 @@
+"""Read the mount table and mount, bind and unmount paths.
+
+The mount table comes from /proc/self/mountinfo, parsed here, so checks are
+exact (octal escapes decoded) and cost no subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from csi_qsd.errors import HostCommandError
+from csi_qsd.sys.run import run
+
+
+@dataclasses.dataclass(frozen=True)
+class MountEntry:
+    mount_point: Path
+    root: str
+    fs_type: str
+    source: str
+    options: frozenset[str]
+    major_minor: str
+
+    @property
+    def readonly(self) -> bool:
+        return "ro" in self.options
+
+
+def _unescape(text: str) -> str:
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 3 < len(text) and text[i + 1:i + 4].isdigit():
+            out.append(chr(int(text[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def parse_mountinfo(text: str) -> list[MountEntry]:
+    entries = []
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        tail = right.split()
+        if len(fields) < 6 or len(tail) < 2:
+            continue
+        entries.append(MountEntry(
+            mount_point=Path(_unescape(fields[4])), root=_unescape(fields[3]), fs_type=tail[0],
+            source=_unescape(tail[1]), options=frozenset(fields[5].split(",")), major_minor=fields[2],
+        ))
+    return entries
+
+
+def mount_table() -> list[MountEntry]:
+    return parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+
+
+def mounted_at(path: Path) -> MountEntry | None:
+    """The topmost mount at `path`, or None."""
+    found = None
+    for entry in mount_table():
+        if entry.mount_point == path:
+            found = entry
+    return found
+
+
+def mounts_of_device(device: Path) -> list[MountEntry]:
+    """Mounts whose source is `device` (by device number, so bind mounts count too)."""
+    try:
+        rdev = os.stat(device).st_rdev
+    except OSError:
+        return []
+    wanted = f"{os.major(rdev)}:{os.minor(rdev)}"
+    return [entry for entry in mount_table() if entry.major_minor == wanted]
+
+
+async def mount(source: Path, target: Path, *, fs_type: str, options: list[str]) -> None:
+    argv = ["mount", "-t", fs_type]
+    if options:
+        argv += ["-o", ",".join(options)]
+    await run(*argv, str(source), str(target))
+
+
+async def bind(source: Path, target: Path, *, readonly: bool, options: list[str]) -> None:
+    """Bind-mount `source` on `target`, then remount with read-only and the flags if asked."""
+    await run("mount", "--bind", str(source), str(target))
+    if readonly or options:
+        extra = (["ro"] if readonly else []) + options
+        try:
+            await run("mount", "-o", ",".join(["remount", "bind", *extra]), str(target))
+        except HostCommandError:
+            await unmount(target)
+            raise
+
+
+async def unmount(target: Path, *, lazy: bool = False) -> None:
+    """Unmount every mount stacked at `target`; a path with nothing mounted is fine."""
+    while mounted_at(target) is not None:
+        await run("umount", *(["--lazy"] if lazy else []), str(target))
+
+
+async def remount_ro(target: Path) -> None:
+    await run("mount", "-o", "remount,ro", str(target))

@@ -1,0 +1,198 @@
+"""The controller side of the domain: create, delete, look up and list volumes.
+
+No gRPC types here. Every step records intent in the catalog before it acts,
+so a crash leaves a row the start-up reconcile can finish or undo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+
+from csi_qsd.catalog import Catalog, VolumeRecord, VolumeState, now
+from csi_qsd.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange
+from csi_qsd.locks import KeyedLocks
+from csi_qsd.params import ExportKind, VolumeParameters
+from csi_qsd.pools.files import FilePool
+from csi_qsd import validate
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+GIB = 1 << 30
+SIZE_GRANULARITY = MIB
+DEFAULT_SIZE = GIB
+
+
+class AccessMode(enum.Enum):
+    """The CSI access modes; only single-node ones can be served by node-local storage."""
+
+    SINGLE_NODE_WRITER = "SINGLE_NODE_WRITER"
+    SINGLE_NODE_READER_ONLY = "SINGLE_NODE_READER_ONLY"
+    SINGLE_NODE_SINGLE_WRITER = "SINGLE_NODE_SINGLE_WRITER"
+    SINGLE_NODE_MULTI_WRITER = "SINGLE_NODE_MULTI_WRITER"
+    MULTI_NODE_READER_ONLY = "MULTI_NODE_READER_ONLY"
+    MULTI_NODE_SINGLE_WRITER = "MULTI_NODE_SINGLE_WRITER"
+    MULTI_NODE_MULTI_WRITER = "MULTI_NODE_MULTI_WRITER"
+    UNKNOWN = "UNKNOWN"
+
+
+SUPPORTED_ACCESS_MODES = frozenset({
+    AccessMode.SINGLE_NODE_WRITER, AccessMode.SINGLE_NODE_READER_ONLY,
+    AccessMode.SINGLE_NODE_SINGLE_WRITER, AccessMode.SINGLE_NODE_MULTI_WRITER,
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """One requested volume capability, stripped of gRPC."""
+
+    block: bool
+    fs_type: str
+    mode: AccessMode
+
+
+def unsupported_capability(cap: Capability, params: VolumeParameters | None) -> str | None:
+    """Why `cap` cannot be served (for a volume with `params`), or None if it can."""
+    if cap.mode not in SUPPORTED_ACCESS_MODES:
+        return f"access mode {cap.mode.value} is not supported: volumes are node-local (use a SINGLE_NODE_* mode)"
+    if cap.fs_type and cap.fs_type not in ("ext4", "xfs"):
+        return f"fs_type {cap.fs_type!r} is not supported (use ext4 or xfs)"
+    if params is not None and params.export is ExportKind.VHOST_USER_BLK and cap.block:
+        return "a vhost-user-blk volume is published as a directory holding its socket: use the mount access type"
+    return None
+
+
+def choose_size(required: int, limit: int) -> int:
+    """The size to give a volume for a CSI capacity range (0 means unset), rounded to 1 MiB."""
+    if required < 0 or limit < 0:
+        raise OutOfRange("capacity_range bytes must not be negative")
+    if limit and required > limit:
+        raise OutOfRange(f"required_bytes {required} exceeds limit_bytes {limit}")
+    if required:
+        size = -(-required // SIZE_GRANULARITY) * SIZE_GRANULARITY
+    else:
+        size = DEFAULT_SIZE
+    if limit and size > limit:
+        size = (limit // SIZE_GRANULARITY) * SIZE_GRANULARITY
+        if size < max(required, 1):
+            raise OutOfRange(
+                f"no size in [{required}, {limit}] is a multiple of the {SIZE_GRANULARITY}-byte granularity"
+            )
+    return size
+
+
+def _fits(record: VolumeRecord, required: int, limit: int) -> bool:
+    return record.capacity >= required and (not limit or record.capacity <= limit)
+
+
+class Volumes:
+    """Volume lifecycle on one pool, serialized per name and per volume."""
+
+    def __init__(self, catalog: Catalog, pool: FilePool, volume_locks: KeyedLocks) -> None:
+        self._catalog = catalog
+        self._pool = pool
+        self._volume_locks = volume_locks
+        self._name_locks = KeyedLocks("volume name")
+
+    async def create(
+        self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability]
+    ) -> VolumeRecord:
+        """Create (or return the existing identical) volume called `name`.
+
+        Raises InvalidArgument, OutOfRange, AlreadyExists, ResourceExhausted, Aborted.
+        """
+        for cap in caps:
+            reason = unsupported_capability(cap, params)
+            if reason:
+                raise InvalidArgument(reason)
+        async with self._name_locks.hold(name):
+            existing = await self._catalog.volume_by_name(name)
+            if existing is not None:
+                if existing.state is VolumeState.READY:
+                    if existing.params != params or not _fits(existing, required, limit):
+                        raise AlreadyExists(
+                            f"volume named {name!r} exists ({existing.id}, {existing.capacity} bytes) "
+                            "with other parameters or capacity"
+                        )
+                    return existing
+                if existing.state is VolumeState.DELETING:
+                    raise Aborted(f"volume named {name!r} ({existing.id}) is being deleted; retry later")
+                await self._discard(existing)  # a crashed earlier attempt
+            size = choose_size(required, limit)
+            volume_id = validate.new_volume_id()
+            record = VolumeRecord(
+                id=volume_id, name=name, capacity=size, params=params,
+                image=self._pool.image_path(volume_id, params.format), state=VolumeState.CREATING,
+                created_at=now(),
+            )
+            async with self._volume_locks.hold(volume_id):
+                await self._catalog.add_volume(record)
+                try:
+                    await self._pool.create(record.image, size, params)
+                except BaseException:
+                    await self._discard(record)
+                    raise
+                await self._catalog.set_volume_state(volume_id, VolumeState.READY)
+            log.info("event=volume_created volume_id=%s name=%s bytes=%d", volume_id, name, size)
+            return dataclasses.replace(record, state=VolumeState.READY)
+
+    async def delete(self, volume_id: str) -> None:
+        """Delete a volume; a missing one is success. FailedPrecondition while it is staged."""
+        async with self._volume_locks.hold(volume_id):
+            record = await self._catalog.volume(volume_id)
+            if record is None:
+                return
+            if await self._catalog.stage(volume_id) is not None:
+                raise FailedPrecondition(f"volume {volume_id} is still staged on node; unstage it first")
+            await self._catalog.set_volume_state(volume_id, VolumeState.DELETING)
+            await self._pool.delete(record.image)
+            await self._catalog.delete_volume(volume_id)
+            log.info("event=volume_deleted volume_id=%s", volume_id)
+
+    async def get(self, volume_id: str) -> VolumeRecord | None:
+        record = await self._catalog.volume(volume_id)
+        return record if record is not None and record.state is VolumeState.READY else None
+
+    async def page(self, starting_token: str, max_entries: int) -> tuple[list[VolumeRecord], str]:
+        """One page of ready volumes and the token for the next ('' at the end).
+
+        Raises Aborted for a token this driver did not issue.
+        """
+        if max_entries < 0:
+            raise InvalidArgument("max_entries must not be negative")
+        if starting_token and not validate.VOLUME_ID_RE.match(starting_token):
+            raise Aborted(f"starting_token {starting_token!r} is not one this driver issued")
+        records = await self._catalog.volumes(
+            after_id=starting_token, limit=max_entries + 1 if max_entries else 0, state=VolumeState.READY
+        )
+        if max_entries and len(records) > max_entries:
+            return records[:max_entries], records[max_entries - 1].id
+        return records, ""
+
+    def available_bytes(self) -> int:
+        return self._pool.usage().available
+
+    async def reconcile(self) -> None:
+        """Finish or undo what a crash left: half-created volumes go, half-deleted ones finish."""
+        for leftover in self._pool.leftovers():
+            log.info("event=reconcile_remove_tmp path=%s", leftover)
+            leftover.unlink(missing_ok=True)
+        for record in await self._catalog.volumes():
+            if record.state is VolumeState.CREATING:
+                log.info("event=reconcile_undo_create volume_id=%s", record.id)
+                await self._discard(record)
+            elif record.state is VolumeState.DELETING:
+                log.info("event=reconcile_finish_delete volume_id=%s", record.id)
+                await self._pool.delete(record.image)
+                await self._catalog.delete_volume(record.id)
+        known = {r.image for r in await self._catalog.volumes()}
+        for image in self._pool.images():
+            if image not in known:
+                log.warning("event=reconcile_unknown_image path=%s action=kept", image)
+
+    async def _discard(self, record: VolumeRecord) -> None:
+        """Remove a volume that never reached READY: its image holds no user data yet."""
+        await self._pool.delete(record.image)
+        await self._catalog.delete_volume(record.id)

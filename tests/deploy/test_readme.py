@@ -1,0 +1,61 @@
+"""deploy/README.md stays in step with the manifests it describes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.deploy.helpers import DEPLOY_DIR, DRIVER_VERSION, EXAMPLES_DIR, PARAMETERS, Obj, one, select
+
+README = (DEPLOY_DIR / "README.md").read_text(encoding="utf-8")
+
+
+def test_sidecar_versions_match_node_yaml(base: list[Obj]) -> None:
+    pod = one(base, "DaemonSet")["spec"]["template"]["spec"]
+    for spec in pod["containers"]:
+        repository, _, tag = spec["image"].rpartition(":")
+        if not repository.startswith("registry.k8s.io/sig-storage/"):
+            continue
+        name = repository.rsplit("/", 1)[1]
+        assert re.search(rf"\|\s*{re.escape(name)}\s*\|\s*{re.escape(tag)}\s*\|", README), (
+            f"README's sidecar table does not list {name} {tag}"
+        )
+
+
+def test_driver_version_mentioned() -> None:
+    assert f"`{DRIVER_VERSION}`" in README
+
+
+@pytest.mark.parametrize("key", sorted(PARAMETERS))
+def test_every_parameter_documented(key: str) -> None:
+    assert f"| `{key}` |" in README
+
+
+def test_storage_classes_documented(base: list[Obj]) -> None:
+    for sc in select(base, "StorageClass"):
+        name = sc["metadata"]["name"]
+        row = next((line for line in README.splitlines() if line.startswith(f"| `{name}` |")), None)
+        assert row is not None, f"{name} has no row in the StorageClass table"
+        for key, value in sc["parameters"].items():
+            assert re.search(rf"`{re.escape(key)}: \"?{re.escape(value)}\"?`", row), f"{name}: {key}={value}"
+
+
+def test_examples_documented() -> None:
+    files = sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+    listed = sorted(re.findall(r"^\| `([\w.-]+\.yaml)` \|", README, flags=re.MULTILINE))
+    assert listed == files
+
+
+def test_prerequisites_and_install() -> None:
+    for needle in (
+        "kubectl apply -k deploy/",
+        "--enable-distributed-snapshotting",
+        "/var/lib/kubelet",
+        "/dev/fuse",
+        "pod-security.kubernetes.io/enforce: privileged",
+        "updateStrategy: OnDelete",
+        "node_expansion_required: true",
+        "kubectl delete -k deploy/",
+    ):
+        assert needle in README, needle

@@ -1,0 +1,45 @@
+"""Integration fixtures: a sandboxed driver with a real QSD, FUSE, loop devices and mounts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.server import Driver
+from tests.harness import Sandbox, in_process_driver, sandbox
+
+REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mkfs.xfs", "blkid")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prerequisites() -> None:
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.fail(f"integration tests need root, /dev/fuse and {missing}; run scripts/install.sh")
+
+
+@pytest.fixture
+def box() -> Iterator[Sandbox]:
+    with sandbox() as value:
+        yield value
+
+
+@pytest.fixture
+async def driver(box: Sandbox) -> AsyncIterator[tuple[Driver, CSIClient]]:
+    async with in_process_driver(box) as pair:
+        yield pair
+
+
+@pytest.fixture
+async def csi(driver: tuple[Driver, CSIClient]) -> CSIClient:
+    return driver[1]
