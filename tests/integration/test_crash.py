@@ -1,0 +1,165 @@
+"""Crash safety: SIGKILL the driver between every step, and SIGKILL QSD under a mounted volume.
+
+The driver runs as a separate `csi-qsd serve` process, as in a pod. After a
+driver crash the next call (including a retry of the call that was cut off)
+must succeed and the data must be intact; QSD must be adopted, not restarted.
+After a QSD crash the driver must restore the export, loop device and mounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.sys import mounts
+from tests.harness import DriverProcess, Sandbox, qsd_pid
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+async def process(box: Sandbox) -> AsyncIterator[DriverProcess]:
+    driver = DriverProcess(box)
+    await driver.start()
+    try:
+        yield driver
+    finally:
+        await driver.stop()
+
+
+async def crash_and_restart(driver: DriverProcess) -> None:
+    pid = qsd_pid(driver.box)
+    await driver.kill9()
+    await driver.start()
+    assert qsd_pid(driver.box) == pid, "a restarted driver must adopt the running QSD, not replace it"
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+async def test_driver_sigkill_between_every_step(box: Sandbox, process: DriverProcess) -> None:
+    csi = CSIClient(box.endpoint, timeout=60)
+    try:
+        staging, target = box.staging("crash"), box.target("pod")
+        volume = await csi.create_volume("pvc-crash", 128 * MIB)
+        await crash_and_restart(process)
+        assert (await csi.create_volume("pvc-crash", 128 * MIB)).volume_id == volume.volume_id
+        vid = volume.volume_id
+
+        await csi.stage(vid, str(staging))
+        await crash_and_restart(process)
+        await csi.stage(vid, str(staging))  # the kubelet's retry
+        assert mounts.mounted_at(staging) is not None
+
+        await csi.publish(vid, str(staging), str(target))
+        await crash_and_restart(process)
+        await csi.publish(vid, str(staging), str(target))
+
+        payload = os.urandom(2 * MIB)
+        write_synced(target / "payload", payload)
+        await crash_and_restart(process)
+        assert (target / "payload").read_bytes() == payload
+        write_synced(target / "after-restart", b"still writable")
+
+        await csi.unpublish(vid, str(target))
+        await crash_and_restart(process)
+        await csi.unpublish(vid, str(target))
+        assert mounts.mounted_at(target) is None
+
+        await csi.unstage(vid, str(staging))
+        await crash_and_restart(process)
+        await csi.unstage(vid, str(staging))
+        assert mounts.mounted_at(staging) is None
+
+        await csi.stage(vid, str(staging))
+        await csi.publish(vid, str(staging), str(target))
+        assert (target / "payload").read_bytes() == payload
+        assert (target / "after-restart").read_bytes() == b"still writable"
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
+
+        await csi.delete_volume(vid)
+        await crash_and_restart(process)
+        await csi.delete_volume(vid)
+        assert await csi.list_volumes() == []
+        assert not list((box.state_dir / "pool").glob("vol-*"))
+    finally:
+        await csi.close()
+
+
+async def wait_restored(csi: CSIClient, vid: str, path: Path, timeout: float = 30) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            stats = await csi.stats(vid, str(path))
+            if not stats.volume_condition.abnormal:
+                return
+        except Exception:
+            pass
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"volume {vid} not restored within {timeout}s")
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["filesystem", "block"])
+async def test_qsd_sigkill_under_published_volume(box: Sandbox, process: DriverProcess, block: bool) -> None:
+    csi = CSIClient(box.endpoint, timeout=60)
+    try:
+        staging, target = box.staging("q"), box.target("pod")
+        vid = (await csi.create_volume("pvc-qsd-crash", 64 * MIB, block=block)).volume_id
+        await csi.stage(vid, str(staging), block=block)
+        await csi.publish(vid, str(staging), str(target), block=block)
+        payload = os.urandom(MIB)
+        if block:
+            fd = os.open(target, os.O_RDWR)
+            os.pwrite(fd, payload, 7 * MIB)
+            os.fsync(fd)
+            os.close(fd)
+        else:
+            write_synced(target / "synced", payload)
+
+        old_pid = qsd_pid(box)
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        await wait_restored(csi, vid, target)
+        new_pid = qsd_pid(box)
+        assert new_pid is not None and new_pid != old_pid
+        log = process.log()
+        assert "event=qsd_lost" in log and "event=drop_stale" in log and "event=qsd_recovered" in log
+
+        # The same target path works again and holds every synced byte.
+        if block:
+            fd = os.open(target, os.O_RDWR)
+            assert os.pread(fd, MIB, 7 * MIB) == payload
+            os.pwrite(fd, payload[::-1], 9 * MIB)
+            os.fsync(fd)
+            os.close(fd)
+        else:
+            assert (target / "synced").read_bytes() == payload
+            write_synced(target / "after", b"written after the restart")
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
+        await csi.stage(vid, str(staging), block=block)
+        await csi.publish(vid, str(staging), str(target), block=block)
+        if block:
+            fd = os.open(target, os.O_RDONLY)
+            assert os.pread(fd, MIB, 9 * MIB) == payload[::-1]
+            os.close(fd)
+        else:
+            assert (target / "after").read_bytes() == b"written after the restart"
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
+        await csi.delete_volume(vid)
+    finally:
+        await csi.close()
