@@ -126,18 +126,18 @@ class DriverProcess:
             deadline = asyncio.get_running_loop().time() + timeout
             while True:
                 if self.proc.returncode is not None:
-                    raise RuntimeError(f"driver exited {self.proc.returncode}: {self.log()}")
+                    raise RuntimeError(f"driver exited {self.proc.returncode}: {self.log()[-4000:]}")
                 try:
                     if await client.probe():
                         return
                 except Exception:
                     pass
                 if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError(f"driver not ready in {timeout}s: {self.log()}")
+                    raise TimeoutError(f"driver not ready in {timeout}s: {self.log()[-4000:]}")
                 await asyncio.sleep(0.1)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        return self.log_path.read_text(errors="replace")
 
     async def kill9(self) -> None:
         assert self.proc is not None
