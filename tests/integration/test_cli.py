@@ -1,0 +1,53 @@
+"""The README's walk-through: `csi-qsd volume …` against `csi-qsd serve` in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from tests.harness import DriverProcess, Sandbox
+
+
+async def cli(box: Sandbox, *args: str, expect: int = 0) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "csi_qsd.cli", "volume", "--endpoint", box.endpoint, *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == expect, f"csi-qsd volume {' '.join(args)}: {err.decode()}"
+    return out.decode() if expect == 0 else err.decode()
+
+
+async def test_volume_lifecycle_through_the_cli(box: Sandbox) -> None:
+    driver = DriverProcess(box)
+    await driver.start()
+    try:
+        info = json.loads(await cli(box, "info"))
+        assert info["name"] == "csi-qsd.io" and info["ready"] is True and info["available_bytes"] > 0
+
+        created = json.loads(await cli(box, "create", "cli-volume", "--size", "96Mi"))
+        vid = created["volume_id"]
+        assert int(created["capacity_bytes"]) == 96 << 20
+        listed = [json.loads(line) for line in (await cli(box, "list")).splitlines()]
+        assert [v["volume_id"] for v in listed] == [vid]
+
+        staging, target = box.staging("cli"), box.target("cli-pod")
+        await cli(box, "stage", vid, str(staging))
+        await cli(box, "publish", vid, str(staging), str(target))
+        (target / "hello.txt").write_text("hello")
+        stats = json.loads(await cli(box, "stats", vid, str(target)))
+        assert {u["unit"] for u in stats["usage"]} == {"BYTES", "INODES"}
+
+        error = await cli(box, "delete", vid, expect=1)
+        assert "FAILED_PRECONDITION" in error and vid in error
+
+        await cli(box, "unpublish", vid, str(target))
+        await cli(box, "unstage", vid, str(staging))
+        await cli(box, "delete", vid)
+        assert (await cli(box, "list")).strip() == ""
+
+        error = await cli(box, "create", "bad", "--param", "colour=blue", expect=1)
+        assert "INVALID_ARGUMENT" in error and "colour" in error
+    finally:
+        await driver.stop()
