@@ -122,6 +122,7 @@ def config_from(args: argparse.Namespace) -> Config:
         qsd_mode=QSDMode(getattr(args, "qsd_mode", QSDMode.MANAGED.value)),
         max_volumes=int(getattr(args, "max_volumes", 0)),
         qsd_binary=args.qsd_binary,
+        failpoints=os.environ.get(env_name("--failpoints"), ""),
     )
 
 

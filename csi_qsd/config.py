@@ -42,6 +42,7 @@ class Config:
     max_volumes: int = 0
     qsd_binary: str = "qemu-storage-daemon"
     qmp_timeout: float = 10.0
+    failpoints: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", self.state_dir.resolve())

@@ -100,10 +100,10 @@ def _enum(key: str, value: str, kind: type[enum.Enum]) -> Any:
 
 
 def _integer(key: str, value: str, allowed: range | tuple[int, ...]) -> int:
-    try:
-        number = int(value, 10)
-    except ValueError:
-        raise InvalidArgument(f"parameter {key!r} must be an integer, got {value!r}") from None
+    # Plain ASCII digits only: int() would also take ' 5', '+5', '5_0' or '٥'.
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
+        raise InvalidArgument(f"parameter {key!r} must be a non-negative integer, got {value!r}")
+    number = int(value, 10)
     if number not in allowed:
         shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else str(list(allowed))
         raise InvalidArgument(f"parameter {key!r} is {number}; allowed: {shown}")

@@ -21,6 +21,7 @@ from csi_qsd.csi.controller import ControllerService
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.node import NodeService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.failpoints import Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.daemon import QSDDaemon
@@ -58,10 +59,11 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
     pool.prepare()
     async with Catalog(config.catalog_path) as catalog:
         locks = KeyedLocks("volume")
-        volumes = Volumes(catalog, pool, locks)
+        failpoints = Failpoints.parse(config.failpoints)
+        volumes = Volumes(catalog, pool, locks, failpoints)
         await volumes.reconcile()
         daemon = QSDDaemon(config)
-        node = NodeVolumes(config, catalog, daemon, locks)
+        node = NodeVolumes(config, catalog, daemon, locks, failpoints)
         await daemon.start(node.rebuild)
         try:
             yield Driver(config, catalog, daemon, volumes, node)

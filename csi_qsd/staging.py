@@ -21,6 +21,7 @@ from csi_qsd.catalog import (
 )
 from csi_qsd.config import Config
 from csi_qsd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem, vhost_user
@@ -69,7 +70,11 @@ class VolumeStats:
 class NodeVolumes:
     """Stage and publish volumes of one pool on this node."""
 
-    def __init__(self, config: Config, catalog: Catalog, daemon: QSDDaemon, locks: KeyedLocks) -> None:
+    def __init__(
+        self, config: Config, catalog: Catalog, daemon: QSDDaemon, locks: KeyedLocks,
+        failpoints: Failpoints = NO_FAILPOINTS,
+    ) -> None:
+        self._failpoints = failpoints
         self._config = config
         self._catalog = catalog
         self._daemon = daemon
@@ -117,6 +122,7 @@ class NodeVolumes:
                 state=StageState.STAGING,
             )
             await self._catalog.put_stage(record)
+            self._failpoints.hit("stage.after_intent")
             try:
                 record = await self._bring_up(volume, record, [])
             except BaseException:
@@ -141,6 +147,7 @@ class NodeVolumes:
                 )
             self._require_qsd()
             await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING))
+            self._failpoints.hit("unstage.after_intent")
             await self._tear_down(volume, record)
             await self._catalog.delete_stage(volume_id)
             log.info("event=unstaged volume_id=%s path=%s", volume_id, staging_path)
@@ -177,11 +184,13 @@ class NodeVolumes:
                 mount_flags=spec.mount_flags, state=PublishState.PUBLISHING,
             )
             await self._catalog.put_publish(record)
+            self._failpoints.hit("publish.after_intent")
             try:
                 record = await self._ensure_published(volume, stage, record)
             except BaseException:
                 await self._remove_publish(volume, record)
                 raise
+            self._failpoints.hit("publish.after_bind")
             await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.PUBLISHED))
             log.info("event=published volume_id=%s target=%s readonly=%s", volume.id, spec.target_path, spec.readonly)
 
@@ -195,6 +204,7 @@ class NodeVolumes:
             if record is None or record.volume_id != volume_id:
                 return
             await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.UNPUBLISHING))
+            self._failpoints.hit("unpublish.after_intent")
             await self._remove_publish(volume, record)
             log.info("event=unpublished volume_id=%s target=%s", volume_id, target_path)
 
@@ -284,11 +294,14 @@ class NodeVolumes:
             await self._drop_stale_host_state(volume, stage, publishes)
         await attach.ensure_nodes(client, volume.id, volume.image, volume.params)
         await attach.ensure_fuse_export(client, volume.id, export_file, writable=True)
+        self._failpoints.hit("stage.after_export")
         loops = loop.find_loop(export_file, readonly=False)
         device = loops[0].device if loops else await loop.attach(export_file)
+        self._failpoints.hit("stage.after_loop")
         stage = dataclasses.replace(stage, loop_device=str(device))
         if stage.access_type is AccessType.MOUNT:
             fs_type = await filesystem.ensure_staged(device, stage.staging_path, stage.fs_type, list(stage.mount_flags))
+            self._failpoints.hit("stage.after_mount")
             if stage.mount_group:
                 await asyncio.to_thread(_apply_group, stage.staging_path, stage.mount_group)
             if fs_type != stage.fs_type:
@@ -325,6 +338,7 @@ class NodeVolumes:
             await filesystem.unpublish(record.target_path)
         else:
             await block.unpublish(record.target_path)
+        self._failpoints.hit("unpublish.after_unmount")
         if record.loop_device:
             await loop.detach(Path(record.loop_device))
         await self._catalog.delete_publish(record.target_path)
@@ -337,8 +351,10 @@ class NodeVolumes:
             entry = mounts.mounted_at(stage.staging_path)
             if entry is not None and _is_loop_over(entry.source, export_file):
                 await filesystem.unstage(stage.staging_path)
+        self._failpoints.hit("unstage.after_unmount")
         for lp in loop.find_loop(export_file):
             await loop.detach(lp.device)
+        self._failpoints.hit("unstage.after_detach")
         await attach.remove_volume(client, volume.id)
         if mounts.mounted_at(export_file) is not None:
             await mounts.unmount(export_file, lazy=True)

@@ -68,10 +68,11 @@ def name(value: str, field: str = "name") -> str:
 
 
 def request_path(value: str, field: str, *, root: Path, forbidden: tuple[Path, ...]) -> Path:
-    """Return a staging or target path from a request, proven to lie under `root`.
+    """Return a staging or target path from a request, proven to lie strictly below `root`.
 
     The path must be absolute and normalised, and neither it nor any existing
-    parent may resolve (through symlinks) outside `root` or into `forbidden`.
+    parent (dangling symlinks included) may resolve outside `root`, onto `root`
+    itself or into `forbidden`.
     Raises InvalidArgument naming the field.
     """
     if not value:
@@ -85,9 +86,14 @@ def request_path(value: str, field: str, *, root: Path, forbidden: tuple[Path, .
     path = Path(value)
     if not _is_under(path, root):
         raise InvalidArgument(f"{field} {value!r} is outside the allowed root {str(root)!r}")
-    resolved = _resolve_existing(path)
-    if not _is_under(resolved, root):
-        raise InvalidArgument(f"{field} {value!r} resolves to {str(resolved)!r}, outside {str(root)!r}")
+    if path == root:
+        raise InvalidArgument(f"{field} {value!r} is the allowed root itself; it must lie below it")
+    try:
+        resolved = _resolve_existing(path)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11's pathlib)
+        raise InvalidArgument(f"{field} {value!r} cannot be resolved: {exc}") from None
+    if resolved == root or not _is_under(resolved, root):
+        raise InvalidArgument(f"{field} {value!r} resolves to {str(resolved)!r}, not below {str(root)!r}")
     for place in forbidden:
         if _is_under(resolved, place) or _is_under(place, resolved):
             raise InvalidArgument(f"{field} {value!r} overlaps the driver's own directory {str(place)!r}")
@@ -109,10 +115,14 @@ def _is_under(path: Path, root: Path) -> bool:
 
 
 def _resolve_existing(path: Path) -> Path:
-    """Resolve symlinks in the longest existing prefix of `path`, keep the rest as written."""
+    """Resolve symlinks in the longest existing prefix of `path`, keep the rest as written.
+
+    A dangling symlink counts as existing (lexists), so it is resolved too: a
+    later mkdir, touch or mount through it would land wherever it points.
+    """
     existing = path
     rest: list[str] = []
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.lexists(existing) and existing != existing.parent:
         rest.insert(0, existing.name)
         existing = existing.parent
     return existing.resolve().joinpath(*rest)

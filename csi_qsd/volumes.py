@@ -12,6 +12,7 @@ import logging
 
 from csi_qsd.catalog import Catalog, VolumeRecord, VolumeState, now
 from csi_qsd.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange
+from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ExportKind, VolumeParameters
 from csi_qsd.pools.files import FilePool
@@ -90,7 +91,10 @@ def _fits(record: VolumeRecord, required: int, limit: int) -> bool:
 class Volumes:
     """Volume lifecycle on one pool, serialized per name and per volume."""
 
-    def __init__(self, catalog: Catalog, pool: FilePool, volume_locks: KeyedLocks) -> None:
+    def __init__(
+        self, catalog: Catalog, pool: FilePool, volume_locks: KeyedLocks, failpoints: Failpoints = NO_FAILPOINTS
+    ) -> None:
+        self._failpoints = failpoints
         self._catalog = catalog
         self._pool = pool
         self._volume_locks = volume_locks
@@ -129,11 +133,13 @@ class Volumes:
             )
             async with self._volume_locks.hold(volume_id):
                 await self._catalog.add_volume(record)
+                self._failpoints.hit("create.after_intent")
                 try:
                     await self._pool.create(record.image, size, params)
                 except BaseException:
                     await self._discard(record)
                     raise
+                self._failpoints.hit("create.after_image")
                 await self._catalog.set_volume_state(volume_id, VolumeState.READY)
             log.info("event=volume_created volume_id=%s name=%s bytes=%d", volume_id, name, size)
             return dataclasses.replace(record, state=VolumeState.READY)
@@ -147,7 +153,9 @@ class Volumes:
             if await self._catalog.stage(volume_id) is not None:
                 raise FailedPrecondition(f"volume {volume_id} is still staged on node; unstage it first")
             await self._catalog.set_volume_state(volume_id, VolumeState.DELETING)
+            self._failpoints.hit("delete.after_intent")
             await self._pool.delete(record.image)
+            self._failpoints.hit("delete.after_image")
             await self._catalog.delete_volume(volume_id)
             log.info("event=volume_deleted volume_id=%s", volume_id)
 

@@ -114,13 +114,17 @@ class DriverProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.log_path = box.root / "driver.log"
 
-    async def start(self, timeout: float = 30.0) -> None:
+    async def start(self, timeout: float = 30.0, *, failpoints: str = "") -> None:
+        """Start `csi-qsd serve` and wait until Probe says ready; `failpoints` arms crash points."""
         argv = [
             sys.executable, "-m", "csi_qsd.cli", "serve", "--state-dir", str(self.box.state_dir),
             "--target-root", str(self.box.kubelet), "--node-id", "node-a", "--log-level", "debug", *self.extra,
         ]
         log = open(self.log_path, "ab")
-        self.proc = await asyncio.create_subprocess_exec(*argv, stdout=log, stderr=log, start_new_session=True)
+        env = dict(os.environ, CSI_QSD_FAILPOINTS=failpoints)
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=log, stderr=log, start_new_session=True, env=env
+        )
         log.close()
         async with CSIClient(self.box.endpoint, timeout=5) as client:
             deadline = asyncio.get_running_loop().time() + timeout
@@ -138,6 +142,10 @@ class DriverProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    async def wait_exit(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        return await asyncio.wait_for(self.proc.wait(), timeout)
 
     async def kill9(self) -> None:
         assert self.proc is not None

@@ -41,7 +41,8 @@ def request_path(value: str, field: str, config: Config) -> Path:
 
 
 def mount_group(value: str) -> str:
-    if value and (not value.isdigit() or int(value) > 0xFFFFFFFE):
+    # isascii: str.isdigit() also accepts '²' or '٣', which int() then refuses or reads otherwise.
+    if value and not (value.isascii() and value.isdigit() and len(value) <= 10 and int(value) <= 0xFFFFFFFE):
         raise InvalidArgument(f"volume_mount_group {value!r} must be a numeric group ID")
     return value
 

@@ -8,6 +8,7 @@ is logged key=value with its method, volume ID, code and duration.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -63,6 +64,10 @@ def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
             raise  # unreachable: abort raises
         except grpc.aio.AbortError:
+            raise
+        except asyncio.CancelledError:  # the caller went away or its deadline passed: not an OK
+            code = "CANCELLED"
+            log.log(level, "rpc=%s %s code=CANCELLED seconds=%.4f", method, _object_id(request), time.monotonic() - start)
             raise
         except Exception as exc:
             code = "INTERNAL"

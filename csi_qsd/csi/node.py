@@ -67,6 +67,10 @@ class NodeService(pb_grpc.NodeServicer):
         target = convert.request_path(request.target_path, "target_path", self._config)
         if target == staging:
             raise InvalidArgument("target_path must differ from staging_target_path")
+        if staging in target.parents or target in staging.parents:
+            raise InvalidArgument(
+                f"target_path {str(target)!r} and staging_target_path {str(staging)!r} must not contain each other"
+            )
         block, _fs_type, flags, group = self._capability(request)
         await self._node.publish(PublishSpec(volume_id, staging, target, block, request.readonly, flags, group))
         return pb.NodePublishVolumeResponse()

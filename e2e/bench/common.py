@@ -1,0 +1,96 @@
+"""Shared helpers for the benchmarks: timing, percentiles, process memory and plain tables.
+
+Benchmarks print every figure beside a baseline measured in the same run;
+these helpers only measure and format. They never decide pass or fail, and
+never start or stop anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), interpolating linearly between ranks like numpy's default.
+
+    Raises ValueError for no samples or q outside 0..100.
+    """
+    if not samples:
+        raise ValueError("percentile of no samples")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is outside 0..100")
+    ordered = sorted(samples)
+    rank = (len(ordered) - 1) * q / 100
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """p50, p99 and max of one series of latencies, in milliseconds."""
+
+    count: int
+    p50: float
+    p99: float
+    max: float
+    slowest: int  # index of the slowest sample, to find it in logs
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> "Summary":
+        worst = max(range(len(samples)), key=samples.__getitem__)
+        return cls(len(samples), percentile(samples, 50), percentile(samples, 99), samples[worst], worst)
+
+
+@contextlib.contextmanager
+def timed(samples: list[float]) -> Iterator[None]:
+    """Append the block's wall time in milliseconds to `samples`, if the block succeeds."""
+    start = time.perf_counter()
+    yield
+    samples.append((time.perf_counter() - start) * 1000)
+
+
+def status_field_kib(pid: int, field: str = "VmRSS") -> int:
+    """A `kB` field of /proc/<pid>/status (VmRSS by default), in KiB. Raises OSError if gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"/proc/{pid}/status has no {field}")
+
+
+def open_fds(pid: int) -> int:
+    """How many file descriptors process `pid` holds (a leak shows up here first)."""
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def ratio(value: float, baseline: float) -> str:
+    """`value / baseline` as '12.3x', or '-' when the baseline is zero."""
+    if baseline <= 0:
+        return "-"
+    r = value / baseline
+    return f"{r:.0f}x" if r >= 100 else f"{r:.1f}x" if r >= 10 else f"{r:.2f}x"
+
+
+def ms(value: float) -> str:
+    return f"{value:.0f}" if value >= 1000 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain text table: first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [str(cells[0]).ljust(widths[0])]
+        out += [str(cell).rjust(width) for cell, width in zip(cells[1:], widths[1:])]
+        return "  ".join(out).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(row) for row in rows)])

@@ -1,0 +1,465 @@
+"""Control-plane benchmark: CSI call latencies and QSD memory for many volumes, against baselines.
+
+Runs `csi-qsd serve` as a separate process and drives it over its UNIX socket
+as the external-provisioner and kubelet would, for N filesystem volumes
+(qcow2, 1 GiB, ext4):
+
+    CreateVolume                     vs bare `qemu-img create`, the same made durable,
+                                        mkdir and `fallocate -l 1G` (csi-driver-host-path)
+    NodeStageVolume+NodePublish      vs losetup on a raw file + mkfs.ext4 + mount + bind mount
+    NodeUnpublish+NodeUnstage        vs umount bind + umount + losetup -d
+    DeleteVolume                     vs unlink of the image
+    QSD RSS with N staged            vs QSD with no volume
+
+Every baseline sample is taken right before the driver's sample it is compared
+with, so load from other processes on the machine hits both alike. At the end
+the figures are checked against the issue's targets (CreateVolume p99 < 100 ms,
+< 2 MiB of QSD memory per volume) and printed as PASS or MISS.
+
+Everything is cleaned up (volumes unstaged and deleted through the driver, the
+driver and QSD stopped, the sandbox unmounted and removed), also on failure or
+Ctrl-C. Usage:
+
+    .venv/bin/python -m e2e.bench.control_plane [--volumes 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.sys import loop, mounts
+from e2e.bench.common import GIB, KIB, MIB, Summary, ms, open_fds, ratio, status_field_kib, table, timed
+from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+
+REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount", "umount", "fallocate")
+SIZE = GIB
+FS_TYPE = "ext4"
+PARAMETERS = {"format": "qcow2", "export": "filesystem"}
+# The options csi_qsd.sys.filesystems.make passes, so the baseline formats the same way.
+MKFS_EXT4 = ("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard")
+
+TARGET_CREATE_P99_MS = 100.0
+TARGET_RSS_PER_VOLUME_KIB = 2 * 1024
+
+
+def sh(*argv: str) -> str:
+    """Run a host command for a baseline; raise with its stderr if it fails."""
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass
+class Memory:
+    """One snapshot of the processes' memory and descriptors."""
+
+    label: str
+    qsd_rss_kib: int
+    qsd_fds: int
+    driver_rss_kib: int
+    loops: int
+    mounts: int
+
+
+@dataclasses.dataclass
+class Results:
+    """Every series of samples (ms) and memory snapshot, filled in as the phases run."""
+
+    probe: list[float] = dataclasses.field(default_factory=list)
+    create: list[float] = dataclasses.field(default_factory=list)
+    qemu_img: list[float] = dataclasses.field(default_factory=list)
+    qemu_img_durable: list[float] = dataclasses.field(default_factory=list)
+    mkdir: list[float] = dataclasses.field(default_factory=list)
+    fallocate: list[float] = dataclasses.field(default_factory=list)
+    stage: list[float] = dataclasses.field(default_factory=list)
+    stage_only: list[float] = dataclasses.field(default_factory=list)
+    publish_only: list[float] = dataclasses.field(default_factory=list)
+    host_up: list[float] = dataclasses.field(default_factory=list)
+    host_mkfs: list[float] = dataclasses.field(default_factory=list)
+    unstage: list[float] = dataclasses.field(default_factory=list)
+    host_down: list[float] = dataclasses.field(default_factory=list)
+    delete: list[float] = dataclasses.field(default_factory=list)
+    unlink: list[float] = dataclasses.field(default_factory=list)
+    memory: list[Memory] = dataclasses.field(default_factory=list)
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    peak_free_loop: str = ""
+
+
+class Bench:
+    """One run: a sandbox, a served driver, the host baselines, and what they measured."""
+
+    def __init__(self, box: Sandbox, volumes: int) -> None:
+        self.box = box
+        self.n = volumes
+        self.results = Results()
+        self.driver = DriverProcess(box, "--log-level", "info")
+        self.base = box.root / "baseline"
+        self.base.mkdir()
+        self.ids: list[str] = []  # volume i's ID, as CreateVolume returned it
+        self.staged: set[int] = set()  # volumes that may be staged or published
+        self.deleted: set[str] = set()
+
+    def name(self, i: int) -> str:
+        return f"pvc-bench-{i:04d}"
+
+    def staging(self, i: int) -> Path:
+        return self.box.kubelet / "plugins" / "staging" / f"v{i:04d}"
+
+    def target(self, i: int) -> Path:
+        return self.box.kubelet / "pods" / f"pod{i:04d}" / "volume"
+
+    # the run --------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.driver.start(timeout=60)
+        try:
+            async with CSIClient(self.box.endpoint, timeout=120) as csi:
+                try:
+                    await self._phases(csi)
+                finally:
+                    await self._undo(csi)
+        finally:
+            await self._stop_daemons()
+
+    async def _phases(self, csi: CSIClient) -> None:
+        r = self.results
+        await self._phase("probe", self._probe, csi)
+        self._snapshot("QSD started, no volume (baseline)")
+        ids = await self._phase("create", self._create, csi)
+        self._snapshot(f"{self.n} created, none staged")
+        await self._phase("stage", self._stage, csi, ids)
+        self._snapshot(f"{self.n} staged + published")
+        r.peak_free_loop = sh("losetup", "--find").strip()
+        await self._phase("unstage", self._unstage, csi, ids)
+        self._snapshot("all unpublished + unstaged")
+        await self._phase("delete", self._delete, csi, ids)
+        self._snapshot("all deleted")
+
+    async def _phase(self, name: str, body: Callable[..., Awaitable[object]], *args: object) -> object:
+        start = time.monotonic()
+        print(f"phase {name} ...", file=sys.stderr, flush=True)
+        try:
+            return await body(*args)
+        finally:
+            self.results.phase_seconds[name] = time.monotonic() - start
+
+    async def _probe(self, csi: CSIClient) -> None:
+        for _ in range(self.n):
+            with timed(self.results.probe):
+                await csi.probe()
+
+    async def _create(self, csi: CSIClient) -> list[str]:
+        r = self.results
+        for i in range(self.n):
+            hostpath_dir = self.base / f"hp{i:04d}"
+            with timed(r.mkdir):
+                os.makedirs(hostpath_dir)
+            image = self.base / f"img{i:04d}.qcow2"
+            with timed(r.qemu_img):
+                sh("qemu-img", "create", "-q", "-f", "qcow2", str(image), str(SIZE))
+            durable_tmp, durable = self.base / "durable.tmp", self.base / "durable.qcow2"
+            with timed(r.qemu_img_durable):
+                sh("qemu-img", "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=off", str(durable_tmp), str(SIZE))
+                fsync_path(durable_tmp)
+                os.rename(durable_tmp, durable)
+                fsync_path(self.base)
+            durable.unlink()
+            block_file = self.base / "falloc.img"
+            with timed(r.fallocate):
+                sh("fallocate", "--length", str(SIZE), str(block_file))
+            block_file.unlink()
+            with timed(r.create):
+                volume = await csi.create_volume(self.name(i), SIZE, PARAMETERS, fs_type=FS_TYPE)
+            self.ids.append(volume.volume_id)
+        return list(self.ids)
+
+    async def _stage(self, csi: CSIClient, ids: list[str]) -> None:
+        r = self.results
+        for i, volume_id in enumerate(ids):
+            self._host_stage_and_unstage()
+            staging, target = self.staging(i), self.target(i)
+            staging.mkdir(parents=True)  # kubelet creates the staging dir and the target's parent
+            target.parent.mkdir(parents=True)
+            self.staged.add(i)
+            with timed(r.stage):
+                with timed(r.stage_only):
+                    await csi.stage(volume_id, str(staging), fs_type=FS_TYPE)
+                with timed(r.publish_only):
+                    await csi.publish(volume_id, str(staging), str(target), fs_type=FS_TYPE)
+
+    def _host_stage_and_unstage(self) -> None:
+        """The raw host steps a filesystem volume needs, with no driver: the stage baselines."""
+        r = self.results
+        raw = self.base / "raw.img"
+        staging, target = self.base / "staging", self.base / "target"
+        with open(raw, "wb") as handle:
+            handle.truncate(SIZE)
+        with timed(r.host_up):
+            device = sh("losetup", "--find", "--show", "--direct-io=off", str(raw)).strip()
+            with timed(r.host_mkfs):
+                sh(*MKFS_EXT4, device)
+            staging.mkdir()
+            sh("mount", "-t", FS_TYPE, device, str(staging))
+            target.mkdir()
+            sh("mount", "--bind", str(staging), str(target))
+        with timed(r.host_down):
+            sh("umount", str(target))
+            target.rmdir()
+            sh("umount", str(staging))
+            sh("losetup", "--detach", device)
+        staging.rmdir()
+        raw.unlink()
+
+    async def _unstage(self, csi: CSIClient, ids: list[str]) -> None:
+        for i, volume_id in enumerate(ids):
+            with timed(self.results.unstage):
+                await csi.unpublish(volume_id, str(self.target(i)))
+                await csi.unstage(volume_id, str(self.staging(i)))
+            self.staged.discard(i)
+
+    async def _delete(self, csi: CSIClient, ids: list[str]) -> None:
+        r = self.results
+        for i, volume_id in enumerate(ids):
+            with timed(r.unlink):
+                (self.base / f"img{i:04d}.qcow2").unlink()
+                os.rmdir(self.base / f"hp{i:04d}")
+            with timed(r.delete):
+                await csi.delete_volume(volume_id)
+            self.deleted.add(volume_id)
+
+    # memory ---------------------------------------------------------------
+
+    def _snapshot(self, label: str) -> None:
+        pid = qsd_pid(self.box)
+        if pid is None:
+            raise RuntimeError(f"QSD is not running at '{label}': {self.driver.log()}")
+        assert self.driver.proc is not None
+        exports = self.box.state_dir / "exports"
+        ours = [lp for lp in loop.loop_devices() if exports in lp.backing_file.parents]
+        in_box = [m for m in mounts.mount_table() if self.box.root in m.mount_point.parents]
+        self.results.memory.append(Memory(
+            label=label, qsd_rss_kib=status_field_kib(pid), qsd_fds=open_fds(pid),
+            driver_rss_kib=status_field_kib(self.driver.proc.pid), loops=len(ours), mounts=len(in_box),
+        ))
+
+    # cleanup --------------------------------------------------------------
+
+    async def _undo(self, csi: CSIClient) -> None:
+        """Unpublish, unstage and delete whatever the run left, through the driver, as kubelet would."""
+        for i in sorted(self.staged):
+            await _retrying(f"unpublish {self.ids[i]}", lambda: csi.unpublish(self.ids[i], str(self.target(i))))
+            await _retrying(f"unstage {self.ids[i]}", lambda: csi.unstage(self.ids[i], str(self.staging(i))))
+        leftovers = set(self.ids) - self.deleted
+        # A CreateVolume cut short may have made a volume whose ID never reached us.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            leftovers |= {volume.volume_id for volume in await csi.list_volumes()}
+        for volume_id in sorted(leftovers):
+            await _retrying(f"delete {volume_id}", lambda: csi.delete_volume(volume_id))
+
+    async def _stop_daemons(self) -> None:
+        await self.driver.stop()
+        pid = qsd_pid(self.box)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                return
+            await asyncio.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def kill_driver(self) -> None:
+        """Last resort after a second Ctrl-C: the driver runs in its own session and would survive us."""
+        proc = self.driver.proc
+        if proc is not None and proc.returncode is None and Path(f"/proc/{proc.pid}").exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+async def _retrying(what: str, call: Callable[[], Awaitable[object]], attempts: int = 20) -> None:
+    """Run a cleanup call, retrying while the volume is busy (a call cut short may still run)."""
+    for attempt in range(attempts):
+        try:
+            await call()
+            return
+        except grpc.aio.AioRpcError as exc:
+            busy = exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+            if busy and attempt + 1 < attempts:
+                await asyncio.sleep(0.5)
+                continue
+            print(f"cleanup: {what} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return
+
+
+# the report ---------------------------------------------------------------
+
+RATIO_NOTE = "ratio = driver figure / baseline"
+
+
+def _rows(figure: str, samples: list[float], parts: list[tuple[str, list[float]]],
+          baselines: list[tuple[str, list[float]]]) -> list[list[str]]:
+    if not samples:
+        return []
+    s = Summary.of(samples)
+    rows = [[figure, str(s.count), ms(s.p50), ms(s.p99), ms(s.max), "", "", ""]]
+    for label, part in parts:
+        if part:
+            p = Summary.of(part)
+            rows.append([f"  part: {label}", str(p.count), ms(p.p50), ms(p.p99), ms(p.max), "", "", ""])
+    for label, base in baselines:
+        if base:
+            b = Summary.of(base)
+            rows.append([f"  baseline: {label}", str(b.count), ms(b.p50), ms(b.p99), ms(b.max),
+                         ratio(s.p50, b.p50), ratio(s.p99, b.p99), ratio(s.max, b.max)])
+    return rows
+
+
+def report(r: Results, n: int, header: str) -> str:
+    out = [header, ""]
+    latency: list[list[str]] = []
+    latency += _rows("CreateVolume (qcow2, 1 GiB, filesystem)", r.create, [], [
+        ("qemu-img create -f qcow2 1G (bare)", r.qemu_img),
+        ("same + fsync, rename, fsync dir", r.qemu_img_durable),
+        ("mkdir (host-path, filesystem)", r.mkdir),
+        ("fallocate -l 1G (host-path, block)", r.fallocate),
+        ("Probe RPC (gRPC round trip)", r.probe),
+    ])
+    latency += _rows("NodeStage + NodePublish (ext4)", r.stage, [
+        ("NodeStageVolume", r.stage_only), ("NodePublishVolume", r.publish_only),
+    ], [
+        ("losetup raw file + mkfs.ext4 + mount + bind", r.host_up),
+        ("mkfs.ext4 alone (same options)", r.host_mkfs),
+    ])
+    latency += _rows("NodeUnpublish + NodeUnstage", r.unstage, [], [
+        ("umount bind + umount + losetup -d", r.host_down),
+        ("Probe RPC (gRPC round trip)", r.probe),
+    ])
+    latency += _rows("DeleteVolume", r.delete, [], [
+        ("unlink image + rmdir (host-path)", r.unlink),
+        ("Probe RPC (gRPC round trip)", r.probe),
+    ])
+    if latency:
+        out.append(table(["latency, ms (" + RATIO_NOTE + ")", "n", "p50", "p99", "max",
+                          "p50 ratio", "p99 ratio", "max ratio"], latency))
+        out.append("")
+
+    base = r.memory[0] if r.memory else None
+    if base is not None:
+        rows = [[m.label, f"{m.qsd_rss_kib / KIB:.1f}", ratio(m.qsd_rss_kib, base.qsd_rss_kib), str(m.qsd_fds),
+                 f"{m.driver_rss_kib / KIB:.1f}", str(m.loops), str(m.mounts)] for m in r.memory]
+        out.append(table(["memory (baseline: QSD with no volume)", "QSD RSS MiB", "ratio", "QSD fds",
+                          "driver RSS MiB", "loop devs", "mounts"], rows))
+    staged = next((m for m in r.memory if "staged +" in m.label), None)
+    created = next((m for m in r.memory if "created" in m.label), None)
+    per_volume = None
+    if base is not None and staged is not None:
+        per_volume = (staged.qsd_rss_kib - base.qsd_rss_kib) / n
+        out.append(f"QSD RSS per staged volume: {per_volume:.0f} KiB "
+                   f"(({staged.qsd_rss_kib} - {base.qsd_rss_kib}) KiB / {n})")
+        if created is not None:
+            out.append(f"  of which staging alone: {(staged.qsd_rss_kib - created.qsd_rss_kib) / n:.0f} KiB; "
+                       f"QSD with no volume: {base.qsd_rss_kib / KIB:.1f} MiB")
+        out.append("")
+
+    targets = []
+    if r.create:
+        p99 = Summary.of(r.create).p99
+        targets.append(["CreateVolume p99 < 100 ms", f"{p99:.1f} ms",
+                        "PASS" if p99 < TARGET_CREATE_P99_MS else "MISS"])
+    if per_volume is not None:
+        targets.append(["QSD memory per volume < 2 MiB", f"{per_volume:.0f} KiB",
+                        "PASS" if per_volume < TARGET_RSS_PER_VOLUME_KIB else "MISS"])
+    if targets:
+        out.append(table(["target (from the issue)", "measured", "result"], targets))
+        out.append("")
+
+    slowest = []
+    for label, samples in (("CreateVolume", r.create), ("NodeStage", r.stage_only),
+                           ("NodePublish", r.publish_only), ("NodeUnpublish+Unstage", r.unstage),
+                           ("DeleteVolume", r.delete)):
+        if samples:
+            s = Summary.of(samples)
+            slowest.append(f"{label} #{s.slowest} {ms(s.max)} ms")
+    if slowest:
+        out.append("slowest samples (volume index): " + "; ".join(slowest))
+    if r.phase_seconds:
+        out.append("phase wall time, s (baselines included): "
+                   + ", ".join(f"{k} {v:.1f}" for k, v in r.phase_seconds.items()))
+    if r.peak_free_loop:
+        out.append(f"next free loop device with all volumes staged: {r.peak_free_loop}")
+    return "\n".join(out)
+
+
+# entry point --------------------------------------------------------------
+
+def missing_prerequisites() -> str:
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        return "run as root: the benchmark mounts filesystems and attaches loop devices"
+    if missing or not Path("/dev/fuse").exists():
+        return f"needs /dev/fuse and {', '.join(missing) or 'nothing else'}"
+    return ""
+
+
+def describe(n: int) -> str:
+    version = sh("qemu-storage-daemon", "--version").splitlines()[0]
+    return (f"csi-qsd control plane: {n} volumes, qcow2 {SIZE // GIB} GiB, filesystem export, {FS_TYPE}; "
+            f"{version}; kernel {platform.release()}; {os.cpu_count()} CPUs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.control_plane", description=__doc__.split("\n")[0])
+    parser.add_argument("--volumes", type=int, default=200, help="how many volumes to create and stage (default 200)")
+    args = parser.parse_args(argv)
+    if args.volumes < 1:
+        parser.error("--volumes must be at least 1")
+    problem = missing_prerequisites()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    header = describe(args.volumes)
+    status = 0
+    with sandbox() as box:
+        bench = Bench(box, args.volumes)
+        try:
+            asyncio.run(bench.run())
+        except KeyboardInterrupt:
+            print("interrupted: cleaned up; partial results follow", file=sys.stderr)
+            status = 130
+        except Exception as exc:
+            print(f"benchmark failed: {exc!r}\n--- driver log (tail) ---\n{bench.driver.log()}", file=sys.stderr)
+            status = 1
+        finally:
+            bench.kill_driver()
+    print(report(bench.results, args.volumes, header), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
