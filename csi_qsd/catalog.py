@@ -33,8 +33,26 @@ CREATE TABLE IF NOT EXISTS volumes (
     params      TEXT NOT NULL,
     image       TEXT NOT NULL,
     state       TEXT NOT NULL,
-    created_at  REAL NOT NULL
+    created_at  REAL NOT NULL,
+    backing     TEXT NOT NULL DEFAULT '',
+    generation  INTEGER NOT NULL DEFAULT 0,
+    source      TEXT NOT NULL DEFAULT ''
 );
+CREATE TABLE IF NOT EXISTS snapshots (
+    id               TEXT PRIMARY KEY,
+    name             TEXT NOT NULL UNIQUE,
+    source_volume_id TEXT NOT NULL,
+    image            TEXT NOT NULL UNIQUE,
+    backing          TEXT NOT NULL DEFAULT '',
+    size             INTEGER NOT NULL,
+    created_at       REAL NOT NULL,
+    state            TEXT NOT NULL,
+    hidden           INTEGER NOT NULL DEFAULT 0,
+    group_id         TEXT NOT NULL DEFAULT '',
+    overlay          TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS snapshots_by_source ON snapshots(source_volume_id);
+CREATE INDEX IF NOT EXISTS snapshots_by_group ON snapshots(group_id);
 CREATE TABLE IF NOT EXISTS stages (
     volume_id    TEXT PRIMARY KEY REFERENCES volumes(id),
     staging_path TEXT NOT NULL,
@@ -58,6 +76,12 @@ CREATE INDEX IF NOT EXISTS publishes_by_volume ON publishes(volume_id);
 
 
 class VolumeState(enum.Enum):
+    CREATING = "creating"
+    READY = "ready"
+    DELETING = "deleting"
+
+
+class SnapshotState(enum.Enum):
     CREATING = "creating"
     READY = "ready"
     DELETING = "deleting"
@@ -89,6 +113,26 @@ class VolumeRecord:
     image: Path
     state: VolumeState
     created_at: float
+    backing: str = ""  # the image the volume's top image is an overlay on ('' = none)
+    generation: int = 0  # how many times the top image was replaced by a new overlay
+    source: str = ""  # "snapshot:<id>" or "volume:<id>" it was made from
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotRecord:
+    """A frozen image; `hidden` once deleted by the user while other images still depend on it."""
+
+    id: str
+    name: str
+    source_volume_id: str
+    image: Path
+    backing: str
+    size: int
+    created_at: float
+    state: SnapshotState
+    hidden: bool = False
+    group_id: str = ""
+    overlay: str = ""  # while CREATING: the new top image the source volume moves to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +189,14 @@ class Catalog:
     # volumes ------------------------------------------------------------
 
     async def add_volume(self, record: VolumeRecord) -> None:
-        await self._run(
-            lambda db: db.execute(
-                "INSERT INTO volumes VALUES (?,?,?,?,?,?,?)",
-                (record.id, record.name, record.capacity, record.params.to_json(),
-                 str(record.image), record.state.value, record.created_at),
-            )
-        )
+        await self._run(lambda db: _insert_volume(db, record))
+
+    async def update_volume(self, record: VolumeRecord) -> None:
+        """Rewrite a volume's row (same ID) in one transaction."""
+        def update(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM volumes WHERE id=?", (record.id,))
+            _insert_volume(db, record)
+        await self._run(update)
 
     async def set_volume_state(self, volume_id: str, state: VolumeState) -> None:
         await self._run(lambda db: db.execute("UPDATE volumes SET state=? WHERE id=?", (state.value, volume_id)))
@@ -188,6 +233,48 @@ class Catalog:
             sql += " LIMIT ?"
             args += (limit,)
         return [_volume(row) for row in await self._query(sql, args)]
+
+    # snapshots ----------------------------------------------------------
+
+    async def put_snapshots(self, records: list[SnapshotRecord], volumes: tuple[VolumeRecord, ...] = ()) -> None:
+        """Write snapshot rows and volume rows together, atomically."""
+        def write(db: sqlite3.Connection) -> None:
+            for record in records:
+                db.execute("INSERT OR REPLACE INTO snapshots VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
+                    record.id, record.name, record.source_volume_id, str(record.image), record.backing,
+                    record.size, record.created_at, record.state.value, int(record.hidden), record.group_id,
+                    record.overlay,
+                ))
+            for volume in volumes:
+                db.execute("DELETE FROM volumes WHERE id=?", (volume.id,))
+                _insert_volume(db, volume)
+        await self._run(write)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,)))
+
+    async def snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
+        rows = await self._query("SELECT * FROM snapshots WHERE id=?", (snapshot_id,))
+        return _snapshot(rows[0]) if rows else None
+
+    async def snapshot_by_name(self, name: str) -> SnapshotRecord | None:
+        rows = await self._query("SELECT * FROM snapshots WHERE name=?", (name,))
+        return _snapshot(rows[0]) if rows else None
+
+    async def snapshot_by_image(self, image: str) -> SnapshotRecord | None:
+        rows = await self._query("SELECT * FROM snapshots WHERE image=?", (image,))
+        return _snapshot(rows[0]) if rows else None
+
+    async def snapshots(self) -> list[SnapshotRecord]:
+        return [_snapshot(row) for row in await self._query("SELECT * FROM snapshots ORDER BY id", ())]
+
+    async def dependants(self, image: str) -> int:
+        """How many volumes and snapshots have `image` as their backing image."""
+        rows = await self._query(
+            "SELECT (SELECT COUNT(*) FROM volumes WHERE backing=?) + (SELECT COUNT(*) FROM snapshots WHERE backing=?)",
+            (image, image),
+        )
+        return int(rows[0][0])
 
     # stages -------------------------------------------------------------
 
@@ -284,11 +371,29 @@ class Catalog:
         return await asyncio.to_thread(self._call, lambda db: db.execute(sql, args).fetchall())
 
 
+def _insert_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
+    db.execute(
+        "INSERT INTO volumes (id, name, capacity, params, image, state, created_at, backing, generation, source)"
+        " VALUES (?,?,?,?,?,?,?,?,?,?)",
+        (record.id, record.name, record.capacity, record.params.to_json(), str(record.image),
+         record.state.value, record.created_at, record.backing, record.generation, record.source),
+    )
+
+
 def _volume(row: sqlite3.Row) -> VolumeRecord:
     return VolumeRecord(
         id=row["id"], name=row["name"], capacity=row["capacity"],
         params=VolumeParameters.from_json(row["params"]), image=Path(row["image"]),
-        state=VolumeState(row["state"]), created_at=row["created_at"],
+        state=VolumeState(row["state"]), created_at=row["created_at"], backing=row["backing"],
+        generation=row["generation"], source=row["source"],
+    )
+
+
+def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
+    return SnapshotRecord(
+        id=row["id"], name=row["name"], source_volume_id=row["source_volume_id"], image=Path(row["image"]),
+        backing=row["backing"], size=row["size"], created_at=row["created_at"], state=SnapshotState(row["state"]),
+        hidden=bool(row["hidden"]), group_id=row["group_id"], overlay=row["overlay"],
     )
 
 

@@ -280,20 +280,21 @@ class NodeVolumes:
     ) -> StageRecord:
         """Ensure the volume's nodes, export, loop device and staging mount; return the stage with its loop."""
         client = client or self._daemon.client
-        nodes = graph.nodes_for(volume.id)
+        top = top_image(volume)
+        nodes = top.nodes
         if _is_vhost(volume):
-            await attach.ensure_nodes(client, volume.id, volume.image, volume.params)
+            await attach.ensure_top(client, top)
             socket_dir = self.socket_dir(volume.id)
             vhost_user.prepare_dir(socket_dir, stage.mount_group)
             socket = socket_dir / vhost_user.SOCKET_NAME
-            await attach.ensure_vhost_export(client, volume.id, socket, volume.params, writable=True)
+            await attach.ensure_vhost_export(client, top, socket, writable=True)
             vhost_user.restrict_socket(socket, stage.mount_group)
             return stage
         export_file = self.export_file(volume.id)
         if not await attach.has_export(client, nodes.fuse_export):
             await self._drop_stale_host_state(volume, stage, publishes)
-        await attach.ensure_nodes(client, volume.id, volume.image, volume.params)
-        await attach.ensure_fuse_export(client, volume.id, export_file, writable=True)
+        await attach.ensure_top(client, top)
+        await attach.ensure_fuse_export(client, top, export_file, writable=True)
         self._failpoints.hit("stage.after_export")
         loops = loop.find_loop(export_file, readonly=False)
         device = loops[0].device if loops else await loop.attach(export_file)
@@ -411,6 +412,10 @@ class NodeVolumes:
             raise InvalidArgument(
                 f"volume {volume.id} is a vhost-user-blk volume: stage it with the mount access type"
             )
+
+
+def top_image(volume: VolumeRecord) -> attach.TopImage:
+    return attach.TopImage(volume.id, volume.generation, volume.image, volume.params)
 
 
 def _is_vhost(volume: VolumeRecord) -> bool:

@@ -17,11 +17,12 @@ from csi_qsd.errors import InvalidArgument, NotFound
 
 # 96 random bits: short enough that QEMU node names built from it stay within 31 characters.
 ID_HEX_DIGITS = 24
-VOLUME_ID_RE = re.compile(r"^vol-[0-9a-f]{24}$")
-SNAPSHOT_ID_RE = re.compile(r"^snap-[0-9a-f]{24}$")
+# Patterns end in \Z, not $: "$" also matches before a trailing newline.
+VOLUME_ID_RE = re.compile(r"^vol-[0-9a-f]{24}\Z")
+SNAPSHOT_ID_RE = re.compile(r"^snap-[0-9a-f]{24}\Z")
 # Kubernetes gives "pvc-<uuid>"; other COs give anything printable. 128 bytes is the CSI limit.
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-MOUNT_FLAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_=.:+-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
+MOUNT_FLAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_=.:+-]{0,127}\Z")
 # Flags that would change what is mounted, not how: the driver decides those itself.
 FORBIDDEN_MOUNT_FLAGS = frozenset({"bind", "rbind", "remount", "move", "loop", "defaults"})
 MAX_PATH = 4096

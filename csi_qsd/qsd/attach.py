@@ -2,31 +2,95 @@
 
 Each function first looks at the live graph, so it is safe to call again after
 a crash at any point: it finishes what is missing and leaves what is there.
+A volume's top image has a generation; its older images are opened by QEMU
+itself from the backing-file chain, or stay as our named nodes under the top
+after a live snapshot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
+from csi_qsd.errors import QSDError
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.client import QSDClient
 
 
-async def ensure_nodes(
-    client: QSDClient, volume_id: str, image: Path, params: VolumeParameters, *, read_only: bool = False
-) -> None:
-    nodes = graph.nodes_for(volume_id)
+@dataclasses.dataclass(frozen=True)
+class TopImage:
+    """What QSD must have open as a volume's top: the image of `generation`."""
+
+    volume_id: str
+    generation: int
+    image: Path
+    params: VolumeParameters
+
+    @property
+    def nodes(self) -> graph.VolumeNodes:
+        return graph.nodes_for(self.volume_id, self.generation)
+
+
+def _generations(present: dict[str, Any], volume_id: str) -> list[int]:
+    """Generations of the volume's format nodes now in QSD, newest first."""
+    found = []
+    for name in present:
+        if graph.volume_of(name) == volume_id and name.rpartition("-")[2].startswith("q"):
+            generation = graph.generation_of(name)
+            if generation is not None:
+                found.append(generation)
+    return sorted(found, reverse=True)
+
+
+async def ensure_top(client: QSDClient, top: TopImage, *, read_only: bool = False) -> None:
+    """Make `top` the volume's top node: open it fresh, or switch to it live from an older top."""
     present = await client.named_nodes()
+    nodes = top.nodes
+    if nodes.format in present:
+        return
+    older = [g for g in _generations(present, top.volume_id) if g < top.generation]
+    if older:
+        await switch_tops(client, [(older[0], top)])
+        return
     if nodes.file not in present:
-        await client.blockdev_add(graph.file_blockdev(nodes, image, params, read_only=read_only))
-    if nodes.format not in present:
-        try:
-            await client.blockdev_add(graph.format_blockdev(nodes, params, read_only=read_only))
-        except Exception:
-            if nodes.file not in present:
-                await client.blockdev_del(nodes.file)
-            raise
+        await client.blockdev_add(graph.file_blockdev(nodes, top.image, top.params, read_only=read_only))
+    try:
+        await client.blockdev_add(graph.format_blockdev(nodes, top.params, read_only=read_only))
+    except Exception:
+        if nodes.file not in present:
+            await client.blockdev_del(nodes.file)
+        raise
+
+
+async def switch_tops(client: QSDClient, switches: list[tuple[int, TopImage]]) -> None:
+    """Move each volume from its top of generation `old` onto the new overlay, all in one transaction.
+
+    The new overlay images must already exist with the old top's image as
+    backing file. Exports follow the switch; guests and mounts see no gap.
+    """
+    added: list[str] = []
+    try:
+        for _old, top in switches:
+            nodes = top.nodes
+            await client.blockdev_add(graph.file_blockdev(nodes, top.image, top.params, read_only=False))
+            added.append(nodes.file)
+            await client.blockdev_add(graph.overlay_blockdev(nodes, top.params))
+            added.append(nodes.format)
+        actions = [
+            {"type": "blockdev-snapshot",
+             "data": {"node": graph.nodes_for(top.volume_id, old).format, "overlay": top.nodes.format}}
+            for old, top in switches
+        ]
+        await client.execute("transaction", {"actions": actions})
+    except QSDError:
+        for node in reversed(added):
+            try:
+                await client.blockdev_del(node)
+            except QSDError:
+                pass
+        raise
 
 
 async def has_export(client: QSDClient, export_id: str) -> bool:
@@ -34,9 +98,9 @@ async def has_export(client: QSDClient, export_id: str) -> bool:
     return export_id in exports and not exports[export_id]["shutting_down"]
 
 
-async def ensure_fuse_export(client: QSDClient, volume_id: str, mountpoint: Path, *, writable: bool) -> bool:
+async def ensure_fuse_export(client: QSDClient, top: TopImage, mountpoint: Path, *, writable: bool) -> bool:
     """Export over FUSE at `mountpoint` (a regular file); True if it had to be added."""
-    nodes = graph.nodes_for(volume_id)
+    nodes = top.nodes
     if await has_export(client, nodes.fuse_export):
         return False
     mountpoint.parent.mkdir(parents=True, exist_ok=True)
@@ -45,27 +109,30 @@ async def ensure_fuse_export(client: QSDClient, volume_id: str, mountpoint: Path
     return True
 
 
-async def ensure_vhost_export(
-    client: QSDClient, volume_id: str, socket: Path, params: VolumeParameters, *, writable: bool
-) -> bool:
+async def ensure_vhost_export(client: QSDClient, top: TopImage, socket: Path, *, writable: bool) -> bool:
     """Export over vhost-user-blk at `socket`; True if it had to be added."""
-    nodes = graph.nodes_for(volume_id)
+    nodes = top.nodes
     if await has_export(client, nodes.vhost_export):
         return False
     socket.unlink(missing_ok=True)
-    await client.export_add(graph.vhost_user_blk_export(nodes, socket, params, writable=writable))
+    await client.export_add(graph.vhost_user_blk_export(nodes, socket, top.params, writable=writable))
     return True
 
 
 async def remove_volume(client: QSDClient, volume_id: str) -> None:
-    """Remove every export and node of `volume_id` that QSD still has."""
+    """Remove every export and named node of `volume_id` that QSD still has, top first."""
     nodes = graph.nodes_for(volume_id)
     for export_id in (nodes.fuse_export, nodes.vhost_export):
         await client.export_del(export_id)
     present = await client.named_nodes()
-    for node in nodes.all_nodes:
-        if node in present:
-            await client.blockdev_del(node)
+    for generation in _generations(present, volume_id):
+        layer = graph.nodes_for(volume_id, generation)
+        for node in (layer.format, layer.file):
+            if node in present:
+                await client.blockdev_del(node)
+    for name in await client.named_nodes():  # a file node whose format node never came up
+        if graph.volume_of(name) == volume_id:
+            await client.blockdev_del(name)
 
 
 async def volumes_in_graph(client: QSDClient) -> set[str]:

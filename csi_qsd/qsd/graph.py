@@ -17,8 +17,10 @@ from csi_qsd.params import CacheMode, ImageFormat, VolumeParameters
 IOTHREAD_ID = "iothread0"
 # Per-volume qcow2 metadata cache: bounded on purpose (default would grow to 32 MiB each).
 L2_CACHE_BYTES = 1 << 20
-# QEMU caps node names at 31 characters: "cq" + 24 hex digits + "-file" fits exactly.
+# QEMU caps node names at 31 characters: "cq" + 24 hex digits + "-q" + 3 base-36
+# digits of the image generation fits exactly.
 NODE_PREFIX = "cq"
+MAX_GENERATION = 36**3 - 1
 
 QMPArgs = dict[str, Any]
 
@@ -37,14 +39,41 @@ class VolumeNodes:
         return (self.format, self.file)
 
 
-def nodes_for(volume_id: str) -> VolumeNodes:
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    if not 0 <= number <= MAX_GENERATION:
+        raise ValueError(f"image generation {number} out of range")
+    out = ""
+    while True:
+        number, rest = divmod(number, 36)
+        out = digits[rest] + out
+        if not number:
+            return out
+
+
+def nodes_for(volume_id: str, generation: int = 0) -> VolumeNodes:
+    """Names for a volume's top image of `generation` (a snapshot moves the top to generation+1)."""
     suffix = volume_id.removeprefix("vol-")
+    gen = _base36(generation)
     return VolumeNodes(
-        file=f"{NODE_PREFIX}{suffix}-file",
-        format=f"{NODE_PREFIX}{suffix}-fmt",
+        file=f"{NODE_PREFIX}{suffix}-f{gen}",
+        format=f"{NODE_PREFIX}{suffix}-q{gen}",
         fuse_export=f"{NODE_PREFIX}{suffix}-fuse",
         vhost_export=f"{NODE_PREFIX}{suffix}-vhost",
     )
+
+
+def generation_of(node_name: str) -> int | None:
+    """The image generation of one of our format or file node names, else None."""
+    if volume_of(node_name) is None:
+        return None
+    kind = node_name.rpartition("-")[2]
+    if kind[:1] not in ("f", "q") or kind in ("fuse",):
+        return None
+    try:
+        return int(kind[1:], 36)
+    except ValueError:
+        return None
 
 
 def volume_of(node_or_export: str) -> str | None:
@@ -79,6 +108,15 @@ def format_blockdev(nodes: VolumeNodes, params: VolumeParameters, *, read_only: 
     }
     if params.format is ImageFormat.QCOW2:
         spec["l2-cache-size"] = L2_CACHE_BYTES
+    return spec
+
+
+def overlay_blockdev(nodes: VolumeNodes, params: VolumeParameters) -> QMPArgs:
+    """A new top image's format node, opened without its backing: blockdev-snapshot attaches it."""
+    spec = format_blockdev(nodes, params, read_only=False)
+    spec["driver"] = ImageFormat.QCOW2.value
+    spec["l2-cache-size"] = L2_CACHE_BYTES
+    spec["backing"] = None
     return spec
 
 
