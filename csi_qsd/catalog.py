@@ -53,6 +53,11 @@ CREATE TABLE IF NOT EXISTS snapshots (
 );
 CREATE INDEX IF NOT EXISTS snapshots_by_source ON snapshots(source_volume_id);
 CREATE INDEX IF NOT EXISTS snapshots_by_group ON snapshots(group_id);
+CREATE TABLE IF NOT EXISTS groups (
+    id          TEXT PRIMARY KEY,
+    name        TEXT NOT NULL UNIQUE,
+    created_at  REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS stages (
     volume_id    TEXT PRIMARY KEY REFERENCES volumes(id),
     staging_path TEXT NOT NULL,
@@ -193,10 +198,7 @@ class Catalog:
 
     async def update_volume(self, record: VolumeRecord) -> None:
         """Rewrite a volume's row (same ID) in one transaction."""
-        def update(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM volumes WHERE id=?", (record.id,))
-            _insert_volume(db, record)
-        await self._run(update)
+        await self._run(lambda db: _update_volume(db, record))
 
     async def set_volume_state(self, volume_id: str, state: VolumeState) -> None:
         await self._run(lambda db: db.execute("UPDATE volumes SET state=? WHERE id=?", (state.value, volume_id)))
@@ -246,9 +248,22 @@ class Catalog:
                     record.overlay,
                 ))
             for volume in volumes:
-                db.execute("DELETE FROM volumes WHERE id=?", (volume.id,))
-                _insert_volume(db, volume)
+                _update_volume(db, volume)
         await self._run(write)
+
+    async def add_group(self, group_id: str, name: str, created_at: float) -> None:
+        await self._run(lambda db: db.execute("INSERT INTO groups VALUES (?,?,?)", (group_id, name, created_at)))
+
+    async def group(self, *, group_id: str = "", name: str = "") -> tuple[str, str, float] | None:
+        rows = await self._query("SELECT * FROM groups WHERE id=? OR name=?", (group_id, name))
+        return (rows[0]["id"], rows[0]["name"], rows[0]["created_at"]) if rows else None
+
+    async def delete_group(self, group_id: str) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM groups WHERE id=?", (group_id,)))
+
+    async def group_members(self, group_id: str) -> list[SnapshotRecord]:
+        rows = await self._query("SELECT * FROM snapshots WHERE group_id=? ORDER BY id", (group_id,))
+        return [_snapshot(row) for row in rows]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._run(lambda db: db.execute("DELETE FROM snapshots WHERE id=?", (snapshot_id,)))
@@ -377,6 +392,15 @@ def _insert_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
         " VALUES (?,?,?,?,?,?,?,?,?,?)",
         (record.id, record.name, record.capacity, record.params.to_json(), str(record.image),
          record.state.value, record.created_at, record.backing, record.generation, record.source),
+    )
+
+
+def _update_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
+    db.execute(
+        "UPDATE volumes SET name=?, capacity=?, params=?, image=?, state=?, created_at=?, backing=?,"
+        " generation=?, source=? WHERE id=?",
+        (record.name, record.capacity, record.params.to_json(), str(record.image), record.state.value,
+         record.created_at, record.backing, record.generation, record.source, record.id),
     )
 
 

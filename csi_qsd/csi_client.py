@@ -37,6 +37,7 @@ class CSIClient:
         self.identity = pb_grpc.IdentityStub(self._channel)
         self.controller = pb_grpc.ControllerStub(self._channel)
         self.node = pb_grpc.NodeStub(self._channel)
+        self.group = pb_grpc.GroupControllerStub(self._channel)
         self.timeout = timeout
 
     async def close(self) -> None:
@@ -52,12 +53,18 @@ class CSIClient:
         await asyncio.wait_for(self._channel.channel_ready(), timeout)
 
     async def create_volume(self, name: str, size: int, parameters: dict[str, str] | None = None,
-                            *, block: bool = False, fs_type: str = "") -> pb.Volume:
+                            *, block: bool = False, fs_type: str = "", from_snapshot: str = "",
+                            from_volume: str = "") -> pb.Volume:
+        source = None
+        if from_snapshot:
+            source = pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=from_snapshot))
+        elif from_volume:
+            source = pb.VolumeContentSource(volume=pb.VolumeContentSource.VolumeSource(volume_id=from_volume))
         response: Any = await self.controller.CreateVolume(
             pb.CreateVolumeRequest(
                 name=name, capacity_range=pb.CapacityRange(required_bytes=size),
                 volume_capabilities=[capability(block=block, fs_type=fs_type)],
-                parameters=parameters or {},
+                parameters=parameters or {}, volume_content_source=source,
             ),
             timeout=self.timeout,
         )
@@ -65,6 +72,35 @@ class CSIClient:
 
     async def delete_volume(self, volume_id: str) -> None:
         await self.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=volume_id), timeout=self.timeout)
+
+    async def create_snapshot(self, name: str, volume_id: str) -> pb.Snapshot:
+        response: Any = await self.controller.CreateSnapshot(
+            pb.CreateSnapshotRequest(name=name, source_volume_id=volume_id), timeout=self.timeout
+        )
+        return response.snapshot  # type: ignore[no-any-return]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self.controller.DeleteSnapshot(pb.DeleteSnapshotRequest(snapshot_id=snapshot_id), timeout=self.timeout)
+
+    async def list_snapshots(self, *, source_volume_id: str = "", snapshot_id: str = "") -> list[pb.Snapshot]:
+        snapshots: list[pb.Snapshot] = []
+        token = ""
+        while True:
+            page: Any = await self.controller.ListSnapshots(
+                pb.ListSnapshotsRequest(max_entries=100, starting_token=token, source_volume_id=source_volume_id,
+                                        snapshot_id=snapshot_id),
+                timeout=self.timeout,
+            )
+            snapshots.extend(entry.snapshot for entry in page.entries)
+            token = page.next_token
+            if not token:
+                return snapshots
+
+    async def create_group_snapshot(self, name: str, volume_ids: list[str]) -> pb.VolumeGroupSnapshot:
+        response: Any = await self.group.CreateVolumeGroupSnapshot(
+            pb.CreateVolumeGroupSnapshotRequest(name=name, source_volume_ids=volume_ids), timeout=self.timeout
+        )
+        return response.group_snapshot  # type: ignore[no-any-return]
 
     async def list_volumes(self) -> list[pb.Volume]:
         volumes: list[pb.Volume] = []

@@ -18,6 +18,7 @@ import grpc
 from csi_qsd.catalog import Catalog
 from csi_qsd.config import Config
 from csi_qsd.csi.controller import ControllerService
+from csi_qsd.csi.group_controller import GroupControllerService
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.node import NodeService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
@@ -25,6 +26,7 @@ from csi_qsd.failpoints import Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.daemon import QSDDaemon
+from csi_qsd.snapshots import Snapshots
 from csi_qsd.staging import NodeVolumes
 from csi_qsd.volumes import Volumes
 
@@ -34,7 +36,11 @@ log = logging.getLogger(__name__)
 class Driver:
     """A running driver's parts, for the server and for tests that look inside."""
 
-    def __init__(self, config: Config, catalog: Catalog, daemon: QSDDaemon, volumes: Volumes, node: NodeVolumes) -> None:
+    def __init__(
+        self, config: Config, catalog: Catalog, daemon: QSDDaemon, volumes: Volumes, node: NodeVolumes,
+        snapshots: Snapshots,
+    ) -> None:
+        self.snapshots = snapshots
         self.config = config
         self.catalog = catalog
         self.daemon = daemon
@@ -64,10 +70,13 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         await volumes.reconcile()
         daemon = QSDDaemon(config)
         node = NodeVolumes(config, catalog, daemon, locks, failpoints)
+        snapshots = Snapshots(catalog, pool, volumes, node, locks, failpoints)
+        await snapshots.reconcile()
         await daemon.start(node.rebuild)
         try:
-            yield Driver(config, catalog, daemon, volumes, node)
+            yield Driver(config, catalog, daemon, volumes, node, snapshots)
         finally:
+            await snapshots.close()
             await daemon.close()
 
 
@@ -77,7 +86,8 @@ async def serving(config: Config) -> AsyncIterator[Driver]:
     async with running_driver(config) as driver:
         server = grpc.aio.server()
         pb_grpc.add_IdentityServicer_to_server(IdentityService(config.driver_name, driver.ready), server)
-        pb_grpc.add_ControllerServicer_to_server(ControllerService(config, driver.volumes), server)
+        pb_grpc.add_ControllerServicer_to_server(ControllerService(config, driver.volumes, driver.snapshots), server)
+        pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features()), server)
         socket = config.socket_path
         socket.parent.mkdir(parents=True, exist_ok=True)

@@ -230,6 +230,56 @@ class NodeVolumes:
             available_inodes=st.f_favail, used_inodes=st.f_files - st.f_ffree, abnormal=abnormal, message=message,
         )
 
+    async def switch_tops(self, switches: list[tuple[VolumeRecord, attach.TopImage]]) -> None:
+        """Move staged volumes onto their new top images live, at one instant.
+
+        Mounted filesystems are frozen (fsfreeze) around the switch, so the
+        image left behind is consistent; a filesystem that cannot be frozen
+        aborts the switch with nothing changed. VM volumes are cut
+        crash-consistent: what the guest had acknowledged is in the image.
+        Volumes that are not staged need nothing here.
+        """
+        live: list[tuple[VolumeRecord, attach.TopImage, StageRecord]] = []
+        for volume, top in switches:
+            stage = await self._catalog.stage(volume.id)
+            if stage is not None and stage.state is StageState.STAGED:
+                live.append((volume, top, stage))
+        if not live:
+            return
+        self._require_qsd()
+        frozen: list[Path] = []
+        try:
+            for volume, _top, stage in live:
+                if stage.access_type is AccessType.MOUNT and not _is_vhost(volume):
+                    await filesystems.freeze(stage.staging_path)
+                    frozen.append(stage.staging_path)
+            await attach.switch_tops(self._daemon.client, [(volume.generation, top) for volume, top, _ in live])
+        finally:
+            for path in frozen:
+                await filesystems.thaw(path)
+
+    async def on_new_tops(self, tops: list[attach.TopImage]) -> bool:
+        """True if QSD already has any of `tops` open (a switch happened even though it reported failure)."""
+        if not tops or not self._daemon.ready:
+            return False
+        try:
+            present = await self._daemon.client.named_nodes()
+        except Exception:
+            return False
+        return any(top.nodes.format in present for top in tops)
+
+    async def stream_if_staged(self, volume: VolumeRecord, top: attach.TopImage) -> bool:
+        """Flatten a staged volume live with QSD's block-stream; False if it is not staged here."""
+        stage = await self._catalog.stage(volume.id)
+        if stage is None or stage.state is not StageState.STAGED:
+            return False
+        self._require_qsd()
+        await attach.ensure_top(self._daemon.client, top)
+        await self._daemon.client.run_job(
+            "block-stream", {"job-id": f"stream-{volume.id}", "device": top.nodes.format}, f"stream-{volume.id}"
+        )
+        return True
+
     async def staged_count(self) -> int:
         return len(await self._catalog.stages())
 

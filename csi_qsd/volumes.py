@@ -9,14 +9,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+from pathlib import Path
 
 from csi_qsd.catalog import Catalog, VolumeRecord, VolumeState, now
-from csi_qsd.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange
+from csi_qsd.errors import (
+    Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted,
+)
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ExportKind, VolumeParameters
 from csi_qsd.pools.files import FilePool
-from csi_qsd import validate
+from csi_qsd import chains, validate
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +104,15 @@ class Volumes:
         self._name_locks = KeyedLocks("volume name")
 
     async def create(
-        self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability]
+        self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
+        *, base: Path | None = None, base_size: int = 0, source: str = "",
     ) -> VolumeRecord:
         """Create (or return the existing identical) volume called `name`.
 
-        Raises InvalidArgument, OutOfRange, AlreadyExists, ResourceExhausted, Aborted.
+        With `base`, the volume is a thin overlay on that image (a restore or a
+        clone, O(1)) of at least `base_size` bytes; `source` says where it
+        came from. Raises InvalidArgument, OutOfRange, AlreadyExists,
+        ResourceExhausted, Aborted.
         """
         for cap in caps:
             reason = unsupported_capability(cap, params)
@@ -115,7 +122,7 @@ class Volumes:
             existing = await self._catalog.volume_by_name(name)
             if existing is not None:
                 if existing.state is VolumeState.READY:
-                    if existing.params != params or not _fits(existing, required, limit):
+                    if existing.params != params or not _fits(existing, required, limit) or existing.source != source:
                         raise AlreadyExists(
                             f"volume named {name!r} exists ({existing.id}, {existing.capacity} bytes) "
                             "with other parameters or capacity"
@@ -124,18 +131,26 @@ class Volumes:
                 if existing.state is VolumeState.DELETING:
                     raise Aborted(f"volume named {name!r} ({existing.id}) is being deleted; retry later")
                 await self._discard(existing)  # a crashed earlier attempt
-            size = choose_size(required, limit)
+            size = choose_size(required or base_size, limit)
+            if size < base_size:
+                raise OutOfRange(f"volume {name!r} must hold at least the {base_size} bytes of its source")
             volume_id = validate.new_volume_id()
             record = VolumeRecord(
                 id=volume_id, name=name, capacity=size, params=params,
                 image=self._pool.image_path(volume_id, params.format), state=VolumeState.CREATING,
-                created_at=now(),
+                created_at=now(), backing=str(base) if base is not None else "", source=source,
             )
             async with self._volume_locks.hold(volume_id):
                 await self._catalog.add_volume(record)
                 self._failpoints.hit("create.after_intent")
                 try:
-                    await self._pool.create(record.image, size, params)
+                    if base is not None:
+                        await self._pool.create_overlay(record.image, base, size)
+                    else:
+                        await self._pool.create(record.image, size, params)
+                except ResourceExhausted as exc:
+                    await self._discard(record)
+                    raise ResourceExhausted(f"cannot create volume {name!r} of {size} bytes: {exc}") from exc
                 except BaseException:
                     await self._discard(record)
                     raise
@@ -158,6 +173,7 @@ class Volumes:
             self._failpoints.hit("delete.after_image")
             await self._catalog.delete_volume(volume_id)
             log.info("event=volume_deleted volume_id=%s", volume_id)
+            await chains.reclaim(self._catalog, self._pool, record.backing)
 
     async def get(self, volume_id: str) -> VolumeRecord | None:
         record = await self._catalog.volume(volume_id)
@@ -195,7 +211,9 @@ class Volumes:
                 log.info("event=reconcile_finish_delete volume_id=%s", record.id)
                 await self._pool.delete(record.image)
                 await self._catalog.delete_volume(record.id)
+                await chains.reclaim(self._catalog, self._pool, record.backing)
         known = {r.image for r in await self._catalog.volumes()}
+        known |= {r.image for r in await self._catalog.snapshots()}
         for image in self._pool.images():
             if image not in known:
                 log.warning("event=reconcile_unknown_image path=%s action=kept", image)

@@ -3,33 +3,58 @@
 from __future__ import annotations
 
 import grpc
-from google.protobuf import wrappers_pb2
+from google.protobuf import timestamp_pb2, wrappers_pb2
 
 from csi_qsd import validate
-from csi_qsd.catalog import VolumeRecord
+from csi_qsd.catalog import SnapshotRecord, VolumeRecord
 from csi_qsd.config import Config, TOPOLOGY_KEY_NODE
 from csi_qsd.csi import convert
 from csi_qsd.csi.errors import rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
-from csi_qsd.params import parse_parameters
+from csi_qsd.params import PROVISIONER_PREFIX, parse_parameters
+from csi_qsd.snapshots import Snapshots
 from csi_qsd.volumes import MIB, Volumes, unsupported_capability
 
 _RPC = pb.ControllerServiceCapability.RPC.Type
 CAPABILITIES = (
     _RPC.CREATE_DELETE_VOLUME, _RPC.LIST_VOLUMES, _RPC.GET_CAPACITY, _RPC.GET_VOLUME,
     _RPC.SINGLE_NODE_MULTI_WRITER,
+    _RPC.CREATE_DELETE_SNAPSHOT, _RPC.LIST_SNAPSHOTS, _RPC.GET_SNAPSHOT, _RPC.CLONE_VOLUME,
 )
 
 
+def snapshot_message(record: SnapshotRecord) -> pb.Snapshot:
+    created = timestamp_pb2.Timestamp()
+    created.FromNanoseconds(int(record.created_at * 1e9))
+    return pb.Snapshot(
+        snapshot_id=record.id, source_volume_id=record.source_volume_id, size_bytes=record.size,
+        creation_time=created, ready_to_use=True, group_snapshot_id=record.group_id,
+    )
+
+
+def check_snapshot_parameters(parameters: dict[str, str]) -> None:
+    unknown = sorted(k for k in parameters if not k.startswith(PROVISIONER_PREFIX))
+    if unknown:
+        raise InvalidArgument(f"unknown snapshot parameter {unknown[0]!r}: snapshots take no parameters")
+
+
 class ControllerService(pb_grpc.ControllerServicer):
-    def __init__(self, config: Config, volumes: Volumes) -> None:
+    def __init__(self, config: Config, volumes: Volumes, snapshots: Snapshots) -> None:
         self._config = config
         self._volumes = volumes
+        self._snapshots = snapshots
 
     def _volume_message(self, record: VolumeRecord) -> pb.Volume:
+        kind, _, source_id = record.source.partition(":")
+        content = None
+        if kind == "snapshot":
+            content = pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=source_id))
+        elif kind == "volume":
+            content = pb.VolumeContentSource(volume=pb.VolumeContentSource.VolumeSource(volume_id=source_id))
         return pb.Volume(
+            content_source=content,
             volume_id=record.id, capacity_bytes=record.capacity,
             volume_context={"export": record.params.export.value, "format": record.params.format.value},
             accessible_topology=[pb.Topology(segments={TOPOLOGY_KEY_NODE: self._config.node_id})],
@@ -42,17 +67,24 @@ class ControllerService(pb_grpc.ControllerServicer):
         name = validate.name(request.name)
         caps = convert.capabilities(list(request.volume_capabilities))
         params = parse_parameters(dict(request.parameters))
-        if request.HasField("volume_content_source"):
-            raise InvalidArgument("volume_content_source is not supported: this driver cannot pre-populate volumes yet")
+        source = request.volume_content_source if request.HasField("volume_content_source") else None
         if request.HasField("accessibility_requirements"):
             requisite = list(request.accessibility_requirements.requisite)
             if requisite and not convert.topology_allows(self._config, requisite):
                 raise ResourceExhausted(
                     f"volume {name!r} cannot be placed: requisite topology excludes node {self._config.node_id!r}"
                 )
-        record = await self._volumes.create(
-            name, request.capacity_range.required_bytes, request.capacity_range.limit_bytes, params, caps
-        )
+        required, limit = request.capacity_range.required_bytes, request.capacity_range.limit_bytes
+        if source is None:
+            record = await self._volumes.create(name, required, limit, params, caps)
+        elif source.WhichOneof("type") == "snapshot":
+            snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
+            record = await self._snapshots.volume_from(name, required, limit, params, caps, snapshot_id=snapshot_id)
+        elif source.WhichOneof("type") == "volume":
+            volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
+            record = await self._snapshots.volume_from(name, required, limit, params, caps, volume_id=volume_id)
+        else:
+            raise InvalidArgument("volume_content_source must name a snapshot or a volume")
         return pb.CreateVolumeResponse(volume=self._volume_message(record))
 
     @rpc
@@ -140,6 +172,48 @@ class ControllerService(pb_grpc.ControllerServicer):
             ]
         )
 
+    @rpc
+    async def CreateSnapshot(
+        self, request: pb.CreateSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreateSnapshotResponse:
+        name = validate.name(request.name)
+        source = validate.volume_id(request.source_volume_id, "source_volume_id")
+        check_snapshot_parameters(dict(request.parameters))
+        record = await self._snapshots.create(name, source)
+        return pb.CreateSnapshotResponse(snapshot=snapshot_message(record))
+
+    @rpc
+    async def DeleteSnapshot(
+        self, request: pb.DeleteSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteSnapshotResponse:
+        if not request.snapshot_id:
+            raise InvalidArgument("snapshot_id is required")
+        if validate.SNAPSHOT_ID_RE.match(request.snapshot_id):
+            await self._snapshots.delete(request.snapshot_id)
+        return pb.DeleteSnapshotResponse()
+
+    @rpc
+    async def ListSnapshots(
+        self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSnapshotsResponse:
+        records, token = await self._snapshots.page(
+            request.starting_token, request.max_entries,
+            snapshot_id=request.snapshot_id, source_volume_id=request.source_volume_id,
+        )
+        return pb.ListSnapshotsResponse(
+            entries=[pb.ListSnapshotsResponse.Entry(snapshot=snapshot_message(r)) for r in records], next_token=token,
+        )
+
+    @rpc
+    async def GetSnapshot(
+        self, request: pb.GetSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetSnapshotResponse:
+        snapshot_id = validate.snapshot_id(request.snapshot_id)
+        record = await self._snapshots.get(snapshot_id)
+        if record is None:
+            raise NotFound(f"snapshot {snapshot_id} does not exist")
+        return pb.GetSnapshotResponse(snapshot=snapshot_message(record))
+
     # Not offered: answered UNIMPLEMENTED, and absent from the capabilities above.
 
     @rpc
@@ -150,21 +224,6 @@ class ControllerService(pb_grpc.ControllerServicer):
     async def ControllerUnpublishVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
         raise Unimplemented("ControllerUnpublishVolume is not needed: volumes are node-local")
 
-    @rpc
-    async def CreateSnapshot(self, request: object, context: grpc.aio.ServicerContext) -> object:
-        raise Unimplemented("snapshots are not supported by this driver version")
-
-    @rpc
-    async def DeleteSnapshot(self, request: object, context: grpc.aio.ServicerContext) -> object:
-        raise Unimplemented("snapshots are not supported by this driver version")
-
-    @rpc
-    async def ListSnapshots(self, request: object, context: grpc.aio.ServicerContext) -> object:
-        raise Unimplemented("snapshots are not supported by this driver version")
-
-    @rpc
-    async def GetSnapshot(self, request: object, context: grpc.aio.ServicerContext) -> object:
-        raise Unimplemented("snapshots are not supported by this driver version")
 
     @rpc
     async def ControllerExpandVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:

@@ -30,7 +30,9 @@ class IdentityService(pb_grpc.IdentityServicer):
     async def GetPluginCapabilities(
         self, request: pb.GetPluginCapabilitiesRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetPluginCapabilitiesResponse:
-        services = (_Service.CONTROLLER_SERVICE, _Service.VOLUME_ACCESSIBILITY_CONSTRAINTS)
+        services = (
+            _Service.CONTROLLER_SERVICE, _Service.VOLUME_ACCESSIBILITY_CONSTRAINTS, _Service.GROUP_CONTROLLER_SERVICE,
+        )
         return pb.GetPluginCapabilitiesResponse(
             capabilities=[pb.PluginCapability(service=_Service(type=kind)) for kind in services]
         )

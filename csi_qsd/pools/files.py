@@ -35,8 +35,11 @@ class FilePool:
     def prepare(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def image_path(self, volume_id: str, fmt: ImageFormat) -> Path:
-        return self.directory / f"{volume_id}.{fmt.value}"
+    def image_path(self, volume_id: str, fmt: ImageFormat, generation: int = 0) -> Path:
+        """A volume's image of `generation`: 0 is the one it was created with, later ones are overlays."""
+        if generation == 0:
+            return self.directory / f"{volume_id}.{fmt.value}"
+        return self.directory / f"{volume_id}.{generation}.qcow2"
 
     def usage(self) -> PoolUsage:
         st = os.statvfs(self.directory)
@@ -64,6 +67,31 @@ class FilePool:
             await asyncio.to_thread(_fsync_and_rename, tmp, image)
         finally:
             tmp.unlink(missing_ok=True)
+
+    async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
+        """Create a thin qcow2 `image` over `backing` (same directory, named relatively): O(1)."""
+        tmp = image.with_name(image.name + TMP_SUFFIX)
+        tmp.unlink(missing_ok=True)
+        backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
+        try:
+            await run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=off",
+                      "-b", backing.name, "-F", backing_format, str(tmp), str(size))
+            await asyncio.to_thread(_fsync_and_rename, tmp, image)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def backing_of(self, image: Path) -> str:
+        """The absolute backing file an image's header names, or ''."""
+        _, out = await run("qemu-img", "info", "--force-share", "--output=json", str(image))
+        info = json.loads(out)
+        return str(info.get("full-backing-filename", "") or "")
+
+    async def flatten(self, image: Path) -> None:
+        """Copy everything the backing chain holds into `image` and drop its backing (offline).
+
+        qemu-img rewrites the header last, so a crash midway leaves the old, valid chain.
+        """
+        await run("qemu-img", "rebase", "-q", "-f", "qcow2", "-b", "", str(image), timeout=24 * 3600)
 
     async def delete(self, image: Path) -> None:
         await asyncio.to_thread(_unlink_durably, image)

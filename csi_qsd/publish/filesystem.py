@@ -35,8 +35,20 @@ async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str
             f"use fsType {existing} or a new volume"
         )
     staging.mkdir(mode=0o750, exist_ok=True)
-    await mounts.mount(loop, staging, fs_type=existing, options=flags)
+    # A volume restored or cloned into a larger size, or expanded while unstaged,
+    # carries a smaller filesystem: grow it to the device. ext4 grows before the
+    # mount (online growth needs CAP_SYS_RESOURCE), xfs only while mounted.
+    if existing == "ext4":
+        await filesystems.grow_ext4_offline(loop)
+    await mounts.mount(loop, staging, fs_type=existing, options=_mount_options(existing, flags))
+    if existing == "xfs":
+        await filesystems.grow(staging, existing, loop)
     return existing
+
+
+def _mount_options(fs_type: str, flags: list[str]) -> list[str]:
+    # Restores and clones share their source's XFS UUID; XFS refuses a second mount without this.
+    return [*flags, "nouuid"] if fs_type == "xfs" and "nouuid" not in flags else flags
 
 
 async def ensure_published(staging: Path, target: Path, *, readonly: bool, flags: list[str]) -> None:

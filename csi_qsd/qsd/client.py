@@ -120,6 +120,21 @@ class QSDClient:
             except asyncio.TimeoutError as exc:
                 raise QSDError(f"export {export_id} was not removed within {self._timeout}s") from exc
 
+    async def run_job(self, command: str, arguments: QMPArgs, job_id: str) -> None:
+        """Start a block job and wait, without a timeout, until it completes; raise QSDError if it failed."""
+        listener = EventListener(("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED", "BLOCK_JOB_ERROR"))
+        with self._qmp.listen(listener):
+            await self.execute(command, arguments)
+            async for event in listener:
+                data = cast(dict[str, Any], event["data"])
+                if data.get("device") != job_id:
+                    continue
+                if event["event"] == "BLOCK_JOB_COMPLETED" and not data.get("error"):
+                    return
+                if event["event"] == "BLOCK_JOB_ERROR":
+                    continue  # the job's on-error policy decides; completion or cancel follows
+                raise QSDError(f"block job {job_id} ended without success: {data.get('error', event['event'])}")
+
     async def block_resize(self, node_name: str, size: int) -> None:
         await self.execute("block_resize", {"node-name": node_name, "size": size})
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from csi_qsd.errors import InvalidArgument
+from csi_qsd.errors import FailedPrecondition, InvalidArgument
+from csi_qsd.sys.loop import device_size
 from csi_qsd.sys.run import run
 
 SUPPORTED = ("ext4", "xfs")
@@ -35,6 +36,33 @@ async def make(device: Path, fs_type: str) -> None:
         await run("mkfs.xfs", "-q", "-f", "-K", str(device))
     else:
         raise InvalidArgument(f"fs_type {fs_type!r} is not supported")
+
+
+async def freeze(mount_point: Path) -> None:
+    """Flush and block writes to a mounted filesystem; raise FailedPrecondition if it cannot be frozen."""
+    code, _ = await run("fsfreeze", "--freeze", str(mount_point), check=False, timeout=60)
+    if code != 0:
+        raise FailedPrecondition(f"cannot freeze the filesystem at {mount_point} for a consistent snapshot")
+
+
+async def thaw(mount_point: Path) -> None:
+    await run("fsfreeze", "--unfreeze", str(mount_point), check=False, timeout=60)
+
+
+async def ext4_size(device: Path) -> int:
+    """Bytes an ext4 filesystem spans, from its superblock."""
+    _, out = await run("dumpe2fs", "-h", str(device))
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return int(fields["Block count"].strip()) * int(fields["Block size"].strip())
+
+
+async def grow_ext4_offline(device: Path) -> bool:
+    """Grow an unmounted ext4 filesystem to fill `device`; True if it grew."""
+    if await ext4_size(device) >= device_size(device):
+        return False
+    await run("e2fsck", "-f", "-p", str(device), timeout=3600)
+    await run("resize2fs", str(device), timeout=3600)
+    return True
 
 
 async def grow(mount_point: Path, fs_type: str, device: Path) -> None:

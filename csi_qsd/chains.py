@@ -1,0 +1,41 @@
+"""Backing chains: reclaim images nobody needs any more, and measure chain depth.
+
+A snapshot the user deleted while volumes or newer snapshots still stood on it
+stays hidden; it goes when its last dependant goes. Reclaiming walks down the
+chain, so one delete can free several hidden layers. Only hidden snapshots'
+images are ever removed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from csi_qsd.catalog import Catalog, SnapshotState, VolumeRecord
+from csi_qsd.pools.files import FilePool
+
+log = logging.getLogger(__name__)
+
+
+async def reclaim(catalog: Catalog, pool: FilePool, image: str) -> None:
+    """Delete `image` if it belongs to a hidden snapshot with no dependants, then its backing, and so on."""
+    while image:
+        snapshot = await catalog.snapshot_by_image(image)
+        if snapshot is None or not snapshot.hidden or await catalog.dependants(image) > 0:
+            return
+        log.info("event=reclaim snapshot_id=%s image=%s", snapshot.id, image)
+        await catalog.put_snapshots([dataclasses.replace(snapshot, state=SnapshotState.DELETING)])
+        await pool.delete(Path(image))
+        await catalog.delete_snapshot(snapshot.id)
+        image = snapshot.backing
+
+
+async def depth(catalog: Catalog, volume: VolumeRecord) -> int:
+    """How many images a volume reads through: 1 for a volume with no backing."""
+    count, image = 1, volume.backing
+    while image:
+        count += 1
+        snapshot = await catalog.snapshot_by_image(image)
+        image = snapshot.backing if snapshot is not None else ""
+    return count

@@ -1,0 +1,328 @@
+"""Snapshots, group snapshots and clones: O(1) cuts of qcow2 backing chains, live.
+
+A snapshot freezes a volume's current top image; the volume moves on to a new
+thin overlay, switched live in QSD (one QMP transaction for a whole group, so
+all members are cut at the same instant). Restores and clones are overlays on
+a snapshot's image. A deleted snapshot that others still stand on is hidden
+and reclaimed with its last dependant; chains deeper than MAX_CHAIN_DEPTH are
+flattened in the background. Every step records intent first; `reconcile`
+rolls an interrupted cut forward (the overlay exists) or back (it does not).
+No gRPC types here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+
+from csi_qsd import chains, validate
+from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now
+from csi_qsd.errors import AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
+from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.locks import KeyedLocks
+from csi_qsd.params import ImageFormat, VolumeParameters
+from csi_qsd.pools.files import FilePool
+from csi_qsd.qsd import attach
+from csi_qsd.staging import NodeVolumes
+from csi_qsd.volumes import Capability, Volumes
+
+log = logging.getLogger(__name__)
+
+# Reads through more images than this trigger a background flatten of the volume.
+MAX_CHAIN_DEPTH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    id: str
+    name: str
+    created_at: float
+    members: tuple[SnapshotRecord, ...]
+
+
+class Snapshots:
+    """Snapshot lifecycle on one pool; shares the per-volume locks with volumes and staging."""
+
+    def __init__(
+        self, catalog: Catalog, pool: FilePool, volumes: Volumes, node: NodeVolumes, locks: KeyedLocks,
+        failpoints: Failpoints = NO_FAILPOINTS,
+    ) -> None:
+        self._catalog = catalog
+        self._pool = pool
+        self._volumes = volumes
+        self._node = node
+        self._locks = locks
+        self._failpoints = failpoints
+        self._name_locks = KeyedLocks("snapshot name")
+        self._flattening: dict[str, asyncio.Task[None]] = {}
+
+    async def close(self) -> None:
+        """Cancel background flattens; an interrupted flatten leaves the old chain, which is valid."""
+        tasks = list(self._flattening.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # snapshots ----------------------------------------------------------
+
+    async def create(self, name: str, source_volume_id: str) -> SnapshotRecord:
+        """Cut (or return the existing identical) snapshot `name` of a volume.
+
+        Raises NotFound, AlreadyExists, FailedPrecondition, Aborted, Unavailable.
+        """
+        async with self._name_locks.hold(name):
+            existing = await self._existing(name, source_volume_id)
+            if existing is not None:
+                return existing
+            (snapshot,) = await self._cut([(name, source_volume_id)], group_id="")
+            return snapshot
+
+    async def delete(self, snapshot_id: str) -> None:
+        """Remove a snapshot from the user's view; its image goes once nothing stands on it."""
+        snapshot = await self._catalog.snapshot(snapshot_id)
+        if snapshot is None or snapshot.state is SnapshotState.CREATING:
+            return
+        async with self._locks.hold(snapshot_id):
+            if await self._catalog.dependants(str(snapshot.image)) > 0:
+                await self._catalog.put_snapshots([dataclasses.replace(snapshot, hidden=True)])
+                log.info("event=snapshot_hidden snapshot_id=%s (images still depend on it)", snapshot_id)
+                return
+            await self._catalog.put_snapshots([dataclasses.replace(snapshot, state=SnapshotState.DELETING)])
+            self._failpoints.hit("delete_snapshot.after_intent")
+            await self._pool.delete(snapshot.image)
+            await self._catalog.delete_snapshot(snapshot_id)
+            log.info("event=snapshot_deleted snapshot_id=%s", snapshot_id)
+            await chains.reclaim(self._catalog, self._pool, snapshot.backing)
+
+    async def get(self, snapshot_id: str) -> SnapshotRecord | None:
+        snapshot = await self._catalog.snapshot(snapshot_id)
+        if snapshot is None or snapshot.hidden or snapshot.state is not SnapshotState.READY:
+            return None
+        return snapshot
+
+    async def page(
+        self, starting_token: str, max_entries: int, *, snapshot_id: str = "", source_volume_id: str = ""
+    ) -> tuple[list[SnapshotRecord], str]:
+        """One page of visible snapshots, optionally filtered; Aborted for a foreign token."""
+        from csi_qsd.errors import Aborted
+
+        if max_entries < 0:
+            raise InvalidArgument("max_entries must not be negative")
+        if starting_token and not validate.SNAPSHOT_ID_RE.match(starting_token):
+            raise Aborted(f"starting_token {starting_token!r} is not one this driver issued")
+        visible = [
+            s for s in await self._catalog.snapshots()
+            if not s.hidden and s.state is SnapshotState.READY and s.id > starting_token
+            and (not snapshot_id or s.id == snapshot_id)
+            and (not source_volume_id or s.source_volume_id == source_volume_id)
+        ]
+        if max_entries and len(visible) > max_entries:
+            return visible[:max_entries], visible[max_entries - 1].id
+        return visible, ""
+
+    # groups -------------------------------------------------------------
+
+    async def create_group(self, name: str, volume_ids: list[str]) -> Group:
+        """Cut every volume at the same instant (one QMP transaction); idempotent by name."""
+        if not volume_ids:
+            raise InvalidArgument("source_volume_ids must not be empty")
+        if len(set(volume_ids)) != len(volume_ids):
+            raise InvalidArgument("source_volume_ids lists a volume twice")
+        async with self._name_locks.hold(name):
+            found = await self._catalog.group(name=name)
+            if found is not None:
+                group = await self.get_group(found[0])
+                assert group is not None
+                if sorted(s.source_volume_id for s in group.members) != sorted(volume_ids):
+                    raise AlreadyExists(f"group snapshot {name!r} exists with other source volumes")
+                return group
+            group_id = validate.new_group_id()
+            created = now()
+            await self._catalog.add_group(group_id, name, created)
+            try:
+                members = await self._cut([(f"{name}.{vid}", vid) for vid in volume_ids], group_id=group_id)
+            except BaseException:
+                await self._catalog.delete_group(group_id)
+                raise
+            return Group(group_id, name, created, tuple(members))
+
+    async def get_group(self, group_id: str) -> Group | None:
+        found = await self._catalog.group(group_id=group_id)
+        if found is None:
+            return None
+        members = tuple(m for m in await self._catalog.group_members(group_id) if m.state is SnapshotState.READY)
+        return Group(found[0], found[1], found[2], members)
+
+    async def delete_group(self, group_id: str) -> None:
+        for member in await self._catalog.group_members(group_id):
+            await self.delete(member.id)
+        await self._catalog.delete_group(group_id)
+
+    # volumes from snapshots and volumes --------------------------------
+
+    async def volume_from(
+        self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
+        *, snapshot_id: str = "", volume_id: str = "",
+    ) -> VolumeRecord:
+        """A new volume over a snapshot, or over a fresh hidden snapshot of a volume (a clone): O(1)."""
+        if params.format is not ImageFormat.QCOW2:
+            raise InvalidArgument("volumes made from a snapshot or another volume must use format 'qcow2'")
+        source = f"snapshot:{snapshot_id}" if snapshot_id else f"volume:{volume_id}"
+        existing = await self._catalog.volume_by_name(name)
+        if existing is not None and existing.state is VolumeState.READY:
+            return await self._volumes.create(name, required, limit, params, caps, source=source)
+        if snapshot_id:
+            base = await self.get(snapshot_id)
+            if base is None:
+                raise NotFound(f"snapshot {snapshot_id} does not exist")
+        else:
+            (base,) = await self._cut([(f"clone.{validate.new_snapshot_id()}", volume_id)], group_id="", hidden=True)
+        volume = await self._volumes.create(
+            name, required, limit, params, caps, base=base.image, base_size=base.size, source=source,
+        )
+        self._maybe_flatten(volume)
+        return volume
+
+    # the cut ------------------------------------------------------------
+
+    async def _existing(self, name: str, source_volume_id: str) -> SnapshotRecord | None:
+        existing = await self._catalog.snapshot_by_name(name)
+        if existing is None:
+            return None
+        if existing.source_volume_id != source_volume_id:
+            raise AlreadyExists(
+                f"snapshot {name!r} exists ({existing.id}) of another volume ({existing.source_volume_id})"
+            )
+        if existing.state is SnapshotState.READY and not existing.hidden:
+            return existing
+        raise FailedPrecondition(f"snapshot {name!r} ({existing.id}) is being created or deleted; retry later")
+
+    async def _cut(self, requests: list[tuple[str, str]], *, group_id: str, hidden: bool = False) -> list[SnapshotRecord]:
+        async with contextlib.AsyncExitStack() as stack:
+            volumes: list[VolumeRecord] = []
+            for _name, vid in requests:
+                await stack.enter_async_context(self._locks.hold(vid))
+                volume = await self._catalog.volume(vid)
+                if volume is None or volume.state is not VolumeState.READY:
+                    raise NotFound(f"volume {vid} does not exist")
+                if volume.params.format is not ImageFormat.QCOW2:
+                    raise FailedPrecondition(f"volume {vid} is a raw image; snapshots need format 'qcow2'")
+                volumes.append(volume)
+            created = now()
+            snapshots = [
+                SnapshotRecord(
+                    id=validate.new_snapshot_id(), name=name, source_volume_id=volume.id, image=volume.image,
+                    backing=volume.backing, size=volume.capacity, created_at=created, state=SnapshotState.CREATING,
+                    hidden=hidden, group_id=group_id,
+                    overlay=str(self._pool.image_path(volume.id, ImageFormat.QCOW2, volume.generation + 1)),
+                )
+                for (name, _), volume in zip(requests, volumes)
+            ]
+            await self._catalog.put_snapshots(snapshots)
+            self._failpoints.hit("snapshot.after_intent")
+            moved: list[VolumeRecord] = []
+            try:
+                for snapshot, volume in zip(snapshots, volumes):
+                    await self._pool.create_overlay(Path(snapshot.overlay), volume.image, volume.capacity)
+                self._failpoints.hit("snapshot.after_overlay")
+                moved = [_moved(volume, snapshot) for volume, snapshot in zip(volumes, snapshots)]
+                await self._node.switch_tops(
+                    [(volume, _top(new)) for volume, new in zip(volumes, moved)]
+                )
+            except BaseException:
+                # A switch QSD carried out although its answer was lost must roll forward:
+                # the volume already writes to the overlay.
+                if not await self._node.on_new_tops([_top(m) for m in moved]):
+                    await self._undo_cut(snapshots)
+                    raise
+                log.warning("event=snapshot_switch_answer_lost; rolling forward")
+            self._failpoints.hit("snapshot.after_switch")
+            ready = [dataclasses.replace(s, state=SnapshotState.READY, overlay="") for s in snapshots]
+            await self._catalog.put_snapshots(ready, tuple(moved))
+        for snapshot, volume in zip(ready, moved):
+            log.info("event=snapshot_created snapshot_id=%s volume_id=%s image=%s", snapshot.id, volume.id, snapshot.image)
+            self._maybe_flatten(volume)
+        return ready
+
+    async def _undo_cut(self, snapshots: list[SnapshotRecord]) -> None:
+        for snapshot in snapshots:
+            await self._pool.delete(Path(snapshot.overlay))
+            await self._catalog.delete_snapshot(snapshot.id)
+
+    async def reconcile(self) -> None:
+        """Roll interrupted cuts forward (overlay made) or back (not made); finish interrupted deletes."""
+        for snapshot in await self._catalog.snapshots():
+            if snapshot.state is SnapshotState.CREATING:
+                volume = await self._catalog.volume(snapshot.source_volume_id)
+                overlay = Path(snapshot.overlay)
+                if volume is not None and overlay.exists() and volume.image == snapshot.image:
+                    log.info("event=reconcile_snapshot_forward snapshot_id=%s", snapshot.id)
+                    await self._catalog.put_snapshots(
+                        [dataclasses.replace(snapshot, state=SnapshotState.READY, overlay="")],
+                        (_moved(volume, snapshot),),
+                    )
+                else:
+                    log.info("event=reconcile_snapshot_back snapshot_id=%s", snapshot.id)
+                    await self._undo_cut([snapshot])
+            elif snapshot.state is SnapshotState.DELETING:
+                await self._pool.delete(snapshot.image)
+                await self._catalog.delete_snapshot(snapshot.id)
+                await chains.reclaim(self._catalog, self._pool, snapshot.backing)
+        for volume in await self._catalog.volumes(state=VolumeState.READY):
+            if volume.backing and volume.image.exists() and not await self._pool.backing_of(volume.image):
+                log.info("event=reconcile_flattened volume_id=%s", volume.id)  # a flatten finished, unrecorded
+                await self._catalog.update_volume(dataclasses.replace(volume, backing=""))
+                await chains.reclaim(self._catalog, self._pool, volume.backing)
+
+    # flattening ---------------------------------------------------------
+
+    def _maybe_flatten(self, volume: VolumeRecord) -> None:
+        if volume.id not in self._flattening:
+            task = asyncio.create_task(self._flatten_if_deep(volume.id), name=f"flatten-{volume.id}")
+            self._flattening[volume.id] = task
+            task.add_done_callback(self._forget_flatten)
+
+    def _forget_flatten(self, task: asyncio.Task[None]) -> None:
+        self._flattening.pop(task.get_name().removeprefix("flatten-"), None)
+
+    async def _flatten_if_deep(self, volume_id: str) -> None:
+        try:
+            volume = await self._catalog.volume(volume_id)
+            if volume is None or await chains.depth(self._catalog, volume) <= MAX_CHAIN_DEPTH:
+                return
+            await self.flatten(volume_id)
+        except asyncio.CancelledError:
+            raise
+        except DriverError as exc:
+            log.warning("event=flatten_deferred volume_id=%s reason=%r", volume_id, str(exc))
+        except Exception:
+            log.exception("event=flatten_failed volume_id=%s", volume_id)
+
+    async def flatten(self, volume_id: str) -> None:
+        """Copy a volume's whole chain into its top image and drop the backing; live if staged."""
+        async with self._locks.hold(volume_id):
+            volume = await self._catalog.volume(volume_id)
+            if volume is None or not volume.backing:
+                return
+            log.info("event=flatten_start volume_id=%s", volume_id)
+            if not await self._node.stream_if_staged(volume, _top(volume)):
+                await self._pool.flatten(volume.image)
+            await self._catalog.update_volume(dataclasses.replace(volume, backing=""))
+            log.info("event=flatten_done volume_id=%s", volume_id)
+            await chains.reclaim(self._catalog, self._pool, volume.backing)
+
+
+def _moved(volume: VolumeRecord, snapshot: SnapshotRecord) -> VolumeRecord:
+    """The volume after the cut: on its new overlay, one generation on, standing on the snapshot."""
+    return dataclasses.replace(
+        volume, image=Path(snapshot.overlay), generation=volume.generation + 1, backing=str(snapshot.image)
+    )
+
+
+def _top(volume: VolumeRecord) -> attach.TopImage:
+    return attach.TopImage(volume.id, volume.generation, volume.image, volume.params)
