@@ -20,7 +20,7 @@ from pathlib import Path
 
 from csi_qsd import chains, validate
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now
-from csi_qsd.errors import AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
+from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ImageFormat, VolumeParameters
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Reads through more images than this trigger a background flatten of the volume.
 MAX_CHAIN_DEPTH = 8
+FLATTEN_RETRIES = 600
+FLATTEN_RETRY_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Snapshots:
         self._failpoints = failpoints
         self._name_locks = KeyedLocks("snapshot name")
         self._flattening: dict[str, asyncio.Task[None]] = {}
+        node.unstaged_listeners.append(self._flatten_later)
 
     async def close(self) -> None:
         """Cancel background flattens; an interrupted flatten leaves the old chain, which is valid."""
@@ -109,8 +112,6 @@ class Snapshots:
         self, starting_token: str, max_entries: int, *, snapshot_id: str = "", source_volume_id: str = ""
     ) -> tuple[list[SnapshotRecord], str]:
         """One page of visible snapshots, optionally filtered; Aborted for a foreign token."""
-        from csi_qsd.errors import Aborted
-
         if max_entries < 0:
             raise InvalidArgument("max_entries must not be negative")
         if starting_token and not validate.SNAPSHOT_ID_RE.match(starting_token):
@@ -281,6 +282,12 @@ class Snapshots:
 
     # flattening ---------------------------------------------------------
 
+    def _flatten_later(self, volume_id: str) -> None:
+        if volume_id not in self._flattening:
+            task = asyncio.create_task(self._flatten_if_deep(volume_id), name=f"flatten-{volume_id}")
+            self._flattening[volume_id] = task
+            task.add_done_callback(self._forget_flatten)
+
     def _maybe_flatten(self, volume: VolumeRecord) -> None:
         if volume.id not in self._flattening:
             task = asyncio.create_task(self._flatten_if_deep(volume.id), name=f"flatten-{volume.id}")
@@ -291,17 +298,24 @@ class Snapshots:
         self._flattening.pop(task.get_name().removeprefix("flatten-"), None)
 
     async def _flatten_if_deep(self, volume_id: str) -> None:
-        try:
-            volume = await self._catalog.volume(volume_id)
-            if volume is None or await chains.depth(self._catalog, volume) <= MAX_CHAIN_DEPTH:
+        """Background task: flatten once the volume is free; give up quietly if it cannot be done live."""
+        for _attempt in range(FLATTEN_RETRIES):
+            try:
+                volume = await self._catalog.volume(volume_id)
+                if volume is None or await chains.depth(self._catalog, volume) <= MAX_CHAIN_DEPTH:
+                    return
+                await self.flatten(volume_id)
                 return
-            await self.flatten(volume_id)
-        except asyncio.CancelledError:
-            raise
-        except DriverError as exc:
-            log.warning("event=flatten_deferred volume_id=%s reason=%r", volume_id, str(exc))
-        except Exception:
-            log.exception("event=flatten_failed volume_id=%s", volume_id)
+            except asyncio.CancelledError:
+                raise
+            except Aborted:
+                await asyncio.sleep(FLATTEN_RETRY_SECONDS)  # another call holds the volume; try again
+            except DriverError as exc:
+                log.info("event=flatten_deferred volume_id=%s reason=%r", volume_id, str(exc))
+                return
+            except Exception:
+                log.exception("event=flatten_failed volume_id=%s", volume_id)
+                return
 
     async def flatten(self, volume_id: str) -> None:
         """Copy a volume's whole chain into its top image and drop the backing; live if staged."""

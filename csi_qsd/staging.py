@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.catalog import (
@@ -75,6 +76,7 @@ class NodeVolumes:
         failpoints: Failpoints = NO_FAILPOINTS,
     ) -> None:
         self._failpoints = failpoints
+        self.unstaged_listeners: list[Callable[[str], None]] = []
         self._config = config
         self._catalog = catalog
         self._daemon = daemon
@@ -151,6 +153,8 @@ class NodeVolumes:
             await self._tear_down(volume, record)
             await self._catalog.delete_stage(volume_id)
             log.info("event=unstaged volume_id=%s path=%s", volume_id, staging_path)
+        for listener in self.unstaged_listeners:
+            listener(volume_id)
 
     async def publish(self, spec: PublishSpec) -> None:
         """Raises NotFound, FailedPrecondition (not staged), AlreadyExists (incompatible), Unavailable."""
@@ -269,10 +273,20 @@ class NodeVolumes:
         return any(top.nodes.format in present for top in tops)
 
     async def stream_if_staged(self, volume: VolumeRecord, top: attach.TopImage) -> bool:
-        """Flatten a staged volume live with QSD's block-stream; False if it is not staged here."""
+        """Flatten a staged volume live with QSD's block-stream; False if it is not staged here.
+
+        Raises FailedPrecondition for a volume staged over FUSE: QSD 7.2's FUSE
+        export holds the 'resize' permission that block-stream must deny, so
+        such a volume is flattened offline once it is unstaged.
+        """
         stage = await self._catalog.stage(volume.id)
         if stage is None or stage.state is not StageState.STAGED:
             return False
+        if not _is_vhost(volume):
+            raise FailedPrecondition(
+                f"volume {volume.id} is staged over FUSE, which block-stream cannot run under; "
+                "it is flattened when unstaged"
+            )
         self._require_qsd()
         await attach.ensure_top(self._daemon.client, top)
         await self._daemon.client.run_job(
