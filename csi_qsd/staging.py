@@ -30,6 +30,7 @@ from csi_qsd.qsd import attach, graph
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import QSDDaemon
 from csi_qsd.sys import filesystems, loop, mounts
+from csi_qsd.volumes import choose_size
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,47 @@ class NodeVolumes:
             self._failpoints.hit("unpublish.after_intent")
             await self._remove_publish(volume, record)
             log.info("event=unpublished volume_id=%s target=%s", volume_id, target_path)
+
+    async def expand(self, volume_id: str, path: Path, required: int, limit: int) -> int:
+        """Grow a staged volume's image, device and filesystem; return its new size in bytes.
+
+        The image grows live in QSD (block_resize) and the loop device and
+        filesystem follow. A vhost-user-blk export keeps the size it had when
+        it was added (QSD 7.2), so it is re-added: a VM started afterwards
+        sees the new size, a running one does not (hence OFFLINE expansion).
+        Raises NotFound, OutOfRange, FailedPrecondition, Unavailable, Aborted.
+        """
+        async with self._locks.hold(volume_id):
+            volume = await self._volume(volume_id)
+            stage = await self._catalog.stage(volume_id)
+            paths = {p.target_path for p in await self._catalog.publishes(volume_id)}
+            if stage is None or stage.state is not StageState.STAGED or (
+                path != stage.staging_path and path not in paths
+            ):
+                raise NotFound(f"volume {volume_id} is not staged or published at {path}")
+            size = max(choose_size(required, limit), volume.capacity)
+            self._require_qsd()
+            top = top_image(volume)
+            if size > volume.capacity:
+                await attach.ensure_top(self._daemon.client, top)
+                await self._daemon.client.block_resize(top.nodes.format, size)
+                await self._catalog.update_volume(dataclasses.replace(volume, capacity=size))
+                log.info("event=expanded volume_id=%s bytes=%d", volume_id, size)
+            if _is_vhost(volume):
+                if await attach.has_export(self._daemon.client, top.nodes.vhost_export):
+                    await self._daemon.client.export_del(top.nodes.vhost_export)
+                await self._bring_up(dataclasses.replace(volume, capacity=size), stage, [])
+                return size
+            device = Path(stage.loop_device)
+            await loop.refresh_capacity(device, size)
+            if stage.access_type is AccessType.MOUNT:
+                if stage.fs_type == "ext4" and not paths:
+                    # Offline growth needs no CAP_SYS_RESOURCE and no pod uses the volume.
+                    await filesystem.unstage(stage.staging_path)
+                    await filesystem.ensure_staged(device, stage.staging_path, stage.fs_type, list(stage.mount_flags))
+                else:
+                    await filesystems.grow(stage.staging_path, stage.fs_type, device)
+            return size
 
     async def stats(self, volume_id: str, path: Path) -> VolumeStats:
         """Usage of a volume at its staging or target path. Raises NotFound."""

@@ -33,8 +33,13 @@ class IdentityService(pb_grpc.IdentityServicer):
         services = (
             _Service.CONTROLLER_SERVICE, _Service.VOLUME_ACCESSIBILITY_CONSTRAINTS, _Service.GROUP_CONTROLLER_SERVICE,
         )
+        # OFFLINE: a running VM does not see a vhost-user-blk export grow (QSD 7.2), so
+        # Kubernetes expands only volumes no pod uses; NodeExpandVolume does the work.
+        expansion = pb.PluginCapability(
+            volume_expansion=pb.PluginCapability.VolumeExpansion(type=pb.PluginCapability.VolumeExpansion.OFFLINE)
+        )
         return pb.GetPluginCapabilitiesResponse(
-            capabilities=[pb.PluginCapability(service=_Service(type=kind)) for kind in services]
+            capabilities=[pb.PluginCapability(service=_Service(type=kind)) for kind in services] + [expansion]
         )
 
     @rpc

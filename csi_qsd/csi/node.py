@@ -10,14 +10,14 @@ from csi_qsd.csi import convert
 from csi_qsd.csi.errors import rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from csi_qsd.errors import InvalidArgument, Unimplemented
+from csi_qsd.errors import InvalidArgument
 from csi_qsd.staging import NodeVolumes, PublishSpec, StageSpec
 from csi_qsd.volumes import unsupported_capability
 
 _RPC = pb.NodeServiceCapability.RPC.Type
 CAPABILITIES = (
     _RPC.STAGE_UNSTAGE_VOLUME, _RPC.GET_VOLUME_STATS, _RPC.VOLUME_CONDITION,
-    _RPC.SINGLE_NODE_MULTI_WRITER, _RPC.VOLUME_MOUNT_GROUP,
+    _RPC.SINGLE_NODE_MULTI_WRITER, _RPC.VOLUME_MOUNT_GROUP, _RPC.EXPAND_VOLUME,
 )
 
 
@@ -101,8 +101,17 @@ class NodeService(pb_grpc.NodeServicer):
         )
 
     @rpc
-    async def NodeExpandVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
-        raise Unimplemented("volume expansion is not supported by this driver version")
+    async def NodeExpandVolume(
+        self, request: pb.NodeExpandVolumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeExpandVolumeResponse:
+        volume_id = validate.volume_id(request.volume_id)
+        path = convert.request_path(request.volume_path, "volume_path", self._config)
+        if request.HasField("volume_capability"):
+            convert.capability(request.volume_capability)
+        size = await self._node.expand(
+            volume_id, path, request.capacity_range.required_bytes, request.capacity_range.limit_bytes
+        )
+        return pb.NodeExpandVolumeResponse(capacity_bytes=size)
 
     @rpc
     async def NodeGetCapabilities(

@@ -6,6 +6,7 @@ Always buffered: a direct-I/O loop device over a FUSE export corrupts writes
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from pathlib import Path
@@ -79,5 +80,15 @@ def device_size(device: Path) -> int:
     return int(Path(f"/sys/class/block/{name}/size").read_text()) * 512
 
 
-async def refresh_capacity(device: Path) -> None:
-    await run("losetup", "--set-capacity", str(device))
+async def refresh_capacity(device: Path, size: int) -> None:
+    """Make the loop device see its backing file's new `size`.
+
+    The FUSE export's file attributes may be cached for a moment, so this
+    retries until the device reports the size (bounded).
+    """
+    for _ in range(50):
+        await run("losetup", "--set-capacity", str(device))
+        if device_size(device) >= size:
+            return
+        await asyncio.sleep(0.1)
+    raise HostCommandError(f"loop device {device} still reports {device_size(device)} bytes, expected {size}")
