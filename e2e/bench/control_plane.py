@@ -43,7 +43,7 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import loop, mounts
-from e2e.bench.common import GIB, KIB, MIB, Summary, ms, open_fds, ratio, status_field_kib, table, timed
+from e2e.bench.common import GIB, KIB, Summary, ms, open_fds, ratio, status_field_kib, table, timed
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount", "umount", "fallocate")
@@ -77,6 +77,7 @@ def fsync_path(path: Path) -> None:
 class Memory:
     """One snapshot of the processes' memory and descriptors."""
 
+    key: str  # empty, created, staged, unstaged, deleted
     label: str
     qsd_rss_kib: int
     qsd_fds: int
@@ -104,9 +105,11 @@ class Results:
     host_down: list[float] = dataclasses.field(default_factory=list)
     delete: list[float] = dataclasses.field(default_factory=list)
     unlink: list[float] = dataclasses.field(default_factory=list)
+    unlink_durable: list[float] = dataclasses.field(default_factory=list)
     memory: list[Memory] = dataclasses.field(default_factory=list)
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     peak_free_loop: str = ""
+    driver_log_problems: list[str] = dataclasses.field(default_factory=list)
 
 
 class Bench:
@@ -122,6 +125,7 @@ class Bench:
         self.ids: list[str] = []  # volume i's ID, as CreateVolume returned it
         self.staged: set[int] = set()  # volumes that may be staged or published
         self.deleted: set[str] = set()
+        self.used_loops: set[str] = set()  # loop devices seen under our staging mounts
 
     def name(self, i: int) -> str:
         return f"pvc-bench-{i:04d}"
@@ -148,22 +152,22 @@ class Bench:
     async def _phases(self, csi: CSIClient) -> None:
         r = self.results
         await self._phase("probe", self._probe, csi)
-        self._snapshot("QSD started, no volume (baseline)")
-        ids = await self._phase("create", self._create, csi)
-        self._snapshot(f"{self.n} created, none staged")
-        await self._phase("stage", self._stage, csi, ids)
-        self._snapshot(f"{self.n} staged + published")
+        self._snapshot("empty", "QSD started, no volume (baseline)")
+        await self._phase("create", self._create, csi)
+        self._snapshot("created", f"{self.n} created, none staged")
+        await self._phase("stage", self._stage, csi)
+        self._snapshot("staged", f"{self.n} staged + published")
         r.peak_free_loop = sh("losetup", "--find").strip()
-        await self._phase("unstage", self._unstage, csi, ids)
-        self._snapshot("all unpublished + unstaged")
-        await self._phase("delete", self._delete, csi, ids)
-        self._snapshot("all deleted")
+        await self._phase("unstage", self._unstage, csi)
+        self._snapshot("unstaged", "all unpublished + unstaged")
+        await self._phase("delete", self._delete, csi)
+        self._snapshot("deleted", "all deleted")
 
-    async def _phase(self, name: str, body: Callable[..., Awaitable[object]], *args: object) -> object:
+    async def _phase(self, name: str, body: Callable[[CSIClient], Awaitable[None]], csi: CSIClient) -> None:
         start = time.monotonic()
         print(f"phase {name} ...", file=sys.stderr, flush=True)
         try:
-            return await body(*args)
+            await body(csi)
         finally:
             self.results.phase_seconds[name] = time.monotonic() - start
 
@@ -172,7 +176,7 @@ class Bench:
             with timed(self.results.probe):
                 await csi.probe()
 
-    async def _create(self, csi: CSIClient) -> list[str]:
+    async def _create(self, csi: CSIClient) -> None:
         r = self.results
         for i in range(self.n):
             hostpath_dir = self.base / f"hp{i:04d}"
@@ -195,11 +199,10 @@ class Bench:
             with timed(r.create):
                 volume = await csi.create_volume(self.name(i), SIZE, PARAMETERS, fs_type=FS_TYPE)
             self.ids.append(volume.volume_id)
-        return list(self.ids)
 
-    async def _stage(self, csi: CSIClient, ids: list[str]) -> None:
+    async def _stage(self, csi: CSIClient) -> None:
         r = self.results
-        for i, volume_id in enumerate(ids):
+        for i, volume_id in enumerate(self.ids):
             self._host_stage_and_unstage()
             staging, target = self.staging(i), self.target(i)
             staging.mkdir(parents=True)  # kubelet creates the staging dir and the target's parent
@@ -234,37 +237,56 @@ class Bench:
         staging.rmdir()
         raw.unlink()
 
-    async def _unstage(self, csi: CSIClient, ids: list[str]) -> None:
-        for i, volume_id in enumerate(ids):
+    async def _unstage(self, csi: CSIClient) -> None:
+        for i, volume_id in enumerate(self.ids):
             with timed(self.results.unstage):
                 await csi.unpublish(volume_id, str(self.target(i)))
                 await csi.unstage(volume_id, str(self.staging(i)))
             self.staged.discard(i)
 
-    async def _delete(self, csi: CSIClient, ids: list[str]) -> None:
+    async def _delete(self, csi: CSIClient) -> None:
         r = self.results
-        for i, volume_id in enumerate(ids):
+        for i, volume_id in enumerate(self.ids):
             with timed(r.unlink):
                 (self.base / f"img{i:04d}.qcow2").unlink()
                 os.rmdir(self.base / f"hp{i:04d}")
+            durable = self.base / "durable.qcow2"
+            sh("qemu-img", "create", "-q", "-f", "qcow2", str(durable), str(SIZE))
+            with timed(r.unlink_durable):
+                durable.unlink()
+                fsync_path(self.base)
             with timed(r.delete):
                 await csi.delete_volume(volume_id)
             self.deleted.add(volume_id)
 
     # memory ---------------------------------------------------------------
 
-    def _snapshot(self, label: str) -> None:
+    def _snapshot(self, key: str, label: str) -> None:
         pid = qsd_pid(self.box)
         if pid is None:
             raise RuntimeError(f"QSD is not running at '{label}': {self.driver.log()}")
         assert self.driver.proc is not None
-        exports = self.box.state_dir / "exports"
-        ours = [lp for lp in loop.loop_devices() if exports in lp.backing_file.parents]
         in_box = [m for m in mounts.mount_table() if self.box.root in m.mount_point.parents]
+        self.used_loops |= {m.source for m in in_box if m.source.startswith("/dev/loop")}
         self.results.memory.append(Memory(
-            label=label, qsd_rss_kib=status_field_kib(pid), qsd_fds=open_fds(pid),
-            driver_rss_kib=status_field_kib(self.driver.proc.pid), loops=len(ours), mounts=len(in_box),
+            key=key, label=label, qsd_rss_kib=status_field_kib(pid), qsd_fds=open_fds(pid),
+            driver_rss_kib=status_field_kib(self.driver.proc.pid), loops=len(self._our_loops()), mounts=len(in_box),
         ))
+
+    def _our_loops(self) -> list[str]:
+        """Loop devices backed by our files, including those the driver used whose FUSE export went away.
+
+        A loop device left attached after its FUSE export was unmounted lazily
+        shows "/" as its backing file, so it is recognised by name and size.
+        """
+        found = []
+        for lp in loop.loop_devices():
+            if self.box.root in lp.backing_file.parents:
+                found.append(str(lp.device))
+            elif str(lp.device) in self.used_loops and lp.backing_file == Path("/") \
+                    and loop.device_size(lp.device) == SIZE:
+                found.append(str(lp.device))
+        return found
 
     # cleanup --------------------------------------------------------------
 
@@ -362,6 +384,7 @@ def report(r: Results, n: int, header: str) -> str:
     ])
     latency += _rows("DeleteVolume", r.delete, [], [
         ("unlink image + rmdir (host-path)", r.unlink),
+        ("unlink image + fsync dir", r.unlink_durable),
         ("Probe RPC (gRPC round trip)", r.probe),
     ])
     if latency:
@@ -369,14 +392,14 @@ def report(r: Results, n: int, header: str) -> str:
                           "p50 ratio", "p99 ratio", "max ratio"], latency))
         out.append("")
 
-    base = r.memory[0] if r.memory else None
+    snapshots = {m.key: m for m in r.memory}
+    base = snapshots.get("empty")
     if base is not None:
         rows = [[m.label, f"{m.qsd_rss_kib / KIB:.1f}", ratio(m.qsd_rss_kib, base.qsd_rss_kib), str(m.qsd_fds),
                  f"{m.driver_rss_kib / KIB:.1f}", str(m.loops), str(m.mounts)] for m in r.memory]
         out.append(table(["memory (baseline: QSD with no volume)", "QSD RSS MiB", "ratio", "QSD fds",
                           "driver RSS MiB", "loop devs", "mounts"], rows))
-    staged = next((m for m in r.memory if "staged +" in m.label), None)
-    created = next((m for m in r.memory if "created" in m.label), None)
+    staged, created = snapshots.get("staged"), snapshots.get("created")
     per_volume = None
     if base is not None and staged is not None:
         per_volume = (staged.qsd_rss_kib - base.qsd_rss_kib) / n
@@ -399,6 +422,20 @@ def report(r: Results, n: int, header: str) -> str:
         out.append(table(["target (from the issue)", "measured", "result"], targets))
         out.append("")
 
+    scaling = []
+    for label, samples, present in (
+        ("CreateVolume", r.create, "volumes"), ("NodeStage + NodePublish", r.stage, "staged"),
+        ("NodeUnpublish + NodeUnstage", r.unstage, "staged"), ("DeleteVolume", r.delete, "volumes"),
+    ):
+        tenth = len(samples) // 10
+        if tenth >= 2:
+            first, last = Summary.of(samples[:tenth]).p50, Summary.of(samples[-tenth:]).p50
+            scaling.append([label, present, ms(first), ms(last), ratio(last, first)])
+    if scaling:
+        out.append(table(["scaling: p50 of the first vs the last 10% of calls, ms", "others present",
+                          "first 10%", "last 10%", "ratio"], scaling))
+        out.append("")
+
     slowest = []
     for label, samples in (("CreateVolume", r.create), ("NodeStage", r.stage_only),
                            ("NodePublish", r.publish_only), ("NodeUnpublish+Unstage", r.unstage),
@@ -413,6 +450,8 @@ def report(r: Results, n: int, header: str) -> str:
                    + ", ".join(f"{k} {v:.1f}" for k, v in r.phase_seconds.items()))
     if r.peak_free_loop:
         out.append(f"next free loop device with all volumes staged: {r.peak_free_loop}")
+    out.append(f"driver log: {len(r.driver_log_problems)} warning/error lines"
+               + "".join(f"\n  {line[:200]}" for line in r.driver_log_problems[:5]))
     return "\n".join(out)
 
 
@@ -429,8 +468,10 @@ def missing_prerequisites() -> str:
 
 def describe(n: int) -> str:
     version = sh("qemu-storage-daemon", "--version").splitlines()[0]
+    block_devices = len(os.listdir("/sys/class/block"))
     return (f"csi-qsd control plane: {n} volumes, qcow2 {SIZE // GIB} GiB, filesystem export, {FS_TYPE}; "
-            f"{version}; kernel {platform.release()}; {os.cpu_count()} CPUs")
+            f"{version}; kernel {platform.release()}; {os.cpu_count()} CPUs; "
+            f"{block_devices} block devices on the host at start")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
         finally:
             bench.kill_driver()
+            bench.results.driver_log_problems = [
+                line for line in bench.driver.log_path.read_text(errors="replace").splitlines()
+                if "level=WARNING" in line or "level=ERROR" in line
+            ] if bench.driver.log_path.exists() else []
     print(report(bench.results, args.volumes, header), flush=True)
     return status
 

@@ -1,0 +1,159 @@
+"""csi.errors.rpc: the one place domain errors become gRPC statuses.
+
+Driven with a fake servicer context whose `abort` records the status and
+raises like grpc.aio's does, so no server is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+import pytest
+
+from csi_qsd import errors as E
+from csi_qsd.csi import errors as rpc_errors
+from csi_qsd.csi.errors import rpc
+
+
+class FakeContext:
+    def __init__(self) -> None:
+        self.aborts: list[tuple[grpc.StatusCode, str]] = []
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self.aborts.append((code, details))
+        raise grpc.aio.AbortError()
+
+
+class Request:
+    def __init__(self, **fields: str) -> None:
+        self.__dict__.update(fields)
+
+
+class Servicer:
+    def __init__(self, raise_: BaseException | None = None, result: object = "response") -> None:
+        self.raise_ = raise_
+        self.result = result
+
+    @rpc
+    async def DeleteVolume(self, request: Any, context: Any) -> Any:
+        await asyncio.sleep(0)
+        if self.raise_ is not None:
+            raise self.raise_
+        return self.result
+
+
+class VolumeGone(E.NotFound):
+    """A subclass a future module might add: must keep NOT_FOUND (IBM's exact-type table would not)."""
+
+
+class DeepVolumeGone(VolumeGone):
+    pass
+
+
+async def call(exc: BaseException | None, **fields: str) -> list[tuple[grpc.StatusCode, str]]:
+    context = FakeContext()
+    with pytest.raises(grpc.aio.AbortError):
+        await Servicer(exc).DeleteVolume(Request(**fields), context)
+    return context.aborts
+
+
+@pytest.mark.parametrize("exc, code", [
+    (E.InvalidArgument("volume_id is required"), grpc.StatusCode.INVALID_ARGUMENT),
+    (E.NotFound("volume vol-1 does not exist"), grpc.StatusCode.NOT_FOUND),
+    (VolumeGone("volume vol-1 went away"), grpc.StatusCode.NOT_FOUND),
+    (DeepVolumeGone("volume vol-1 went far away"), grpc.StatusCode.NOT_FOUND),
+    (E.AlreadyExists("name pvc-1 taken"), grpc.StatusCode.ALREADY_EXISTS),
+    (E.FailedPrecondition("still staged"), grpc.StatusCode.FAILED_PRECONDITION),
+    (E.ResourceExhausted("pool full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (E.OutOfRange("too big"), grpc.StatusCode.OUT_OF_RANGE),
+    (E.Aborted("busy"), grpc.StatusCode.ABORTED),
+    (E.Unimplemented("no snapshots"), grpc.StatusCode.UNIMPLEMENTED),
+    (E.Unavailable("qsd restarting"), grpc.StatusCode.UNAVAILABLE),
+    (E.Internal("broken"), grpc.StatusCode.INTERNAL),
+    (E.QSDError("blockdev-add failed: Duplicate node name"), grpc.StatusCode.INTERNAL),
+    (E.HostCommandError("mkfs.ext4 exited 1"), grpc.StatusCode.INTERNAL),
+    (E.DriverError("base class"), grpc.StatusCode.INTERNAL),
+])
+async def test_driver_errors_keep_their_code_and_message(exc: E.DriverError, code: grpc.StatusCode) -> None:
+    assert await call(exc, volume_id="vol-1") == [(code, str(exc))]
+
+
+@pytest.mark.parametrize("exc", [ValueError("bad int"), KeyError("x"), OSError(5, "Input/output error"),
+                                 RuntimeError("catalog is closed"), AssertionError("oops")])
+async def test_unknown_exceptions_become_internal_with_a_logged_traceback(
+    exc: Exception, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="csi_qsd.rpc"):
+        aborts = await call(exc, volume_id="vol-" + "a" * 24)
+    assert len(aborts) == 1
+    code, details = aborts[0]
+    assert code is grpc.StatusCode.INTERNAL
+    assert "DeleteVolume" in details and str(exc) in details
+    (record,) = [r for r in caplog.records if "code=INTERNAL" in r.getMessage()]
+    assert record.exc_info is not None and record.exc_info[1] is exc
+    assert "volume_id=vol-" + "a" * 24 in record.getMessage()
+
+
+async def test_every_code_is_a_grpc_status() -> None:
+    for code in E.Code:
+        assert isinstance(getattr(grpc.StatusCode, code.value), grpc.StatusCode)
+
+
+async def test_success_returns_the_response_and_aborts_nothing() -> None:
+    context = FakeContext()
+    assert await Servicer(result="ok").DeleteVolume(Request(volume_id="vol-1"), context) == "ok"
+    assert context.aborts == []
+
+
+async def test_an_abort_from_the_handler_passes_through_untouched() -> None:
+    assert await call(grpc.aio.AbortError()) == []
+
+
+async def test_observers_see_method_code_and_duration() -> None:
+    seen: list[tuple[str, str, float]] = []
+
+    def observer(method: str, code: str, seconds: float) -> None:
+        seen.append((method, code, seconds))
+
+    rpc_errors.add_observer(observer)
+    try:
+        await Servicer(result="ok").DeleteVolume(Request(), FakeContext())
+        await call(VolumeGone("x"))
+        await call(ZeroDivisionError())
+    finally:
+        rpc_errors.remove_observer(observer)
+    assert [(m, c) for m, c, _ in seen] == [
+        ("DeleteVolume", "OK"), ("DeleteVolume", "NOT_FOUND"), ("DeleteVolume", "INTERNAL"),
+    ]
+    assert all(s >= 0 for _, _, s in seen)
+
+
+async def test_a_cancelled_call_is_not_counted_as_ok(caplog: pytest.LogCaptureFixture) -> None:
+    """A caller that goes away (or whose deadline passes) cancels the handler: that is no success."""
+    seen: list[str] = []
+
+    def observer(method: str, code: str, seconds: float) -> None:
+        seen.append(code)
+
+    rpc_errors.add_observer(observer)
+    try:
+        with caplog.at_level(logging.INFO, logger="csi_qsd.rpc"), pytest.raises(asyncio.CancelledError):
+            await Servicer(asyncio.CancelledError()).DeleteVolume(Request(volume_id="vol-2"), FakeContext())
+    finally:
+        rpc_errors.remove_observer(observer)
+    assert seen == ["CANCELLED"]
+    assert not any("code=OK" in r.getMessage() for r in caplog.records)
+
+
+def test_object_id_in_logs() -> None:
+    object_id = rpc_errors._object_id
+    assert object_id(Request(volume_id="vol-1", name="pvc")) == "volume_id=vol-1"
+    assert object_id(Request(name="pvc-9")) == "name=pvc-9"
+    assert object_id(Request()) == "-"
+
+
+def test_wrapper_keeps_the_handler_name() -> None:
+    assert Servicer.DeleteVolume.__name__ == "DeleteVolume"

@@ -1,0 +1,167 @@
+"""StorageClass parameters: every key, every bad value named by its key, and the catalog's JSON form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from csi_qsd import params as P
+from csi_qsd.errors import InvalidArgument
+
+VHOST = {"export": "vhost-user-blk"}
+
+
+def test_no_parameters_gives_the_safe_defaults() -> None:
+    got = P.parse_parameters({})
+    assert got == P.VolumeParameters()
+    assert got.format is P.ImageFormat.QCOW2
+    assert got.export is P.ExportKind.FILESYSTEM
+    assert got.cache is P.CacheMode.WRITETHROUGH  # the crash-safe choice (see DESIGN.md)
+    assert got.preallocation is P.Preallocation.OFF
+
+
+@pytest.mark.parametrize("parameters, field, value", [
+    ({"format": "qcow2"}, "format", P.ImageFormat.QCOW2),
+    ({"format": "raw"}, "format", P.ImageFormat.RAW),
+    ({"preallocation": "off"}, "preallocation", P.Preallocation.OFF),
+    ({"preallocation": "metadata"}, "preallocation", P.Preallocation.METADATA),
+    ({"preallocation": "falloc"}, "preallocation", P.Preallocation.FALLOC),
+    ({"format": "raw", "preallocation": "full"}, "preallocation", P.Preallocation.FULL),
+    ({"export": "filesystem"}, "export", P.ExportKind.FILESYSTEM),
+    ({"export": "vhost-user-blk"}, "export", P.ExportKind.VHOST_USER_BLK),
+    ({**VHOST, "numQueues": "1"}, "num_queues", 1),
+    ({**VHOST, "numQueues": "64"}, "num_queues", 64),
+    ({**VHOST, "logicalBlockSize": "512"}, "logical_block_size", 512),
+    ({**VHOST, "logicalBlockSize": "4096"}, "logical_block_size", 4096),
+    ({**VHOST, "cache": "writethrough"}, "cache", P.CacheMode.WRITETHROUGH),
+    ({**VHOST, "cache": "writeback"}, "cache", P.CacheMode.WRITEBACK),
+    ({"discard": "unmap"}, "discard", P.Discard.UNMAP),
+    ({"discard": "ignore"}, "discard", P.Discard.IGNORE),
+    ({"detectZeroes": "off"}, "detect_zeroes", P.DetectZeroes.OFF),
+    ({"detectZeroes": "on"}, "detect_zeroes", P.DetectZeroes.ON),
+    ({"detectZeroes": "unmap"}, "detect_zeroes", P.DetectZeroes.UNMAP),
+    ({**VHOST, "iothreadPollMaxNs": "0"}, "iothread_poll_max_ns", 0),
+    ({**VHOST, "iothreadPollMaxNs": "1000000"}, "iothread_poll_max_ns", 1_000_000),
+])
+def test_every_key_and_value(parameters: dict[str, str], field: str, value: object) -> None:
+    assert getattr(P.parse_parameters(parameters), field) == value
+
+
+def test_every_supported_key_is_covered_above() -> None:
+    assert P.SUPPORTED_KEYS == {
+        "format", "preallocation", "export", "numQueues", "logicalBlockSize", "cache", "discard",
+        "detectZeroes", "iothreadPollMaxNs",
+    }
+
+
+def test_provisioner_keys_are_ignored() -> None:
+    parameters = {
+        "csi.storage.k8s.io/pvc/name": "data", "csi.storage.k8s.io/pvc/namespace": "default",
+        "csi.storage.k8s.io/pv/name": "pvc-1", "csi.storage.k8s.io/fstype": "xfs", "format": "raw",
+    }
+    assert P.parse_parameters(parameters) == P.VolumeParameters(format=P.ImageFormat.RAW)
+
+
+@pytest.mark.parametrize("key", ["fromat", "Format", "size", "fsType", "csi.storage.k8s.io", "", "storage.k8s.io/x"])
+def test_unknown_key_is_named(key: str) -> None:
+    with pytest.raises(InvalidArgument, match="unknown StorageClass parameter") as info:
+        P.parse_parameters({"format": "qcow2", key: "x"})
+    assert repr(key) in str(info.value)
+    assert "supported:" in str(info.value) and "numQueues" in str(info.value)
+
+
+@pytest.mark.parametrize("parameters, key", [
+    ({"format": "vmdk"}, "format"),
+    ({"format": "QCOW2"}, "format"),
+    ({"format": ""}, "format"),
+    ({"preallocation": "maybe"}, "preallocation"),
+    ({"export": "nbd"}, "export"),
+    ({"export": "vhost_user_blk"}, "export"),
+    ({**VHOST, "numQueues": "0"}, "numQueues"),
+    ({**VHOST, "numQueues": "65"}, "numQueues"),
+    ({**VHOST, "numQueues": "four"}, "numQueues"),
+    ({**VHOST, "numQueues": "-1"}, "numQueues"),
+    ({**VHOST, "numQueues": "4.0"}, "numQueues"),
+    ({**VHOST, "numQueues": " 4"}, "numQueues"),
+    ({**VHOST, "numQueues": "+4"}, "numQueues"),
+    ({**VHOST, "numQueues": "1_6"}, "numQueues"),
+    ({**VHOST, "numQueues": "\u0664"}, "numQueues"),  # ARABIC-INDIC DIGIT FOUR: int() would take it
+    ({**VHOST, "numQueues": ""}, "numQueues"),
+    ({**VHOST, "numQueues": "9" * 5000}, "numQueues"),  # int() refuses > 4300 digits with ValueError
+    ({**VHOST, "logicalBlockSize": "1024"}, "logicalBlockSize"),
+    ({**VHOST, "logicalBlockSize": "4k"}, "logicalBlockSize"),
+    ({**VHOST, "cache": "none"}, "cache"),
+    ({**VHOST, "cache": "directsync"}, "cache"),
+    ({"discard": "on"}, "discard"),
+    ({"detectZeroes": "true"}, "detectZeroes"),
+    ({**VHOST, "iothreadPollMaxNs": "-1"}, "iothreadPollMaxNs"),
+    ({**VHOST, "iothreadPollMaxNs": "1000001"}, "iothreadPollMaxNs"),
+    ({**VHOST, "iothreadPollMaxNs": "1e3"}, "iothreadPollMaxNs"),
+])
+def test_bad_value_is_invalid_argument_naming_the_key(parameters: dict[str, str], key: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        P.parse_parameters(parameters)
+    message = str(info.value)
+    assert f"parameter {key!r}" in message
+
+
+@pytest.mark.parametrize("key, value", [
+    ("numQueues", "2"), ("logicalBlockSize", "4096"), ("cache", "writeback"), ("iothreadPollMaxNs", "0"),
+])
+@pytest.mark.parametrize("export", [None, "filesystem"])
+def test_vhost_only_keys_need_the_vhost_export(key: str, value: str, export: str | None) -> None:
+    parameters = {key: value} if export is None else {"export": export, key: value}
+    with pytest.raises(InvalidArgument, match="applies only to export 'vhost-user-blk'") as info:
+        P.parse_parameters(parameters)
+    assert repr(key) in str(info.value)
+
+
+def test_metadata_preallocation_needs_qcow2() -> None:
+    with pytest.raises(InvalidArgument, match="'preallocation'.*'qcow2'"):
+        P.parse_parameters({"format": "raw", "preallocation": "metadata"})
+
+
+ALL_SET = P.VolumeParameters(
+    format=P.ImageFormat.RAW, preallocation=P.Preallocation.FALLOC, export=P.ExportKind.VHOST_USER_BLK,
+    num_queues=7, logical_block_size=4096, cache=P.CacheMode.WRITEBACK, discard=P.Discard.IGNORE,
+    detect_zeroes=P.DetectZeroes.UNMAP, iothread_poll_max_ns=32768,
+)
+
+
+@pytest.mark.parametrize("value", [P.VolumeParameters(), ALL_SET], ids=["defaults", "all-set"])
+def test_json_round_trip(value: P.VolumeParameters) -> None:
+    text = value.to_json()
+    assert json.loads(text)  # plain JSON, readable in the catalog
+    assert P.VolumeParameters.from_json(text) == value
+
+
+def test_json_round_trip_of_parsed_parameters() -> None:
+    parsed = P.parse_parameters({
+        "format": "raw", "preallocation": "falloc", "export": "vhost-user-blk", "numQueues": "7",
+        "logicalBlockSize": "4096", "cache": "writeback", "discard": "ignore", "detectZeroes": "unmap",
+        "iothreadPollMaxNs": "32768",
+    })
+    assert parsed == ALL_SET
+    assert P.VolumeParameters.from_json(parsed.to_json()) == parsed
+
+
+def test_json_form_is_stable_and_stores_enum_values() -> None:
+    raw = json.loads(ALL_SET.to_json())
+    assert raw == {
+        "format": "raw", "preallocation": "falloc", "export": "vhost-user-blk", "num_queues": 7,
+        "logical_block_size": 4096, "cache": "writeback", "discard": "ignore", "detect_zeroes": "unmap",
+        "iothread_poll_max_ns": 32768,
+    }
+    assert ALL_SET.to_json() == ALL_SET.to_json() and list(raw) == sorted(raw)
+
+
+def test_json_from_an_older_row_fills_new_fields_with_defaults() -> None:
+    """A catalog row written before a field existed still loads (and means the default)."""
+    assert P.VolumeParameters.from_json('{"format": "raw"}') == P.VolumeParameters(format=P.ImageFormat.RAW)
+
+
+def test_parameters_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        P.VolumeParameters().num_queues = 8  # type: ignore[misc]
