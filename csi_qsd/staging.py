@@ -309,7 +309,7 @@ class NodeVolumes:
         if not tops or not self._daemon.ready:
             return False
         try:
-            present = await self._daemon.client.named_nodes()
+            present = await self._daemon.client.node_names()
         except Exception:
             return False
         return any(top.nodes.format in present for top in tops)

@@ -33,7 +33,7 @@ class TopImage:
         return graph.nodes_for(self.volume_id, self.generation)
 
 
-def _generations(present: dict[str, Any], volume_id: str) -> list[int]:
+def _generations(present: set[str], volume_id: str) -> list[int]:
     """Generations of the volume's format nodes now in QSD, newest first."""
     found = []
     for name in present:
@@ -46,7 +46,7 @@ def _generations(present: dict[str, Any], volume_id: str) -> list[int]:
 
 async def ensure_top(client: QSDClient, top: TopImage, *, read_only: bool = False) -> None:
     """Make `top` the volume's top node: open it fresh, or switch to it live from an older top."""
-    present = await client.named_nodes()
+    present = await client.node_names()
     nodes = top.nodes
     if nodes.format in present:
         return
@@ -124,18 +124,18 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     nodes = graph.nodes_for(volume_id)
     for export_id in (nodes.fuse_export, nodes.vhost_export):
         await client.export_del(export_id)
-    present = await client.named_nodes()
+    present = await client.node_names()
     for generation in _generations(present, volume_id):
         layer = graph.nodes_for(volume_id, generation)
         for node in (layer.format, layer.file):
             if node in present:
                 await client.blockdev_del(node)
-    for name in await client.named_nodes():  # a file node whose format node never came up
+    for name in await client.node_names():  # a file node whose format node never came up
         if graph.volume_of(name) == volume_id:
             await client.blockdev_del(name)
 
 
 async def volumes_in_graph(client: QSDClient) -> set[str]:
     """IDs of every volume that has a node or export of ours in QSD."""
-    names = set(await client.named_nodes()) | set(await client.exports())
+    names = await client.node_names() | set(await client.exports())
     return {vid for vid in map(graph.volume_of, names) if vid is not None}

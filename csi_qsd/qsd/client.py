@@ -74,6 +74,20 @@ class QSDClient:
 
     # graph --------------------------------------------------------------
 
+    async def node_names(self) -> set[str]:
+        """Names of every named node, cheaply: the graph without image details.
+
+        `query-named-block-nodes` carries full image info for every node
+        (hundreds of KiB with hundreds of volumes); the debug graph query
+        carries names only. Falls back if this QSD lacks it.
+        """
+        try:
+            graph = await self.execute("x-debug-query-block-graph")
+        except QSDError:
+            return set(await self.named_nodes())
+        return {node["name"] for node in graph["nodes"] if node.get("type") == "block-driver" and node.get("name")
+                and not node["name"].startswith("#")}
+
     async def named_nodes(self) -> dict[str, BlockNodeInfo]:
         raw = await self.execute("query-named-block-nodes", {"flat": True})
         nodes: dict[str, BlockNodeInfo] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 from csi_qsd.errors import HostCommandError
@@ -28,16 +29,18 @@ class MountEntry:
         return "ro" in self.options
 
 
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
 def _unescape(text: str) -> str:
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "\\" and i + 3 < len(text) and text[i + 1:i + 4].isdigit():
-            out.append(chr(int(text[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
+    """Decode the kernel's octal escapes (\\040 for a space, ...) in a mountinfo field."""
+    if "\\" not in text:
+        return text
+    return _OCTAL.sub(lambda match: chr(int(match.group(1), 8)), text)
+
+
+def _escape(path: str) -> str:
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
 
 
 def parse_mountinfo(text: str) -> list[MountEntry]:
@@ -55,14 +58,20 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
     return entries
 
 
+def read_mountinfo() -> str:
+    return Path("/proc/self/mountinfo").read_text()
+
+
 def mount_table() -> list[MountEntry]:
-    return parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    return parse_mountinfo(read_mountinfo())
 
 
 def mounted_at(path: Path) -> MountEntry | None:
-    """The topmost mount at `path`, or None."""
+    """The topmost mount at `path`, or None (parses only the lines that can match)."""
+    needle = f" {_escape(str(path))} "
+    lines = [line for line in read_mountinfo().splitlines() if needle in line]
     found = None
-    for entry in mount_table():
+    for entry in parse_mountinfo("\n".join(lines)):
         if entry.mount_point == path:
             found = entry
     return found

@@ -81,12 +81,12 @@ def test_this_process_mount_table_parses() -> None:
 
 
 def test_mounted_at_returns_the_topmost_of_stacked_mounts(monkeypatch: pytest.MonkeyPatch) -> None:
-    stacked = mounts.parse_mountinfo(
+    stacked = (
         "50 22 7:1 / /k/t rw - ext4 /dev/loop1 rw\n"
         "51 50 7:2 / /k/t ro - xfs /dev/loop2 ro\n"
         "52 22 7:3 / /k/t2 rw - xfs /dev/loop3 rw\n"
     )
-    monkeypatch.setattr(mounts, "mount_table", lambda: stacked)
+    monkeypatch.setattr(mounts, "read_mountinfo", lambda: stacked)
     top = mounts.mounted_at(Path("/k/t"))
     assert top is not None and top.source == "/dev/loop2" and top.readonly
     assert mounts.mounted_at(Path("/k")) is None
