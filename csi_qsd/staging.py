@@ -151,7 +151,7 @@ class NodeVolumes:
             self._require_qsd()
             await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING))
             self._failpoints.hit("unstage.after_intent")
-            await self._tear_down(volume, record)
+            await self._tear_down(volume, record, thorough=False)
             await self._catalog.delete_stage(volume_id)
             log.info("event=unstaged volume_id=%s path=%s", volume_id, staging_path)
         for listener in self.unstaged_listeners:
@@ -400,10 +400,9 @@ class NodeVolumes:
         if not await attach.has_export(client, nodes.fuse_export):
             await self._drop_stale_host_state(volume, stage, publishes)
         await attach.ensure_top(client, top)
-        await attach.ensure_fuse_export(client, top, export_file, writable=True)
+        fresh_export = await attach.ensure_fuse_export(client, top, export_file, writable=True)
         self._failpoints.hit("stage.after_export")
-        loops = loop.find_loop(export_file, readonly=False)
-        device = loops[0].device if loops else await loop.attach(export_file)
+        device = await self._loop_for(export_file, stage.loop_device, fresh_export)
         self._failpoints.hit("stage.after_loop")
         stage = dataclasses.replace(stage, loop_device=str(device))
         if stage.access_type is AccessType.MOUNT:
@@ -450,8 +449,24 @@ class NodeVolumes:
             await loop.detach(Path(record.loop_device))
         await self._catalog.delete_publish(record.target_path)
 
-    async def _tear_down(self, volume: VolumeRecord, stage: StageRecord, client: QSDClient | None = None) -> None:
-        """Undo everything staging did, in reverse; safe on a partly staged volume."""
+    async def _loop_for(self, export_file: Path, recorded: str, fresh_export: bool) -> Path:
+        """The volume's read-write loop device: the recorded one, a new one, or (after a crash) a found one."""
+        if recorded and loop.backing_of(Path(recorded)) == export_file:
+            return Path(recorded)
+        if not fresh_export:
+            found = loop.find_loop(export_file, readonly=False)
+            if found:
+                return found[0].device
+        return await loop.attach(export_file)
+
+    async def _tear_down(
+        self, volume: VolumeRecord, stage: StageRecord, client: QSDClient | None = None, *, thorough: bool = True
+    ) -> None:
+        """Undo everything staging did, in reverse; safe on a partly staged volume.
+
+        `thorough` also looks for loop devices the catalog never recorded (a
+        crash between attaching and committing); a clean unstage skips that scan.
+        """
         client = client or self._daemon.client
         export_file = self.export_file(volume.id)
         if stage.access_type is AccessType.MOUNT and not _is_vhost(volume):
@@ -459,8 +474,12 @@ class NodeVolumes:
             if entry is not None and _is_loop_over(entry.source, export_file):
                 await filesystem.unstage(stage.staging_path)
         self._failpoints.hit("unstage.after_unmount")
-        for lp in loop.find_loop(export_file):
-            await loop.detach(lp.device)
+        devices = {Path(stage.loop_device)} if stage.loop_device else set()
+        if thorough:
+            devices |= {lp.device for lp in loop.find_loop(export_file)}
+        for device in sorted(devices):
+            if loop.backing_of(device) == export_file:
+                await loop.detach(device)
         self._failpoints.hit("unstage.after_detach")
         await attach.remove_volume(client, volume.id)
         if mounts.mounted_at(export_file) is not None:
@@ -479,6 +498,8 @@ class NodeVolumes:
     ) -> None:
         """After QSD lost the export: lazily drop mounts and loops that point at the dead FUSE file."""
         export_file = self.export_file(volume.id)
+        if not os.path.lexists(export_file.parent):
+            return  # never exported on this node: nothing can be stale
         stale = loop.find_loop(export_file)
         if not stale and mounts.mounted_at(export_file) is None:
             return
@@ -530,7 +551,7 @@ def _is_vhost(volume: VolumeRecord) -> bool:
 
 def _is_loop_over(source: str, export_file: Path) -> bool:
     """True if mount source `source` is a loop device whose backing file is `export_file`."""
-    return any(str(lp.device) == source for lp in loop.find_loop(export_file))
+    return source.startswith("/dev/loop") and loop.backing_of(Path(source)) == export_file
 
 
 def _apply_group(root: Path, group: str) -> None:

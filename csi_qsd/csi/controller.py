@@ -159,7 +159,11 @@ class ControllerService(pb_grpc.ControllerServicer):
         record = await self._volumes.get(volume_id)
         if record is None:
             raise NotFound(f"volume {volume_id} does not exist")
-        return pb.ControllerGetVolumeResponse(volume=self._volume_message(record))
+        # The spec makes `status` REQUIRED; its fields stay empty, as neither
+        # LIST_VOLUMES_PUBLISHED_NODES nor VOLUME_CONDITION is advertised.
+        return pb.ControllerGetVolumeResponse(
+            volume=self._volume_message(record), status=pb.ControllerGetVolumeResponse.VolumeStatus()
+        )
 
     @rpc
     async def ControllerGetCapabilities(

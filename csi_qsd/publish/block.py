@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from csi_qsd.errors import AlreadyExists
+from csi_qsd.errors import AlreadyExists, FailedPrecondition
 from csi_qsd.sys import mounts
 
 
@@ -21,6 +21,8 @@ async def ensure_published(device: Path, target: Path, *, readonly: bool) -> Non
         if current != device.name:
             raise AlreadyExists(f"target {target} already carries another device ({current})")
         return
+    if not target.parent.is_dir():
+        raise FailedPrecondition(f"the parent directory of target {target} does not exist; the CO creates it")
     if target.is_dir():
         target.rmdir()
     target.touch(mode=0o600, exist_ok=True)

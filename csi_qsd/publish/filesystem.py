@@ -55,6 +55,7 @@ async def ensure_published(staging: Path, target: Path, *, readonly: bool, flags
     staged = mounts.mounted_at(staging)
     if staged is None:
         raise FailedPrecondition(f"volume is not mounted at its staging path {staging}; stage it first")
+    _require_parent(target)
     target.mkdir(mode=0o750, exist_ok=True)
     entry = mounts.mounted_at(target)
     if entry is not None:
@@ -77,3 +78,8 @@ async def unpublish(target: Path, *, lazy: bool = False) -> None:
 
 async def unstage(staging: Path, *, lazy: bool = False) -> None:
     await mounts.unmount(staging, lazy=lazy)
+
+
+def _require_parent(target: Path) -> None:
+    if not target.parent.is_dir():
+        raise FailedPrecondition(f"the parent directory of target {target} does not exist; the CO creates it")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from csi_qsd.errors import AlreadyExists
+from csi_qsd.errors import AlreadyExists, FailedPrecondition
 from csi_qsd.sys import mounts
 
 SOCKET_NAME = "vhost-user-blk.sock"
@@ -30,6 +30,7 @@ def restrict_socket(socket: Path, group: str) -> None:
 
 
 async def ensure_published(socket_dir: Path, target: Path) -> None:
+    _require_parent(target)
     target.mkdir(mode=0o750, exist_ok=True)
     entry = mounts.mounted_at(target)
     if entry is not None:
@@ -46,3 +47,8 @@ async def unpublish(target: Path) -> None:
             target.rmdir()
         except OSError:
             pass
+
+
+def _require_parent(target: Path) -> None:
+    if not target.parent.is_dir():
+        raise FailedPrecondition(f"the parent directory of target {target} does not exist; the CO creates it")

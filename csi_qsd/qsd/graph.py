@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from csi_qsd.validate import ID_HEX_DIGITS
+from csi_qsd.validate import VOLUME_ID_RE
 from csi_qsd.params import CacheMode, ImageFormat, VolumeParameters
 
 IOTHREAD_ID = "iothread0"
@@ -81,8 +81,9 @@ def volume_of(node_or_export: str) -> str | None:
     if not node_or_export.startswith(NODE_PREFIX):
         return None
     body = node_or_export[len(NODE_PREFIX):]
-    suffix, _, _kind = body.rpartition("-")
-    return f"vol-{suffix}" if len(suffix) == ID_HEX_DIGITS else None
+    suffix, dash, kind = body.partition("-")
+    candidate = f"vol-{suffix}"
+    return candidate if dash and kind and VOLUME_ID_RE.match(candidate) else None
 
 
 def file_blockdev(nodes: VolumeNodes, image: Path, params: VolumeParameters, *, read_only: bool) -> QMPArgs:

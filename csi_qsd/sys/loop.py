@@ -80,6 +80,14 @@ async def detach(device: Path) -> None:
         raise HostCommandError(f"cannot detach loop device {device}")
 
 
+def backing_of(device: Path) -> Path | None:
+    """The file a loop device is attached to, or None (one sysfs read, no scan)."""
+    if not device.name.startswith("loop"):
+        return None
+    raw = _backing(device)
+    return Path(raw.removesuffix(" (deleted)")) if raw else None
+
+
 def _backing(device: Path) -> str | None:
     try:
         return Path(f"/sys/block/{device.name}/loop/backing_file").read_text().strip()

@@ -29,7 +29,7 @@ from csi_qsd.csi_client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox
+from tests.harness import Sandbox, in_process_driver
 
 MIB = 1 << 20
 Code = grpc.StatusCode
@@ -764,8 +764,6 @@ async def test_unadvertised_rpcs_are_unimplemented(
 
 async def test_paths_into_the_state_dir_are_refused_even_inside_the_root(box: Sandbox) -> None:
     """With the target root above the state dir, the state dir, its contents and its parents are still off limits."""
-    from tests.harness import in_process_driver
-
     async with in_process_driver(box, target_root=box.root) as (_, csi):
         volume = await csi.create_volume("pvc-in", 16 * MIB)
         for path in (box.state_dir, box.state_dir / "pool", box.state_dir / "exports" / volume.volume_id, box.root):
@@ -790,3 +788,13 @@ async def test_block_publish_through_a_dangling_symlink_creates_nothing_outside(
     assert info.value.code() == Code.INVALID_ARGUMENT and "resolves to" in (info.value.details() or "")
     assert not os.path.lexists(env.outside / "nothere-either") and dangling.is_symlink()
     await env.csi.unstage(volume.volume_id, staging)
+
+
+async def test_publish_under_a_missing_parent_names_it(env: Env) -> None:
+    """The CO creates the target's parent (CSI spec); if it did not, say so instead of INTERNAL."""
+    await env.prepare("staged")
+    target = env.box.kubelet / "pods" / "never-made" / "volume"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await env.csi.publish(env.volume_id, env.staging, str(target))
+    assert info.value.code() in (Code.FAILED_PRECONDITION, Code.INVALID_ARGUMENT), info.value.details()
+    assert str(target.parent) in (info.value.details() or "")

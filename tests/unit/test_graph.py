@@ -69,9 +69,6 @@ def test_volume_of_foreign_names_is_none(name: str) -> None:
     assert graph.volume_of(name) is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "graph.volume_of accepts any 24 characters and any kind suffix: 'cq' + 24 non-hex characters "
-    "+ '-file' maps to 'vol-zzz…', not a volume ID; see the report"))
 @pytest.mark.parametrize("name", ["cq" + "z" * 24 + "-file", "cq" + "a" * 20 + "-x-y-file"])
 def test_volume_of_only_returns_valid_volume_ids(name: str) -> None:
     volume_id = graph.volume_of(name)

@@ -9,7 +9,8 @@ import pytest
 from csi_qsd.metrics import DiskStat, parse_disk_stat, read_loop_stat
 
 # A loop device's stat line from a 6.x kernel (17 fields).
-LINE_17 = "     296        1     7410       37      150      236   125452      238        0      208      428        2        0  2097160        0       48      152\n"
+LINE_17 = ("     296        1     7410       37      150      236   125452      238        0      208      428"
+           "        2        0  2097160        0       48      152\n")
 
 
 def test_parse_17_fields() -> None:

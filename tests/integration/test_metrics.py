@@ -1,0 +1,228 @@
+"""The /metrics endpoint of a served driver, scraped over HTTP while a pod writes.
+
+The driver runs as `csi-qsd serve --metrics-address …`, as in its pod. A
+filesystem volume is created, staged and published; data is written with
+fsync while /metrics is scraped; the per-volume counters (the kernel's, of the
+volume's loop device) must grow by at least what was written. RPC counts and
+latency by method and code, pool capacity and the QSD restart counter (across
+a `kill -9` of QSD) are checked on the same endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from csi_qsd.csi_client import CSIClient
+from tests.harness import DriverProcess, Sandbox, qsd_pid
+
+MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+DOCUMENTED_IN = (REPO / "deploy" / "README.md", REPO / "deploy" / "README_SECTION.md")
+Labels = frozenset[tuple[str, str]]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Scrape:
+    """One parsed exposition: samples by name and labels, and the family types."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples: dict[str, dict[Labels, float]] = {}
+        self.types: dict[str, str] = {}
+        for family in text_string_to_metric_families(text):  # raises on anything malformed
+            self.types[family.name] = family.type
+            for sample in family.samples:
+                self.samples.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
+
+    def value(self, name: str, /, **labels: str) -> float:
+        """The one sample of `name` with exactly `labels`."""
+        found = self.samples.get(name, {}).get(frozenset(labels.items()))
+        assert found is not None, f"no sample {name}{labels} in:\n{self.text}"
+        return found
+
+    def total(self, name: str, /, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        wanted = set(labels.items())
+        return sum(v for key, v in self.samples.get(name, {}).items() if wanted <= set(key))
+
+    def matching(self, name: str, /, **labels: str) -> list[Mapping[str, str]]:
+        wanted = set(labels.items())
+        return [dict(key) for key in self.samples.get(name, {}) if wanted <= set(key)]
+
+
+async def scrape(port: int, path: str = "/metrics") -> Scrape:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0]
+    assert status == b"HTTP/1.1 200 OK", head.decode(errors="replace")
+    assert b"text/plain; version=0.0.4" in head
+    return Scrape(body.decode())
+
+
+def write_synced_chunks(path: Path, chunks: int, chunk: int) -> int:
+    """Write `chunks` random chunks, fsync after each; return the bytes written."""
+    with open(path, "wb") as handle:
+        for _ in range(chunks):
+            handle.write(os.urandom(chunk))
+            handle.flush()
+            os.fsync(handle.fileno())
+    return chunks * chunk
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+async def process(box: Sandbox, port: int) -> AsyncIterator[DriverProcess]:
+    driver = DriverProcess(box, "--metrics-address", f"127.0.0.1:{port}")
+    await driver.start()
+    try:
+        yield driver
+    finally:
+        await driver.stop()
+
+
+async def wait_for(port: int, check: str, predicate: object, timeout: float = 60.0) -> Scrape:
+    """Scrape until `predicate(scrape)` holds; fail with the last scrape after `timeout`."""
+    assert callable(predicate)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        current = await scrape(port)
+        if predicate(current):
+            return current
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{check} not reached in {timeout}s; last scrape:\n{current.text}")
+        await asyncio.sleep(0.2)
+
+
+async def test_metrics_during_io_and_a_qsd_restart(box: Sandbox, process: DriverProcess, port: int) -> None:
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        volume = await csi.create_volume("pvc-metrics", 256 * MIB, fs_type="ext4")
+        vid = volume.volume_id
+        staging, target = box.staging("metrics"), box.target("metrics-pod")
+        await csi.stage(vid, str(staging), fs_type="ext4")
+        await csi.publish(vid, str(staging), str(target), fs_type="ext4")
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await csi.create_volume("pvc-bad", MIB, {"noSuchParameter": "1"})
+        assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+        before = await scrape(port)
+        assert before.value("csi_qsd_volume_staged", volume_id=vid) == 1
+        devices = before.matching("csi_qsd_volume_write_bytes_total", volume_id=vid)
+        assert len(devices) == 1 and devices[0]["device"].startswith("loop"), devices
+        written_before = before.total("csi_qsd_volume_write_bytes_total", volume_id=vid)
+
+        # Write while scraping: every scrape parses, and the counter never goes back.
+        writer = asyncio.create_task(asyncio.to_thread(write_synced_chunks, target / "data.bin", 24, MIB))
+        seen = [written_before]
+        try:
+            while not writer.done():
+                during = await scrape(port)
+                seen.append(during.total("csi_qsd_volume_write_bytes_total", volume_id=vid))
+                await asyncio.sleep(0.05)
+        finally:
+            written = await writer
+        after = await scrape(port)
+        seen.append(after.total("csi_qsd_volume_write_bytes_total", volume_id=vid))
+        assert seen == sorted(seen), f"write bytes went backwards: {seen}"
+        assert len(seen) >= 3, "no scrape happened while the pod was writing"
+        assert seen[-1] - written_before >= written, (written_before, seen[-1], written)
+        assert after.total("csi_qsd_volume_write_ops_total", volume_id=vid) > before.total(
+            "csi_qsd_volume_write_ops_total", volume_id=vid)
+        assert after.total("csi_qsd_volume_write_seconds_total", volume_id=vid) > 0
+        assert after.total("csi_qsd_volume_flush_ops_total", volume_id=vid) > 0  # fsync reached the device
+        assert after.types["csi_qsd_volume_write_bytes"] == "counter"
+        assert "no I/O counters" in after.text and "QSD 7.2 offers none per export" in after.text
+
+        # From QSD: only what it really reports per node.
+        assert after.value("csi_qsd_volume_write_highest_offset_bytes", volume_id=vid) > 0
+        assert after.value("csi_qsd_volume_allocated_bytes", volume_id=vid) >= written
+        assert after.value("csi_qsd_volume_capacity_bytes", volume_id=vid) == 256 * MIB
+        assert after.value("csi_qsd_volume_info", volume_id=vid, name="pvc-metrics", export="filesystem",
+                           format="qcow2") == 1
+
+        # Every metric the operator documentation names is served.
+        for doc in DOCUMENTED_IN:
+            for name in set(re.findall(r"\bcsi_qsd_[a-z_]+", doc.read_text())):
+                assert name in after.samples or name in after.types, f"{doc.name} names {name}, not served"
+
+        # RPCs by method and code, with latency.
+        for method in ("CreateVolume", "NodeStageVolume", "NodePublishVolume"):
+            assert after.value("csi_qsd_rpcs_total", method=method, code="OK") >= 1
+            assert after.value("csi_qsd_rpc_duration_seconds_count", method=method, code="OK") >= 1
+            assert after.value("csi_qsd_rpc_duration_seconds_bucket", method=method, code="OK", le="+Inf") >= 1
+            assert after.value("csi_qsd_rpc_duration_seconds_sum", method=method, code="OK") > 0
+        assert after.value("csi_qsd_rpcs_total", method="CreateVolume", code="INVALID_ARGUMENT") == 1
+        assert after.value("csi_qsd_rpc_duration_seconds_count", method="CreateVolume", code="INVALID_ARGUMENT") == 1
+        assert after.types["csi_qsd_rpc_duration_seconds"] == "histogram"
+
+        # Pool capacity.
+        capacity = after.value("csi_qsd_pool_capacity_bytes")
+        assert 0 < after.value("csi_qsd_pool_available_bytes") <= capacity
+        assert after.value("csi_qsd_pool_provisioned_bytes") == 256 * MIB
+        assert after.value("csi_qsd_volumes") == 1
+
+        # QSD restarts: 0, then 1 after kill -9 (the driver starts a new QSD and rebuilds).
+        assert after.value("csi_qsd_qsd_restarts_total") == 0
+        assert after.value("csi_qsd_qsd_ready") == 1
+        pid = qsd_pid(box)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        restarted = await wait_for(
+            port, "csi_qsd_qsd_restarts_total == 1 and ready",
+            lambda s: s.value("csi_qsd_qsd_restarts_total") == 1 and s.value("csi_qsd_qsd_ready") == 1
+            and len(s.matching("csi_qsd_volume_write_bytes_total", volume_id=vid)) == 1,
+        )
+        assert qsd_pid(box) not in (None, pid)
+        assert restarted.value("csi_qsd_volume_staged", volume_id=vid) == 1
+
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
+        await csi.delete_volume(vid)
+        final = await scrape(port)
+        assert final.value("csi_qsd_volumes") == 0
+        assert not final.matching("csi_qsd_volume_write_bytes_total", volume_id=vid)
+        for method in ("NodeUnpublishVolume", "NodeUnstageVolume", "DeleteVolume"):
+            assert final.value("csi_qsd_rpcs_total", method=method, code="OK") >= 1
+
+
+async def test_other_paths(process: DriverProcess, port: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    health = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    assert health.startswith(b"HTTP/1.1 200 OK") and health.endswith(b"ok\n")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    missing = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    assert missing.startswith(b"HTTP/1.1 404")
