@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +145,28 @@ def pvc_claims(pod_spec: Obj) -> dict[str, str]:
         for volume in pod_spec.get("volumes") or []
         if "persistentVolumeClaim" in volume
     }
+
+
+def qemu_options(command: str) -> dict[str, list[str]]:
+    """The options of the `qemu-system-x86_64` call in a shell command: option -> its values, in order."""
+    words = shlex.split(command)
+    start = words.index("qemu-system-x86_64")
+    options: dict[str, list[str]] = {}
+    index = start + 1
+    while index < len(words):
+        word = words[index]
+        assert word.startswith("-"), f"unexpected QEMU argument {word!r}"
+        value = words[index + 1] if index + 1 < len(words) and not words[index + 1].startswith("-") else ""
+        options.setdefault(word, []).append(value)
+        index += 2 if value else 1
+    return options
+
+
+def properties(value: str) -> tuple[str, dict[str, str]]:
+    """`backend,key=value,flag` -> ("backend", {"key": "value", "flag": ""})."""
+    head, *rest = value.split(",")
+    props: dict[str, str] = {}
+    for item in rest:
+        key, _, val = item.partition("=")
+        props[key] = val
+    return head, props

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -19,7 +18,9 @@ from tests.deploy.helpers import (
     Obj,
     one,
     pod_specs,
+    properties,
     pvc_claims,
+    qemu_options,
     select,
 )
 
@@ -130,30 +131,6 @@ def test_snapshot_uses_the_snapshot_class(base: list[Obj], examples: list[Obj]) 
 
 # ---------------------------------------------------------------------------
 # Plain QEMU opening the vhost-user-blk socket.
-
-
-def qemu_options(command: str) -> dict[str, list[str]]:
-    words = shlex.split(command)
-    start = words.index("qemu-system-x86_64")
-    options: dict[str, list[str]] = {}
-    index = start + 1
-    while index < len(words):
-        word = words[index]
-        assert word.startswith("-"), f"unexpected QEMU argument {word!r}"
-        value = words[index + 1] if index + 1 < len(words) and not words[index + 1].startswith("-") else ""
-        options.setdefault(word, []).append(value)
-        index += 2 if value else 1
-    return options
-
-
-def properties(value: str) -> tuple[str, dict[str, str]]:
-    """`backend,key=value,flag` -> ("backend", {"key": "value", "flag": ""})."""
-    head, *rest = value.split(",")
-    props: dict[str, str] = {}
-    for item in rest:
-        key, _, val = item.partition("=")
-        props[key] = val
-    return head, props
 
 
 def test_qemu_pod_opens_the_published_socket(base: list[Obj], examples: list[Obj]) -> None:

@@ -55,7 +55,51 @@ def test_prerequisites_and_install() -> None:
         "/dev/fuse",
         "pod-security.kubernetes.io/enforce: privileged",
         "updateStrategy: OnDelete",
-        "node_expansion_required: true",
+        "VolumeExpansion: OFFLINE",
         "kubectl delete -k deploy/",
     ):
         assert needle in README, needle
+
+
+# ---------------------------------------------------------------------------
+# deploy/README_SECTION.md: the top-level README's "Deploy on Kubernetes".
+
+SECTION = (DEPLOY_DIR / "README_SECTION.md").read_text(encoding="utf-8")
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_section_links_resolve() -> None:
+    anchors = {github_anchor(line.lstrip("#")) for line in README.splitlines() if line.startswith("#")}
+    links = re.findall(r"\]\((deploy/[^)#]+)(?:#([^)]+))?\)", SECTION)
+    assert links
+    for path, anchor in links:
+        assert (DEPLOY_DIR.parent / path).is_file(), path
+        if anchor:
+            assert path == "deploy/README.md" and anchor in anchors, f"no heading for #{anchor}"
+
+
+def test_section_names_files_that_exist() -> None:
+    for path in set(re.findall(r"deploy/[\w./-]+\.yaml", SECTION)):
+        assert (DEPLOY_DIR.parent / path).is_file(), path
+
+
+def test_section_lists_the_classes(base: list[Obj]) -> None:
+    listed = re.findall(r"^\| `(csi-qsd-[\w-]+)` \|", SECTION, flags=re.MULTILINE)
+    assert sorted(listed) == sorted(sc["metadata"]["name"] for sc in select(base, "StorageClass"))
+    vm = one(base, "StorageClass", "csi-qsd-vm")
+    assert f"`numQueues` ({vm['parameters']['numQueues']})" in SECTION
+
+
+def test_section_image_and_metrics_port(base: list[Obj]) -> None:
+    assert f"ghcr.io/csi-qsd/csi-qsd:{DRIVER_VERSION}" in SECTION
+    pod = one(base, "DaemonSet")["spec"]["template"]["spec"]
+    plugin = next(c for c in pod["containers"] if c["name"] == "csi-qsd")
+    (address,) = [a.split("=", 1)[1] for a in plugin["args"] if a.startswith("--metrics-address=")]
+    port = address.rsplit(":", 1)[1]
+    assert f"port {port}" in SECTION and f"port {port}" in README
+    assert "--enable-distributed-snapshotting" in SECTION and "kubectl apply -k deploy/" in SECTION
