@@ -62,9 +62,10 @@ def test_prerequisites_and_install() -> None:
 
 
 # ---------------------------------------------------------------------------
-# deploy/README_SECTION.md: the top-level README's "Deploy on Kubernetes".
+# The top-level README's "Deploy on Kubernetes" section.
 
-SECTION = (DEPLOY_DIR / "README_SECTION.md").read_text(encoding="utf-8")
+_TOP_README = (DEPLOY_DIR.parent / "README.md").read_text(encoding="utf-8")
+SECTION = _TOP_README[_TOP_README.index("## Deploy on Kubernetes"):]
 
 
 def github_anchor(heading: str) -> str:

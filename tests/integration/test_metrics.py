@@ -27,7 +27,7 @@ from tests.harness import DriverProcess, Sandbox, qsd_pid
 
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
-DOCUMENTED_IN = (REPO / "deploy" / "README.md", REPO / "deploy" / "README_SECTION.md")
+DOCUMENTED_IN = (REPO / "deploy" / "README.md", REPO / "README.md")
 Labels = frozenset[tuple[str, str]]
 
 
