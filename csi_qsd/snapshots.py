@@ -88,8 +88,10 @@ class Snapshots:
     async def delete(self, snapshot_id: str) -> None:
         """Remove a snapshot from the user's view; its image goes once nothing stands on it."""
         snapshot = await self._catalog.snapshot(snapshot_id)
-        if snapshot is None or snapshot.state is SnapshotState.CREATING:
+        if snapshot is None:
             return
+        if snapshot.state is SnapshotState.CREATING:
+            raise Aborted(f"snapshot {snapshot_id} is still being created; retry the delete")
         async with self._locks.hold(snapshot_id):
             if await self._catalog.dependants(str(snapshot.image)) > 0:
                 await self._catalog.put_snapshots([dataclasses.replace(snapshot, hidden=True)])
@@ -178,14 +180,28 @@ class Snapshots:
         if existing is not None and existing.state is VolumeState.READY:
             return await self._volumes.create(name, required, limit, params, caps, source=source)
         if snapshot_id:
-            base = await self.get(snapshot_id)
-            if base is None:
+            snapshot = await self.get(snapshot_id)
+            if snapshot is None:
                 raise NotFound(f"snapshot {snapshot_id} does not exist")
+            volume = await self._volumes.create(
+                name, required, limit, params, caps, base=snapshot.image, base_size=snapshot.size, source=source,
+            )
         else:
-            (base,) = await self._cut([(f"clone.{validate.new_snapshot_id()}", volume_id)], group_id="", hidden=True)
-        volume = await self._volumes.create(
-            name, required, limit, params, caps, base=base.image, base_size=base.size, source=source,
-        )
+            origin = await self._catalog.volume(volume_id)
+            if origin is None or origin.state is not VolumeState.READY:
+                raise NotFound(f"volume {volume_id} does not exist")
+
+            async def cut_origin() -> Path:
+                # Runs only once the request has passed every check: a refused
+                # clone must not leave a cut behind on the source.
+                (snapshot,) = await self._cut(
+                    [(f"clone.{validate.new_snapshot_id()}", volume_id)], group_id="", hidden=True
+                )
+                return snapshot.image
+
+            volume = await self._volumes.create(
+                name, required, limit, params, caps, base_size=origin.capacity, source=source, make_base=cut_origin,
+            )
         self._maybe_flatten(volume)
         return volume
 

@@ -7,6 +7,7 @@ so a crash leaves a row the start-up reconcile can finish or undo.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
 import enum
 import logging
 from pathlib import Path
@@ -106,13 +107,15 @@ class Volumes:
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
         *, base: Path | None = None, base_size: int = 0, source: str = "",
+        make_base: Callable[[], Awaitable[Path]] | None = None,
     ) -> VolumeRecord:
         """Create (or return the existing identical) volume called `name`.
 
         With `base`, the volume is a thin overlay on that image (a restore or a
         clone, O(1)) of at least `base_size` bytes; `source` says where it
-        came from. Raises InvalidArgument, OutOfRange, AlreadyExists,
-        ResourceExhausted, Aborted.
+        came from. `make_base` produces the base only after every check has
+        passed (a clone cuts its source then). Raises InvalidArgument,
+        OutOfRange, AlreadyExists, ResourceExhausted, Aborted.
         """
         for cap in caps:
             reason = unsupported_capability(cap, params)
@@ -134,6 +137,8 @@ class Volumes:
             size = choose_size(required or base_size, limit)
             if size < base_size:
                 raise OutOfRange(f"volume {name!r} must hold at least the {base_size} bytes of its source")
+            if make_base is not None:
+                base = await make_base()
             volume_id = validate.new_volume_id()
             record = VolumeRecord(
                 id=volume_id, name=name, capacity=size, params=params,

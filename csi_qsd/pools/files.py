@@ -74,7 +74,8 @@ class FilePool:
         tmp.unlink(missing_ok=True)
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
         try:
-            await run("qemu-img", "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=off",
+            # -u: the size is given, so the backing chain need not be opened (saves milliseconds per layer).
+            await run("qemu-img", "create", "-q", "-f", "qcow2", "-u", "-o", "lazy_refcounts=off",
                       "-b", backing.name, "-F", backing_format, str(tmp), str(size))
             await asyncio.to_thread(_fsync_and_rename, tmp, image)
         finally:

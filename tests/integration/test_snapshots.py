@@ -286,3 +286,17 @@ async def test_crash_inside_snapshot_delete(box: Sandbox) -> None:
             await csi.delete_snapshot(snapshot_id)  # the CO's retry
     finally:
         await process.stop()
+
+
+async def test_refused_clone_leaves_the_source_uncut(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
+    """A clone request that fails its checks must not cut the source first (the CO retries forever)."""
+    drv, csi = driver
+    vid = (await csi.create_volume("pvc-origin", 64 * MIB)).volume_id
+    before = pool_files(box)
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await csi.create_volume("pvc-too-small", 32 * MIB, from_volume=vid)
+        assert info.value.code() is grpc.StatusCode.OUT_OF_RANGE
+    assert pool_files(box) == before
+    record = await drv.catalog.volume(vid)
+    assert record is not None and record.generation == 0 and record.backing == ""

@@ -1,0 +1,485 @@
+"""Snapshot benchmark: live snapshot, restore and clone latency of volumes holding data, beside a full copy.
+
+Runs `csi-qsd serve` as a separate process and drives it over its UNIX socket.
+For each size (1 GiB and 10 GiB by default) one qcow2 volume is staged and
+published as a raw block volume (FUSE export + loop device), and most of it
+(90%) is filled with incompressible non-zero data written through the
+published device, so the data is really allocated in the qcow2 (checked with
+`qemu-img map`). Then, with the volume still published:
+
+    CreateSnapshot                       (live cut: new overlay + QMP blockdev-snapshot)
+    CreateVolume from the first snapshot (restore: an overlay on the snapshot)
+    CreateVolume from the volume         (clone of a volume in use: hidden cut + overlay)
+
+each several times, round-robin over the sizes (so load from other processes
+hits every size alike), beside these baselines measured in the same run on the
+same filesystem:
+
+    qemu-img create -b               a bare overlay: the floor of the O(1) approach
+    cp --sparse=always + fsync       a full copy of the snapshot's image
+    qemu-img convert -O qcow2 + fsync
+    Probe                            one gRPC round trip
+
+The repetitions are bounded by the driver's MAX_CHAIN_DEPTH: each snapshot and
+each clone of the volume adds a layer to its chain, and a chain past that depth
+is flattened (a full copy) in the background, which this benchmark must not
+trigger. The issue's target is < 50 ms p50 for each call at every size, and
+flat in size; it is printed as PASS or MISS.
+
+Everything is cleaned up through the driver (volumes and snapshots deleted,
+volumes unpublished and unstaged), then the driver and QSD are stopped and the
+sandbox removed, also on failure or Ctrl-C. Needs root, /dev/fuse, and free
+space under /tmp for 90% of every size plus one more copy of the largest
+(21 GiB for the default sizes). Takes about 2 minutes. Usage:
+
+    .venv/bin/python -m e2e.bench.snapshots [--sizes 1,10] [--copies 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import mmap
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.snapshots import MAX_CHAIN_DEPTH
+from e2e.bench.common import GIB, MIB, Summary, ms, table, timed
+from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+
+REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "cp")
+PARAMETERS = {"format": "qcow2"}  # export "filesystem" (FUSE + loop device), published as a raw block volume
+FILL_FRACTION = 0.9
+WRITE_CHUNK = 8 * MIB
+# Each snapshot and each clone adds one image to the source's chain; stay at or under the depth
+# that starts a background flatten (a full copy) so the figures are those of the O(1) path.
+SNAPSHOTS = 4
+CLONES = MAX_CHAIN_DEPTH - 1 - SNAPSHOTS
+RESTORES = 8
+TARGET_MS = 50.0
+FLAT_LIMIT = 2.0  # p50 at the largest size / p50 at the smallest: a copy would scale ~10x
+SPACE_MARGIN = 2 * GIB
+
+T = TypeVar("T")
+
+
+def sh(*argv: str) -> str:
+    """Run a host command for a baseline; raise with its stderr if it fails."""
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fill_device(device: Path, length: int) -> None:
+    """Write `length` bytes of non-zero, incompressible data at the start of `device` (O_DIRECT), then fsync."""
+    buffer = mmap.mmap(-1, WRITE_CHUNK)  # page-aligned, as O_DIRECT needs
+    buffer.write(os.urandom(WRITE_CHUNK))
+    fd = os.open(device, os.O_WRONLY | os.O_DIRECT)
+    try:
+        for offset in range(0, length, WRITE_CHUNK):
+            buffer[:8] = offset.to_bytes(8, "little")  # no two chunks alike
+            os.pwrite(fd, buffer, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        buffer.close()
+
+
+def allocated_bytes(image: Path) -> int:
+    """Bytes of guest data allocated in `image` itself (not its backing chain), per `qemu-img map`."""
+    extents = json.loads(sh("qemu-img", "map", "-U", "--output=json", str(image)))
+    return sum(e["length"] for e in extents if e.get("data") and e.get("depth", 0) == 0)
+
+
+@dataclasses.dataclass
+class SizeResults:
+    """Every series (ms) measured on a volume of one size."""
+
+    gib: int
+    fill_bytes: int = 0
+    fill_seconds: float = 0.0
+    allocated: int = 0
+    snapshot: list[float] = dataclasses.field(default_factory=list)
+    snapshot_server: list[float] = dataclasses.field(default_factory=list)
+    restore: list[float] = dataclasses.field(default_factory=list)
+    restore_server: list[float] = dataclasses.field(default_factory=list)
+    clone: list[float] = dataclasses.field(default_factory=list)
+    clone_server: list[float] = dataclasses.field(default_factory=list)
+    overlay: list[float] = dataclasses.field(default_factory=list)
+    copy_cp: list[float] = dataclasses.field(default_factory=list)
+    copy_convert: list[float] = dataclasses.field(default_factory=list)
+    probe: list[float] = dataclasses.field(default_factory=list)
+
+
+class Bench:
+    """One run: a sandbox, a served driver, and per size the driver's figures and their baselines."""
+
+    def __init__(self, box: Sandbox, sizes: Sequence[int], copies: int) -> None:
+        self.box = box
+        self.sizes = sizes
+        self.copies = copies
+        self.results: list[SizeResults] = []
+        self.driver = DriverProcess(box, "--log-level", "info")
+        self.base = box.root / "baseline"
+        self.base.mkdir()
+        self.pool = box.state_dir / "pool"
+        # What the run made and has not undone yet, for cleanup on any exit.
+        self.published: dict[str, tuple[Path, Path]] = {}  # volume ID -> (staging, target)
+        self.volumes: list[str] = []
+        self.snapshots: list[str] = []
+        self.leftovers: list[str] = []
+
+    async def run(self) -> None:
+        await self.driver.start(timeout=60)
+        try:
+            async with CSIClient(self.box.endpoint, timeout=600) as csi:
+                try:
+                    await self._phases(csi)
+                finally:
+                    await self._undo(csi)
+                self._check_pool_empty()
+        finally:
+            await self._stop_daemons()
+
+    async def _phases(self, csi: CSIClient) -> None:
+        """Fill one volume per size, then take the samples round-robin over the sizes.
+
+        Interleaving puts the sizes side by side in time, so load from other
+        processes on the machine hits all sizes alike and cannot fake (or hide)
+        a growth with size.
+        """
+        sources = [await self._filled_volume(csi, SizeResults(gib)) for gib in self.sizes]
+        first_images = [self.pool / f"{source}.qcow2" for source in sources]
+        first_snapshots: list[str] = []
+        _progress(f"{SNAPSHOTS} snapshots per size")
+        for i in range(SNAPSHOTS):
+            for r, source, image in zip(self.results, sources, first_images):
+                await self._baseline_overlay(r, image)
+                with timed(r.probe):
+                    await csi.probe()
+                snapshot = await self._call(
+                    "CreateSnapshot", r.snapshot, r.snapshot_server,
+                    lambda: csi.create_snapshot(f"bench-snap-{r.gib}g-{i}", source),
+                )
+                self.snapshots.append(snapshot.snapshot_id)
+                if i == 0:
+                    first_snapshots.append(snapshot.snapshot_id)
+        _progress("full copies of the first snapshot's image")
+        for r, image in zip(self.results, first_images):  # filled, and frozen since the first snapshot
+            await self._full_copies(r, image)
+        _progress(f"{RESTORES} restores and {CLONES} clones per size")
+        for i in range(RESTORES):
+            for r, snapshot_id, image in zip(self.results, first_snapshots, first_images):
+                await self._baseline_overlay(r, image)
+                volume = await self._call(
+                    "CreateVolume", r.restore, r.restore_server,
+                    lambda: csi.create_volume(f"bench-restore-{r.gib}g-{i}", r.gib * GIB, PARAMETERS, block=True,
+                                              from_snapshot=snapshot_id),
+                )
+                self.volumes.append(volume.volume_id)
+        for i in range(CLONES):
+            for r, source, image in zip(self.results, sources, first_images):
+                await self._baseline_overlay(r, image)
+                volume = await self._call(
+                    "CreateVolume", r.clone, r.clone_server,
+                    lambda: csi.create_volume(f"bench-clone-{r.gib}g-{i}", r.gib * GIB, PARAMETERS, block=True,
+                                              from_volume=source),
+                )
+                self.volumes.append(volume.volume_id)
+
+    async def _filled_volume(self, csi: CSIClient, r: SizeResults) -> str:
+        """A volume of r.gib GiB, staged and published as a raw block device, 90% written; its ID."""
+        self.results.append(r)
+        size = r.gib * GIB
+        _progress(f"{r.gib} GiB: create, stage, publish, fill")
+        source = (await csi.create_volume(f"bench-src-{r.gib}g", size, PARAMETERS, block=True)).volume_id
+        self.volumes.append(source)
+        staging, target = self.box.staging(f"src-{r.gib}g"), self.box.target(f"src-{r.gib}g")
+        self.published[source] = (staging, target)
+        await csi.stage(source, str(staging), block=True)
+        await csi.publish(source, str(staging), str(target), block=True)
+        r.fill_bytes = int(size * FILL_FRACTION) // WRITE_CHUNK * WRITE_CHUNK
+        start = time.monotonic()
+        await asyncio.to_thread(fill_device, target, r.fill_bytes)
+        r.fill_seconds = time.monotonic() - start
+        image = self.pool / f"{source}.qcow2"
+        r.allocated = await asyncio.to_thread(allocated_bytes, image)
+        if r.allocated < r.fill_bytes:
+            raise RuntimeError(f"only {r.allocated} of {r.fill_bytes} written bytes are allocated in {image}")
+        return source
+
+    async def _call(self, method: str, samples: list[float], server: list[float],
+                    call: Callable[[], Awaitable[T]]) -> T:
+        """Time one CSI call from the client and, from the driver's log line, inside the driver."""
+        offset = self.driver.log_path.stat().st_size
+        with timed(samples):
+            result = await call()
+        with open(self.driver.log_path, "rb") as log:
+            log.seek(offset)
+            found = re.findall(rf"rpc={method} .*code=OK seconds=([0-9.]+)", log.read().decode(errors="replace"))
+        if found:
+            server.append(float(found[-1]) * 1000)
+        return result
+
+    async def _baseline_overlay(self, r: SizeResults, backing: Path) -> None:
+        overlay = self.base / "overlay.qcow2"
+        with timed(r.overlay):
+            await asyncio.to_thread(sh, "qemu-img", "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=off",
+                                    "-b", str(backing), "-F", "qcow2", str(overlay), str(r.gib * GIB))
+        overlay.unlink()
+
+    async def _full_copies(self, r: SizeResults, image: Path) -> None:
+        copy = self.base / "copy.qcow2"
+        for _ in range(self.copies):
+            with timed(r.copy_cp):
+                await asyncio.to_thread(sh, "cp", "--sparse=always", str(image), str(copy))
+                await asyncio.to_thread(fsync_path, copy)
+            copy.unlink()
+            with timed(r.copy_convert):
+                await asyncio.to_thread(sh, "qemu-img", "convert", "-U", "-f", "qcow2", "-O", "qcow2",
+                                        str(image), str(copy))
+                await asyncio.to_thread(fsync_path, copy)
+            copy.unlink()
+
+    # cleanup --------------------------------------------------------------
+
+    async def _undo(self, csi: CSIClient) -> None:
+        """Unpublish, unstage and delete whatever the run made, through the driver, newest first."""
+        for volume_id, (staging, target) in list(self.published.items()):
+            await _retrying(f"unpublish {volume_id}", lambda: csi.unpublish(volume_id, str(target)))
+            await _retrying(f"unstage {volume_id}", lambda: csi.unstage(volume_id, str(staging)))
+            del self.published[volume_id]
+        with contextlib.suppress(grpc.aio.AioRpcError):  # a call cut short may have made one we never heard of
+            known = {v.volume_id for v in await csi.list_volumes()}
+            self.volumes += sorted(known - set(self.volumes))
+        for volume_id in reversed(self.volumes):
+            await _retrying(f"delete volume {volume_id}", lambda: csi.delete_volume(volume_id))
+        self.volumes.clear()
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            known = {s.snapshot_id for s in await csi.list_snapshots()}
+            self.snapshots += sorted(known - set(self.snapshots))
+        for snapshot_id in reversed(self.snapshots):
+            await _retrying(f"delete snapshot {snapshot_id}", lambda: csi.delete_snapshot(snapshot_id))
+        self.snapshots.clear()
+
+    def _check_pool_empty(self) -> None:
+        left = sorted(p.name for p in self.pool.iterdir()) if self.pool.exists() else []
+        if left:
+            self.leftovers.append(f"{len(left)} image(s) left in the pool: {', '.join(left[:4])}")
+
+    async def _stop_daemons(self) -> None:
+        await self.driver.stop()
+        pid = qsd_pid(self.box)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                return
+            await asyncio.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def kill_driver(self) -> None:
+        """Last resort after a second Ctrl-C: the driver runs in its own session and would survive us."""
+        proc = self.driver.proc
+        if proc is not None and proc.returncode is None and Path(f"/proc/{proc.pid}").exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+def _progress(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message} ...", file=sys.stderr, flush=True)
+
+
+async def _retrying(what: str, call: Callable[[], Awaitable[object]], attempts: int = 20) -> None:
+    """Run a cleanup call, retrying while the object is busy (a call cut short may still run)."""
+    for attempt in range(attempts):
+        try:
+            await call()
+            return
+        except grpc.aio.AioRpcError as exc:
+            busy = exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+            if busy and attempt + 1 < attempts:
+                await asyncio.sleep(0.5)
+                continue
+            print(f"cleanup: {what} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return
+
+
+# the report ---------------------------------------------------------------
+
+def fraction(value: float, baseline: float) -> str:
+    """`value / baseline`, readable also far below 1 (a copy is thousands of times slower)."""
+    if baseline <= 0:
+        return "-"
+    r = value / baseline
+    if r >= 100:
+        return f"{r:.0f}x"
+    if r >= 0.1:
+        return f"{r:.2f}x"
+    return f"{r:.2g}x"
+
+
+def _series(label: str, samples: list[float], p50: float | None = None) -> list[str]:
+    """One row: n, p50, max and, if `p50` (the driver's) is given, driver p50 / this p50."""
+    if not samples:
+        return [label, "0", "-", "-", ""]
+    s = Summary.of(samples)
+    return [label, str(s.count), ms(s.p50), ms(s.max), "" if p50 is None else fraction(p50, s.p50)]
+
+
+def report(results: list[SizeResults], header: str, leftovers: list[str], problems: list[str]) -> str:
+    out = [header, ""]
+    for r in results:
+        gib = f"{r.gib} GiB"
+        if r.fill_seconds:
+            rate = r.fill_bytes / r.fill_seconds / MIB
+            out.append(f"{gib} volume: {r.fill_bytes / GIB:.2f} GiB written through the published device in "
+                       f"{r.fill_seconds:.1f} s ({rate:.0f} MiB/s); {r.allocated / GIB:.2f} GiB allocated "
+                       "in its qcow2 (qemu-img map)")
+    out.append("")
+    rows: list[list[str]] = []
+    for r in results:
+        gib = f"{r.gib} GiB"
+        for title, samples, server in (
+            (f"CreateSnapshot, {gib} (published, live cut)", r.snapshot, r.snapshot_server),
+            (f"CreateVolume from snapshot (restore), {gib}", r.restore, r.restore_server),
+            (f"CreateVolume from volume (clone in use), {gib}", r.clone, r.clone_server),
+        ):
+            if not samples:
+                continue
+            p50 = Summary.of(samples).p50
+            rows.append(_series(title, samples))
+            rows.append(_series("  part: inside the driver (its log)", server))
+            rows.append(_series("  baseline: qemu-img create -b (bare overlay)", r.overlay, p50))
+            rows.append(_series("  baseline: full copy, cp --sparse=always + fsync", r.copy_cp, p50))
+            rows.append(_series("  baseline: full copy, qemu-img convert + fsync", r.copy_convert, p50))
+            rows.append(_series("  baseline: Probe (gRPC round trip)", r.probe, p50))
+    if rows:
+        out.append(table(["latency, ms (ratio = driver p50 / baseline p50)", "n", "p50", "max", "ratio"], rows))
+        out.append("")
+
+    measured = [r for r in results if r.snapshot]
+    if measured:
+        small, large = measured[0], measured[-1]
+        targets = []
+        series: tuple[tuple[str, str], ...] = (
+            ("CreateSnapshot", "snapshot"), ("restore", "restore"), ("clone in use", "clone"),
+            ("full copy (cp), for scale", "copy_cp"),
+        )
+        for label, field in series:
+            per_size: list[list[float]] = [getattr(r, field) for r in measured]
+            if not all(per_size):
+                continue
+            p50s = [Summary.of(samples).p50 for samples in per_size]
+            worst_max = max(Summary.of(samples).max for samples in per_size)
+            growth = p50s[-1] / p50s[0] if p50s[0] > 0 else float("inf")
+            is_copy = "copy" in label
+            verdict = "" if is_copy else (
+                "PASS" if max(p50s) < TARGET_MS and (len(measured) == 1 or growth < FLAT_LIMIT) else "MISS")
+            targets.append([label, *(ms(p) for p in p50s), ms(worst_max),
+                            f"{growth:.2f}x" if len(measured) > 1 else "-", verdict])
+        headers = [f"target: p50 < {TARGET_MS:.0f} ms at every size, flat (p50 growth < {FLAT_LIMIT:.0f}x)",
+                   *(f"{r.gib} GiB p50" for r in measured), "worst max",
+                   f"{large.gib} GiB / {small.gib} GiB", "result"]
+        out.append(table(headers, targets))
+        out.append("")
+    out.append("pool after deleting everything through the driver: " + ("; ".join(leftovers) or "empty"))
+    out.append(f"driver log: {len(problems)} warning/error lines"
+               + "".join(f"\n  {line[:200]}" for line in problems[:5]))
+    return "\n".join(out)
+
+
+# entry point --------------------------------------------------------------
+
+def missing_prerequisites(sizes: Sequence[int]) -> str:
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if os.geteuid() != 0:
+        return "run as root: the benchmark stages volumes (FUSE exports, loop devices, bind mounts)"
+    if missing or not Path("/dev/fuse").exists():
+        return f"needs /dev/fuse and {', '.join(missing) or 'nothing else'}"
+    st = os.statvfs("/tmp")
+    free = st.f_bavail * st.f_frsize
+    needed = int(FILL_FRACTION * (sum(sizes) + max(sizes)) * GIB) + SPACE_MARGIN  # every filled image + one copy
+    if free < needed:
+        return f"needs {needed / GIB:.1f} GiB free under /tmp, has {free / GIB:.1f} GiB; try --sizes 1"
+    return ""
+
+
+def describe(sizes: Sequence[int]) -> str:
+    version = sh("qemu-storage-daemon", "--version").splitlines()[0]
+    return (f"csi-qsd snapshots: qcow2 volumes of {', '.join(f'{g} GiB' for g in sizes)}, "
+            f"{FILL_FRACTION:.0%} filled, staged and published as raw block volumes; "
+            f"{SNAPSHOTS} snapshots, {RESTORES} restores and {CLONES} clones per size "
+            f"(MAX_CHAIN_DEPTH {MAX_CHAIN_DEPTH}); {version}; kernel {platform.release()}; {os.cpu_count()} CPUs; "
+            f"load average {os.getloadavg()[0]:.2f} at start")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.snapshots", description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1,10", help="volume sizes in GiB, comma-separated (default 1,10)")
+    parser.add_argument("--copies", type=int, default=1, help="full-copy baseline samples per size (default 1)")
+    args = parser.parse_args(argv)
+    try:
+        sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    except ValueError:
+        parser.error("--sizes takes whole GiB, e.g. 1,10")
+    if not sizes or sizes[0] < 1 or args.copies < 1:
+        parser.error("--sizes must be at least 1 GiB and --copies at least 1")
+    problem = missing_prerequisites(sizes)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    header = describe(sizes)
+    status = 0
+    started = time.monotonic()
+    with sandbox() as box:
+        bench = Bench(box, sizes, args.copies)
+        try:
+            asyncio.run(bench.run())
+        except KeyboardInterrupt:
+            print("interrupted: cleaned up; partial results follow", file=sys.stderr)
+            status = 130
+        except Exception as exc:
+            print(f"benchmark failed: {exc!r}\n--- driver log (tail) ---\n{bench.driver.log()[-4000:]}",
+                  file=sys.stderr)
+            status = 1
+        finally:
+            bench.kill_driver()
+            problems = [
+                line for line in bench.driver.log_path.read_text(errors="replace").splitlines()
+                if "level=WARNING" in line or "level=ERROR" in line
+            ] if bench.driver.log_path.exists() else []
+    print(report(bench.results, header, bench.leftovers, problems), flush=True)
+    print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

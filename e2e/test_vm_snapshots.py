@@ -1,0 +1,258 @@
+"""Live snapshot and clone of a VM volume while its guest writes, checked byte for byte from the host.
+
+The driver runs as `csi-qsd serve` on its UNIX socket. One vhost-user-blk
+volume is staged and published as kubelet would; a busybox guest opens the
+published socket and writes a pattern sequentially (1 MiB blocks, O_DIRECT,
+fsync after each: a ``WROTE n`` line means block n was acknowledged). While it
+writes, the test takes a CSI snapshot and then a clone of the volume in use.
+The export must stay connected through both cuts: same QSD, same socket, the
+guest reports no I/O error, keeps writing, and reads every block back at the
+end through the new chain.
+
+Then, from the host and without QSD (``qemu-img convert`` of the new volumes'
+images, read through their backing chains), each copy must be a consistent
+prefix of the write sequence: every block acknowledged before the call started
+holds its pattern, the blocks after the cut are zero, and at most the one block
+that was in flight at the cut is torn (each of its sectors either the pattern
+or zero). Nothing acknowledged after the call returned may be in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from csi_qsd.csi_client import CSIClient
+from e2e.guest import (
+    BLOCK_SIZE,
+    GuestImage,
+    RunningVM,
+    VhostUserDisk,
+    acknowledged_blocks,
+    build_guest_image,
+    count_kernel_io_errors,
+    guest_script,
+    pattern_block,
+    start_vm,
+    verify_pattern,
+    verify_summaries,
+    write_pattern,
+    write_summaries,
+)
+from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+
+_REQUIRED_TOOLS = ("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "apt-get", "dpkg-deb")
+_MISSING = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.asyncio,
+    pytest.mark.skipif(bool(_MISSING), reason=f"missing {', '.join(_MISSING)}"),
+]
+
+MIB = 1 << 20
+SECTOR = 512
+SEED = 8128
+BLOCKS = 36  # the guest writes blocks 0..35: long enough to cut twice mid-write
+# At most CHUNK blocks between pauses of PAUSE_S: caps the guest at ~20 blocks/s, so
+# a fast guest (KVM) cannot finish before both cuts; TCG is slower than that anyway.
+CHUNK, PAUSE_S = 2, 0.1
+SIZE = 64 * MIB
+VM_PARAMETERS = {"format": "qcow2", "export": "vhost-user-blk"}
+VM_TIMEOUT_S = 55.0
+DEVICE = "/dev/vda"
+WROTE = re.compile(rf"^WROTE (\d+) dev={re.escape(DEVICE)}")
+# After a call returns, wait this long before reading how far the guest got:
+# the console lags the guest a little, and the bound must not be too tight.
+CONSOLE_SETTLE_S = 0.25
+
+
+@dataclass
+class Served:
+    box: Sandbox
+    driver: DriverProcess
+    csi: CSIClient
+
+
+@pytest.fixture(scope="session")
+def guest_image() -> GuestImage:
+    return build_guest_image()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.fail("VM snapshot tests need root (mounts) and /dev/fuse")
+    with sandbox() as box:
+        driver = DriverProcess(box)
+        await driver.start()
+        try:
+            async with CSIClient(box.endpoint, timeout=60) as csi:
+                yield Served(box, driver, csi)
+        finally:
+            await driver.stop()
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One live cut (snapshot or clone) and how far the guest was around it."""
+
+    what: str
+    acked_before: int  # blocks 0..n-1 were acknowledged when the call started
+    acked_after: int  # the most blocks the copy may hold: acknowledged just after the call returned, + 1 in flight
+    seconds: float
+    image: Path  # the new volume's image, read through its chain from the host
+
+
+def acked(vm: RunningVM) -> int:
+    blocks = acknowledged_blocks(vm.output, DEVICE)
+    assert blocks == list(range(len(blocks))), f"the guest must write in order: {blocks}"
+    return len(blocks)
+
+
+async def wait_for_block(vm: RunningVM, index: int) -> None:
+    """Until the guest has acknowledged block `index`; fails if it ends first."""
+    while acked(vm) <= index:
+        await vm.wait_for_line(WROTE, timeout=VM_TIMEOUT_S)
+
+
+async def run(*argv: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, f"{' '.join(argv)} failed: {out.decode(errors='replace')}"
+    return out.decode(errors="replace")
+
+
+async def read_image(image: Path, scratch: Path) -> bytes:
+    """Guest-visible bytes of a qcow2 image and its backing chain, read by qemu-img (not QSD)."""
+    raw = scratch / f"{image.name}.raw"
+    await run("qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(image), str(raw))
+    try:
+        return raw.read_bytes()
+    finally:
+        raw.unlink()
+
+
+def classify(data: bytes, index: int) -> str:
+    """'pattern', 'zero', 'torn' (every sector the pattern or zero) or 'garbage' for block `index`."""
+    got = data[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]
+    expected = pattern_block(SEED, index)
+    if got == expected:
+        return "pattern"
+    if not any(got):
+        return "zero"
+    zero = bytes(SECTOR)
+    for offset in range(0, BLOCK_SIZE, SECTOR):
+        sector = got[offset:offset + SECTOR]
+        if sector != zero and sector != expected[offset:offset + SECTOR]:
+            return "garbage"
+    return "torn"
+
+
+def assert_consistent_prefix(data: bytes, cut: Cut) -> int:
+    """The image holds blocks 0..m-1, then at most one torn block, then zeros; returns m."""
+    assert len(data) == SIZE, f"{cut.what}: image is {len(data)} bytes, expected {SIZE}"
+    kinds = [classify(data, i) for i in range(SIZE // BLOCK_SIZE)]
+    assert "garbage" not in kinds, f"{cut.what}: block {kinds.index('garbage')} holds bytes nobody wrote"
+    m = kinds.index("zero") if "zero" in kinds else len(kinds)
+    m = min(m, kinds.index("torn") if "torn" in kinds else m)
+    assert m >= cut.acked_before, (
+        f"{cut.what}: blocks {m}..{cut.acked_before - 1} were acknowledged before the call started "
+        f"but are missing (image holds {kinds[:cut.acked_before + 1]})"
+    )
+    tail = kinds[m + 1:]
+    assert all(k == "zero" for k in tail), f"{cut.what}: not a prefix: blocks after {m} are {tail}"
+    assert m <= cut.acked_after, (
+        f"{cut.what}: holds {m} blocks, but the guest had acknowledged at most {cut.acked_after} "
+        "by the time the call returned"
+    )
+    return m
+
+
+async def test_live_snapshot_and_clone_of_a_vm_volume_under_writes(
+    served: Served, guest_image: GuestImage
+) -> None:
+    box, csi = served.box, served.csi
+    pool = box.state_dir / "pool"
+    vid = (await csi.create_volume("pvc-vm-live", SIZE, VM_PARAMETERS)).volume_id
+    staging, target = box.staging("vm"), box.target("vm")
+    await csi.stage(vid, str(staging))
+    await csi.publish(vid, str(staging), str(target))
+    socket = target / "vhost-user-blk.sock"
+    qsd_before, socket_inode = qsd_pid(box), socket.stat().st_ino
+
+    writes = [
+        write_pattern(DEVICE, SEED, min(CHUNK, BLOCKS - first), start=first) + f"sleep {PAUSE_S}\n"
+        for first in range(0, BLOCKS, CHUNK)
+    ]
+    script = guest_script(*writes, verify_pattern(DEVICE, SEED, BLOCKS), count_kernel_io_errors())
+    # config_wce=False as in the harness tests: the guest sees a write-back cache and flushes.
+    vm = await start_vm(guest_image, [VhostUserDisk(socket, config_wce=False)], script, timeout=VM_TIMEOUT_S)
+    cuts: list[Cut] = []
+    async with vm:
+        await wait_for_block(vm, 2)
+
+        before, start = acked(vm), time.monotonic()
+        snapshot = await csi.create_snapshot("snap-vm-live", vid)
+        seconds = time.monotonic() - start
+        await asyncio.sleep(CONSOLE_SETTLE_S)
+        after = acked(vm)
+        assert after < BLOCKS, "the guest finished before the snapshot returned: raise BLOCKS"
+        assert snapshot.ready_to_use and snapshot.size_bytes == SIZE and snapshot.source_volume_id == vid
+        restored = await csi.create_volume("pvc-vm-restore", SIZE, VM_PARAMETERS, from_snapshot=snapshot.snapshot_id)
+        assert restored.content_source.snapshot.snapshot_id == snapshot.snapshot_id
+        cuts.append(Cut("restore of the snapshot", before, after + 1, seconds, pool / f"{restored.volume_id}.qcow2"))
+
+        await wait_for_block(vm, after + 2)  # the guest keeps writing after the cut
+        before, start = acked(vm), time.monotonic()
+        clone = await csi.create_volume("pvc-vm-clone", SIZE, VM_PARAMETERS, from_volume=vid)
+        seconds = time.monotonic() - start
+        await asyncio.sleep(CONSOLE_SETTLE_S)
+        after = acked(vm)
+        assert after < BLOCKS, "the guest finished before the clone returned: raise BLOCKS"
+        assert clone.content_source.volume.volume_id == vid
+        cuts.append(Cut("clone of the volume in use", before, after + 1, seconds, pool / f"{clone.volume_id}.qcow2"))
+
+        await wait_for_block(vm, after + 2)
+        result = await vm.wait()
+
+    # The guest: every write acknowledged, none failed, all read back through the new chain.
+    assert result.exit_code == 0, result.output
+    summaries = write_summaries(result.output)
+    assert sum(w.wrote for w in summaries) == BLOCKS, result.output
+    assert sum(w.errors for w in summaries) == 0, result.output
+    (verified,) = verify_summaries(result.output)
+    assert (verified.ok, verified.mismatch, verified.ioerrors) == (BLOCKS, 0, 0), result.output
+    assert "KERNEL_IO_ERRORS 0" in result.lines, result.output
+    # The export stayed up: the same daemon and the same socket served the guest throughout.
+    assert qsd_pid(box) == qsd_before and socket.stat().st_ino == socket_inode
+    for cut in cuts:
+        assert cut.seconds < 5, f"{cut.what} took {cut.seconds:.2f}s"
+
+    # From the host, with the live volume still staged: each copy is the guest's writes up to its cut.
+    for cut in cuts:
+        assert_consistent_prefix(await read_image(cut.image, box.root), cut)
+
+    # The live volume after two cuts holds every block, in the files on disk.
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
+    tops = sorted(pool.glob(f"{vid}.*.qcow2"), key=lambda p: int(p.name.split(".")[1]))
+    assert tops, f"no overlay of {vid} in {sorted(p.name for p in pool.iterdir())}"
+    live = await read_image(tops[-1], box.root)
+    for index in range(BLOCKS):
+        assert classify(live, index) == "pattern", f"live volume: block {index} is {classify(live, index)}"
+
+    for volume_id in (restored.volume_id, clone.volume_id, vid):
+        await csi.delete_volume(volume_id)
+    await csi.delete_snapshot(snapshot.snapshot_id)
+    assert sorted(p.name for p in pool.iterdir()) == [], "every image goes with the last user of the chain"
