@@ -20,9 +20,13 @@ for pkg in "${PACKAGES[@]}"; do
     missing+=("$pkg")
   fi
 done
+# The e2e guest is built from Debian's kernel and busybox-static packages with
+# `apt-get download`, which needs current package lists.
+if [ "${#missing[@]}" -gt 0 ] || ! apt-cache show linux-image-amd64 busybox-static >/dev/null 2>&1; then
+  $SUDO apt-get update -q
+fi
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "installing system packages: ${missing[*]}"
-  $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
