@@ -115,7 +115,7 @@ class NodeVolumes:
                         f"volume {spec.volume_id} is staged as {existing.access_type.value}"
                         f"{'/' + existing.fs_type if existing.fs_type else ''}; requested otherwise"
                     )
-                await self._bring_up(volume, existing, [])
+                await self._bring_up(volume, existing, await self._catalog.publishes(volume.id))
                 return
             if existing is not None:
                 await self._tear_down(volume, existing)
@@ -233,15 +233,18 @@ class NodeVolumes:
             size = max(choose_size(required, limit), volume.capacity)
             self._require_qsd()
             top = top_image(volume)
+            if _is_vhost(volume):
+                # The export goes first: block_resize under a vhost-user-blk export stalls
+                # QSD's iothread (every VM on it) on 7.2, and an export keeps its size anyway.
+                await self._daemon.client.export_del(top.nodes.vhost_export)
             if size > volume.capacity:
                 await attach.ensure_top(self._daemon.client, top)
                 await self._daemon.client.block_resize(top.nodes.format, size)
                 await self._catalog.update_volume(dataclasses.replace(volume, capacity=size))
                 log.info("event=expanded volume_id=%s bytes=%d", volume_id, size)
             if _is_vhost(volume):
-                if await attach.has_export(self._daemon.client, top.nodes.vhost_export):
-                    await self._daemon.client.export_del(top.nodes.vhost_export)
-                await self._bring_up(dataclasses.replace(volume, capacity=size), stage, [])
+                publishes = await self._catalog.publishes(volume_id)
+                await self._bring_up(dataclasses.replace(volume, capacity=size), stage, publishes)
                 return size
             device = Path(stage.loop_device)
             await loop.refresh_capacity(device, size)
@@ -393,7 +396,8 @@ class NodeVolumes:
             socket_dir = self.socket_dir(volume.id)
             vhost_user.prepare_dir(socket_dir, stage.mount_group)
             socket = socket_dir / vhost_user.SOCKET_NAME
-            await attach.ensure_vhost_export(client, top, socket, writable=True)
+            writable = not any(p.readonly for p in publishes)  # the one publish's mode (see _claim_vhost_export)
+            await attach.ensure_vhost_export(client, top, socket, writable=writable)
             vhost_user.restrict_socket(socket, stage.mount_group)
             return stage
         export_file = self.export_file(volume.id)
@@ -416,6 +420,8 @@ class NodeVolumes:
 
     async def _ensure_published(self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord) -> PublishRecord:
         if _is_vhost(volume):
+            if record.state is PublishState.PUBLISHING:
+                await self._claim_vhost_export(volume, stage, record)
             await vhost_user.ensure_published(self.socket_dir(volume.id), record.target_path)
             return record
         if stage.access_type is AccessType.MOUNT:
@@ -434,6 +440,27 @@ class NodeVolumes:
             device = Path(stage.loop_device)
         await block.ensure_published(device, record.target_path, readonly=record.readonly)
         return record
+
+    async def _claim_vhost_export(self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord) -> None:
+        """Give a new publish of a VM volume the export, read-only if the publish is.
+
+        A vhost-user-blk socket serves one VM at a time (QSD 7.2 leaves a second
+        client's QEMU hanging at start-up), so a second publish is refused. With
+        no other publish no VM is connected, so the export is re-added in the
+        publish's mode: a guest then sees a read-only disk for a readonly publish.
+        Raises FailedPrecondition.
+        """
+        others = [p for p in await self._catalog.publishes(volume.id) if p.target_path != record.target_path]
+        if others:
+            raise FailedPrecondition(
+                f"volume {volume.id} is already published at {others[0].target_path}; a vhost-user-blk "
+                "volume serves one VM at a time: unpublish it there first"
+            )
+        top = top_image(volume)
+        socket = self.socket_dir(volume.id) / vhost_user.SOCKET_NAME
+        await self._daemon.client.export_del(top.nodes.vhost_export)
+        await attach.ensure_vhost_export(self._daemon.client, top, socket, writable=not record.readonly)
+        vhost_user.restrict_socket(socket, stage.mount_group)
 
     async def _remove_publish(
         self, volume: VolumeRecord, record: PublishRecord, client: QSDClient | None = None

@@ -115,6 +115,9 @@ async def ensure_vhost_export(client: QSDClient, top: TopImage, socket: Path, *,
     if await has_export(client, nodes.vhost_export):
         return False
     socket.unlink(missing_ok=True)
+    iothread = graph.iothread_object(nodes, top.params)
+    if iothread is not None and iothread["id"] not in await client.iothreads():
+        await client.execute("object-add", iothread)
     await client.export_add(graph.vhost_user_blk_export(nodes, socket, top.params, writable=writable))
     return True
 
@@ -124,6 +127,9 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     nodes = graph.nodes_for(volume_id)
     for export_id in (nodes.fuse_export, nodes.vhost_export):
         await client.export_del(export_id)
+    own_iothread = graph.own_iothread_id(nodes)
+    if own_iothread in await client.iothreads():
+        await client.execute("object-del", {"id": own_iothread})
     present = await client.node_names()
     for generation in _generations(present, volume_id):
         layer = graph.nodes_for(volume_id, generation)

@@ -108,6 +108,11 @@ class QSDClient:
             for item in raw
         }
 
+    async def iothreads(self) -> set[str]:
+        """IDs of the iothread objects (QSD has no query-iothreads; the QOM tree lists them)."""
+        items = await self.execute("qom-list", {"path": "/objects"})
+        return {item["name"] for item in items if item.get("type") == "child<iothread>"}
+
     async def blockdev_add(self, spec: QMPArgs) -> None:
         await self.execute("blockdev-add", spec)
 

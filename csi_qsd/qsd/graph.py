@@ -133,6 +133,24 @@ def fuse_export(nodes: VolumeNodes, mountpoint: Path, *, writable: bool) -> QMPA
     }
 
 
+def iothread_for(nodes: VolumeNodes, params: VolumeParameters) -> str:
+    """The shared iothread, or the volume's own when it asks for its own polling budget."""
+    if params.iothread_poll_max_ns is None:
+        return IOTHREAD_ID
+    return own_iothread_id(nodes)
+
+
+def own_iothread_id(nodes: VolumeNodes) -> str:
+    return nodes.vhost_export.removesuffix("-vhost") + "-io"
+
+
+def iothread_object(nodes: VolumeNodes, params: VolumeParameters) -> QMPArgs | None:
+    """`object-add` arguments for the volume's own iothread, or None when it uses the shared one."""
+    if params.iothread_poll_max_ns is None:
+        return None
+    return {"qom-type": "iothread", "id": iothread_for(nodes, params), "poll-max-ns": params.iothread_poll_max_ns}
+
+
 def vhost_user_blk_export(
     nodes: VolumeNodes, socket: Path, params: VolumeParameters, *, writable: bool
 ) -> QMPArgs:
@@ -147,5 +165,5 @@ def vhost_user_blk_export(
         "writethrough": params.cache is CacheMode.WRITETHROUGH,
         "num-queues": params.num_queues,
         "logical-block-size": params.logical_block_size,
-        "iothread": IOTHREAD_ID,
+        "iothread": iothread_for(nodes, params),
     }

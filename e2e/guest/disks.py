@@ -32,9 +32,12 @@ def _onoff(value: bool) -> str:
 class VhostUserDisk:
     """A vhost-user-blk backend listening on ``socket_path``.
 
-    ``config_wce=None`` keeps QEMU's default (the guest sees a write-back
-    cache and sends flushes); ``False`` makes the guest treat the disk as
-    write-through. ``reconnect_s`` lets QEMU re-attach if the backend restarts,
+    ``config_wce=None`` keeps QEMU's default (``config-wce=on``: the guest
+    reads the cache mode from the backend, which QSD 7.2 reports as
+    write-through, so it never sends a flush); ``False`` (``config-wce=off``)
+    makes the guest see a write-back cache and flush on fsync. Measured:
+    ``/sys/block/vda/queue/write_cache`` reads "write through" and "write
+    back" respectively. ``reconnect_s`` lets QEMU re-attach if the backend restarts,
     which is what a VM on a live-upgraded storage daemon relies on.
     """
 

@@ -125,7 +125,7 @@ def test_vhost_export_is_writethrough_by_default() -> None:
     assert spec["writethrough"] is True
     assert spec["type"] == "vhost-user-blk" and spec["id"] == NODES.vhost_export
     assert spec["node-name"] == NODES.format and spec["addr"] == {"type": "unix", "path": "/s/vhost.sock"}
-    assert spec["num-queues"] == 4 and spec["logical-block-size"] == 512
+    assert spec["num-queues"] == 64 and spec["logical-block-size"] == 512
     assert spec["iothread"] == graph.IOTHREAD_ID and spec["writable"] is True
 
 

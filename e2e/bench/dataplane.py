@@ -1,0 +1,349 @@
+"""Data-plane speed: a csi-qsd VM volume and the container path, each beside its baseline, in one run.
+
+Run as ``.venv/bin/python -m e2e.bench.dataplane [--runtime 5]`` (root; about 6
+minutes with the default 5 s per job). It prints figures, never pass/fail.
+
+The same six fio jobs (4k random read/write at QD1 and QD32, 1 MiB sequential
+read/write at QD8; O_DIRECT, libaio, a 256 MiB region, the sequential write
+first so later jobs read written data) run over:
+
+VM table, inside the busybox guest (fio is the host's Debian binary, shipped
+into the per-run initramfs with its shared libraries and started through the
+bundled ``ld-linux``; 1 vCPU, one queue):
+  (a)  a csi-qsd vhost-user-blk volume of the default class (qcow2, export
+       ``writethrough=on``), staged and published through the CSI socket;
+  (a') the opt-in ``cache: writeback`` class with a VM that flushes
+       (``config-wce=off``), to show what the write-through default costs;
+  (b)  QEMU's own virtio-blk (iothread) on the same image file, with the same
+       cache semantics as (a): ``cache=writethrough`` (host page cache, a flush
+       after every write), ``aio=threads``;
+  (b') the same with ``cache=none,aio=native`` (O_DIRECT), the usual production choice;
+  (c)  host fio straight on a raw file of the same size in the pool directory.
+
+Container table, all on the host: fio on QSD's FUSE export file of a csi-qsd
+volume vs the raw file (c); and a csi-qsd filesystem volume (ext4 on a
+buffered loop device on the FUSE export, as the driver stages it) vs ext4 on a
+buffered loop device on a raw file.
+
+Caveats printed with the tables: guests run under TCG here (``/dev/kvm`` on
+these machines hangs a stock kernel), so guest figures are bounded by CPU
+emulation and only their ratios mean much; QSD and (b) open the image through
+the host page cache, (b') and (c) do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+from csi_qsd.csi_client import CSIClient
+from e2e.bench.common import MIB, ratio, table
+from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
+from tests.harness import DriverProcess, Sandbox, sandbox
+
+VOLUME_SIZE = 512 * MIB
+REGION = "256M"
+GUEST_MEMORY_MIB = 768  # the initramfs carries ~80 MiB of fio and its libraries
+GUEST_FIO_DIR = "/opt/fio"
+TERSE_PREFIX = "3;fio-"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str
+    rw: str
+    bs: str
+    iodepth: int
+
+    @property
+    def sequential(self) -> bool:
+        return self.rw in ("read", "write")
+
+    @property
+    def writes(self) -> bool:
+        return "write" in self.rw
+
+
+JOBS = (
+    Job("seq-write-1M-qd8", "write", "1M", 8),
+    Job("seq-read-1M-qd8", "read", "1M", 8),
+    Job("rand-read-4k-qd1", "randread", "4k", 1),
+    Job("rand-read-4k-qd32", "randread", "4k", 32),
+    Job("rand-write-4k-qd1", "randwrite", "4k", 1),
+    Job("rand-write-4k-qd32", "randwrite", "4k", 32),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One job's result: IOPS for 4k jobs, MiB/s for sequential ones."""
+
+    iops: float
+    mib_s: float
+
+    def value(self, job: Job) -> float:
+        return self.mib_s if job.sequential else self.iops
+
+
+Results = dict[str, Figure]
+
+
+def job_file(filename: str, runtime: int) -> str:
+    lines = [
+        "[global]", f"filename={filename}", "direct=1", "ioengine=libaio", f"size={REGION}",
+        "time_based", f"runtime={runtime}", "randrepeat=0", "norandommap",
+    ]
+    for job in JOBS:
+        lines += [f"[{job.name}]", "stonewall", f"rw={job.rw}", f"bs={job.bs}", f"iodepth={job.iodepth}"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_terse(output: str) -> Results:
+    """fio --minimal (terse v3) lines -> figures: fields 7/8 are read KiB/s/IOPS, 48/49 the writes'."""
+    results: Results = {}
+    by_name = {job.name: job for job in JOBS}
+    for line in output.splitlines():
+        start = line.find(TERSE_PREFIX)
+        if start < 0:
+            continue
+        fields = line[start:].split(";")
+        job = by_name.get(fields[2])
+        if job is None:
+            continue
+        if int(fields[4]) != 0:
+            raise RuntimeError(f"fio job {job.name} failed with error {fields[4]}")
+        bw_kib, iops = (fields[47], fields[48]) if job.writes else (fields[6], fields[7])
+        results[job.name] = Figure(iops=float(iops), mib_s=float(bw_kib) / 1024)
+    missing = [job.name for job in JOBS if job.name not in results]
+    if missing:
+        raise RuntimeError(f"fio printed no result for {missing}:\n{output[-2000:]}")
+    return results
+
+
+# --- host side -------------------------------------------------------------------
+
+
+async def run(*argv: str, timeout: float = 600) -> str:
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+    return out.decode(errors="replace")
+
+
+async def fio_host(filename: Path, runtime: int) -> Results:
+    with tempfile.NamedTemporaryFile("w", suffix=".fio") as jobs:
+        jobs.write(job_file(str(filename), runtime))
+        jobs.flush()
+        return parse_terse(await run("fio", "--minimal", jobs.name))
+
+
+@contextlib.asynccontextmanager
+async def ext4_on_loop(backing: Path, mountpoint: Path) -> AsyncIterator[Path]:
+    """ext4 on a buffered loop device over `backing`, mounted at `mountpoint` (as the driver stages one)."""
+    device = (await run("losetup", "--find", "--show", "--direct-io=off", str(backing))).strip()
+    try:
+        await run("mkfs.ext4", "-q", "-F", device)
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        await run("mount", device, str(mountpoint))
+        try:
+            yield mountpoint
+        finally:
+            await run("umount", str(mountpoint))
+    finally:
+        await run("losetup", "--detach", device)
+
+
+async def raw_file(path: Path) -> Path:
+    await run("fallocate", "-l", str(VOLUME_SIZE), str(path))
+    return path
+
+
+# --- guest side ------------------------------------------------------------------
+
+
+def fio_guest_files(jobs: str) -> dict[str, bytes]:
+    """The host's fio, every shared library ldd names (by soname), its loader, and the job file."""
+    out = subprocess.run(["ldd", "/usr/bin/fio"], capture_output=True, text=True, check=True).stdout
+    files = {f"{GUEST_FIO_DIR}/fio": Path("/usr/bin/fio").read_bytes(), f"{GUEST_FIO_DIR}/jobs.fio": jobs.encode()}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "=>":
+            soname, path = parts[0], parts[2]
+        elif parts and parts[0].startswith("/"):
+            soname, path = Path(parts[0]).name, parts[0]
+        else:
+            continue  # linux-vdso
+        files[f"{GUEST_FIO_DIR}/lib/{soname}"] = Path(path).resolve().read_bytes()
+    return files
+
+
+def fio_guest_script() -> str:
+    lib = f"{GUEST_FIO_DIR}/lib"
+    return (
+        f"chmod 0755 {GUEST_FIO_DIR}/fio {lib}/*\n"
+        f"{lib}/ld-linux-x86-64.so.2 --library-path {lib} {GUEST_FIO_DIR}/fio --minimal {GUEST_FIO_DIR}/jobs.fio\n"
+    )
+
+
+async def fio_guest(image: GuestImage, disk: Disk, files: Mapping[str, bytes], runtime: int) -> Results:
+    result = await run_guest(
+        image, [disk], fio_guest_script(), files=files, memory_mib=GUEST_MEMORY_MIB, cpus=1,
+        timeout=120 + 3 * runtime * len(JOBS),
+    )
+    if result.exit_code != 0:
+        raise RuntimeError(f"fio failed in the guest (exit {result.exit_code}):\n{result.output[-3000:]}")
+    return parse_terse(result.output)
+
+
+# --- csi-qsd volumes ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    id: str
+    staging: Path
+    target: Path
+
+
+async def stage_volume(csi: CSIClient, box: Sandbox, name: str, parameters: dict[str, str], *,
+                       block: bool = False) -> Staged:
+    vid = (await csi.create_volume(name, VOLUME_SIZE, parameters, block=block)).volume_id
+    volume = Staged(vid, box.staging(name), box.target(name))
+    await csi.stage(vid, str(volume.staging), block=block)
+    if not block:
+        await csi.publish(vid, str(volume.staging), str(volume.target))
+    return volume
+
+
+async def release(csi: CSIClient, volume: Staged, *, published: bool = True) -> None:
+    if published:
+        await csi.unpublish(volume.id, str(volume.target))
+    await csi.unstage(volume.id, str(volume.staging))
+    await csi.delete_volume(volume.id)
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+async def measure(runtime: int) -> tuple[dict[str, Results], dict[str, Results]]:
+    image = build_guest_image()
+    files = fio_guest_files(job_file("/dev/vda", runtime))
+    vm: dict[str, Results] = {}
+    host: dict[str, Results] = {}
+    vm_class = {"export": "vhost-user-blk", "format": "qcow2", "preallocation": "full"}
+    with sandbox() as box:
+        driver = DriverProcess(box)
+        await driver.start()
+        try:
+            async with CSIClient(box.endpoint, timeout=120) as csi:
+                progress("(a) csi-qsd vhost-user-blk volume, default class")
+                volume = await stage_volume(csi, box, "bench-vm", vm_class)
+                vm["a"] = await fio_guest(image, VhostUserDisk(volume.target / "vhost-user-blk.sock"), files, runtime)
+                await csi.unpublish(volume.id, str(volume.target))
+                await csi.unstage(volume.id, str(volume.staging))
+                qcow2 = box.state_dir / "pool" / f"{volume.id}.qcow2"  # closed by QSD now
+                progress("(b) QEMU virtio-blk on the same image, cache=writethrough")
+                disk: Disk = FileDisk(qcow2, format="qcow2", cache="writethrough", aio="threads", iothread=True)
+                vm["b"] = await fio_guest(image, disk, files, runtime)
+                progress("(b') QEMU virtio-blk on the same image, cache=none")
+                disk = FileDisk(qcow2, format="qcow2", cache="none", aio="native", iothread=True)
+                vm["b'"] = await fio_guest(image, disk, files, runtime)
+                await csi.delete_volume(volume.id)
+
+                progress("(a') csi-qsd volume, cache=writeback class, VM with config-wce=off")
+                volume = await stage_volume(csi, box, "bench-vm-wb", {**vm_class, "cache": "writeback"})
+                disk = VhostUserDisk(volume.target / "vhost-user-blk.sock", config_wce=False)
+                vm["a'"] = await fio_guest(image, disk, files, runtime)
+                await release(csi, volume)
+
+                progress("(c) host fio on a raw file in the pool directory")
+                raw = await raw_file(box.state_dir / "pool" / "bench.raw")
+                host["raw"] = await fio_host(raw, runtime)
+
+                progress("host fio on the FUSE export file of a csi-qsd volume")
+                volume = await stage_volume(csi, box, "bench-fuse", {"preallocation": "full"}, block=True)
+                host["fuse"] = await fio_host(box.state_dir / "exports" / volume.id / "disk", runtime)
+                await release(csi, volume, published=False)
+
+                progress("host fio on ext4 / loop / FUSE (a csi-qsd filesystem volume)")
+                volume = await stage_volume(csi, box, "bench-ext4", {"preallocation": "full"})
+                host["ext4-fuse"] = await fio_host(volume.target / "fio.dat", runtime)
+                await release(csi, volume)
+
+                progress("host fio on ext4 / loop / raw file")
+                async with ext4_on_loop(raw, box.root / "ext4-raw") as mountpoint:
+                    host["ext4-raw"] = await fio_host(mountpoint / "fio.dat", runtime)
+                raw.unlink()
+        finally:
+            await driver.stop()
+    return vm, host
+
+
+def figure(results: Results, job: Job) -> str:
+    value = results[job.name].value(job)
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def render(vm: dict[str, Results], host: dict[str, Results], runtime: int) -> str:
+    def unit(job: Job) -> str:
+        return f"{job.name} ({'MiB/s' if job.sequential else 'IOPS'})"
+
+    vm_rows = []
+    for job in JOBS:
+        a, b, c = (vm["a"][job.name].value(job), vm["b"][job.name].value(job), host["raw"][job.name].value(job))
+        vm_rows.append([
+            unit(job), figure(vm["a"], job), figure(vm["a'"], job), figure(vm["b"], job), figure(vm["b'"], job),
+            figure(host["raw"], job), ratio(a, b), ratio(a, vm["b'"][job.name].value(job)), ratio(a, c),
+        ])
+    host_rows = []
+    for job in JOBS:
+        def v(key: str) -> float:
+            return host[key][job.name].value(job)
+
+        host_rows.append([
+            unit(job), figure(host["fuse"], job), figure(host["raw"], job), ratio(v("fuse"), v("raw")),
+            figure(host["ext4-fuse"], job), figure(host["ext4-raw"], job), ratio(v("ext4-fuse"), v("ext4-raw")),
+        ])
+    accel = default_accel()
+    return "\n".join([
+        f"VM volumes: fio in the guest ({accel.upper()}, 1 vCPU), {runtime} s per job, O_DIRECT, {REGION} region",
+        table(["job", "(a) csi-qsd", "(a') wb+wce=off", "(b) qemu wt", "(b') qemu none", "(c) host raw",
+               "a/b", "a/b'", "a/c"], vm_rows),
+        "",
+        f"Container path: fio on the host, {runtime} s per job, O_DIRECT",
+        table(["job", "FUSE file", "raw file", "ratio", "ext4/loop/FUSE", "ext4/loop/raw", "ratio"], host_rows),
+        "",
+        "(a) default class: qcow2, export writethrough=on (QSD flushes after every write), host page cache",
+        "(a') cache=writeback class, VM config-wce=off (the guest flushes on fsync)",
+        "(b) QEMU virtio-blk, same image, cache=writethrough,aio=threads,iothread (same semantics as (a))",
+        "(b') QEMU virtio-blk, same image, cache=none,aio=native,iothread (O_DIRECT, no host page cache)",
+        "(c) host fio on a raw file in the pool directory (O_DIRECT)",
+        f"guest figures are bounded by {accel.upper()} CPU emulation: compare ratios, not absolutes",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--runtime", type=int, default=5, help="seconds per fio job (default 5)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("needs root (mounts, loop devices, FUSE)")
+    started = time.monotonic()
+    vm, host = asyncio.run(measure(args.runtime))
+    print(render(vm, host, args.runtime))
+    print(f"\n(total {time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
