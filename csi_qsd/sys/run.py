@@ -22,6 +22,12 @@ async def run(*argv: str, timeout: float = 120.0, check: bool = True) -> tuple[i
         proc.kill()
         await proc.wait()
         raise HostCommandError(f"{argv[0]} did not finish within {timeout}s: {' '.join(argv)}") from exc
+    except asyncio.CancelledError:
+        # The caller gave up (shutdown, a cancelled background job): leave no orphan behind.
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.shield(proc.wait())
+        raise
     code = proc.returncode if proc.returncode is not None else -1
     if check and code != 0:
         message = err.decode(errors="replace").strip() or out.decode(errors="replace").strip()
