@@ -1,7 +1,12 @@
-"""Per-key try-locks: one call at a time per volume (or name); a second one gets ABORTED."""
+"""Per-key try-locks: one call at a time per volume (or name); a second one gets ABORTED.
+
+Only the driver's own repair work (the rebuild after a QSD restart) waits for
+a key instead; a CSI call never queues behind another.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -14,16 +19,40 @@ class KeyedLocks:
     def __init__(self, kind: str) -> None:
         self._kind = kind
         self._held: set[str] = set()
+        self._released: dict[str, asyncio.Event] = {}
 
     @contextlib.asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[None]:
         if key in self._held:
             raise Aborted(f"an operation on {self._kind} {key!r} is already in progress; retry later")
+        async with self._holding(key):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def wait_hold(self, key: str, timeout: float) -> AsyncIterator[bool]:
+        """Hold `key` once it is free; yields False (unheld) if it stays busy for `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while key in self._held:
+            released = self._released.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(released.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                yield False
+                return
+        async with self._holding(key):
+            yield True
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, key: str) -> AsyncIterator[None]:
         self._held.add(key)
         try:
             yield
         finally:
             self._held.discard(key)
+            released = self._released.pop(key, None)
+            if released is not None:
+                released.set()
 
     def busy(self, key: str) -> bool:
         return key in self._held

@@ -34,6 +34,9 @@ from csi_qsd.volumes import choose_size
 
 log = logging.getLogger(__name__)
 
+# How long the rebuild after a QSD restart waits for a call still holding a volume.
+REBUILD_LOCK_WAIT = 30.0
+
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
@@ -350,36 +353,48 @@ class NodeVolumes:
         staged volume needs. Image files are never touched.
         """
         wanted: set[str] = set()
-        for publish in await self._catalog.publishes():
-            if publish.state is not PublishState.PUBLISHED:
-                volume = await self._catalog.volume(publish.volume_id)
-                if volume is not None:
-                    log.info("event=reconcile_publish volume_id=%s target=%s state=%s",
-                             publish.volume_id, publish.target_path, publish.state.value)
-                    await self._remove_publish(volume, publish, client)
-        for stage in await self._catalog.stages():
-            volume = await self._catalog.volume(stage.volume_id)
-            if volume is None:
-                await self._catalog.delete_stage(stage.volume_id)
-                continue
-            if stage.state is not StageState.STAGED:
-                log.info("event=reconcile_stage volume_id=%s state=%s", stage.volume_id, stage.state.value)
-                await self._tear_down(volume, stage, client)
-                await self._catalog.delete_stage(stage.volume_id)
-                continue
-            wanted.add(volume.id)
-            try:
-                publishes = await self._catalog.publishes(volume.id)
-                stage = await self._bring_up(volume, stage, publishes, client)
-                await self._catalog.put_stage(stage)
-                for publish in publishes:
-                    updated = await self._ensure_published(volume, stage, publish)
-                    await self._catalog.put_publish(updated)
-            except Exception:
-                log.exception("event=rebuild_failed volume_id=%s", volume.id)
+        volume_ids = {p.volume_id for p in await self._catalog.publishes()}
+        volume_ids |= {s.volume_id for s in await self._catalog.stages()}
+        for volume_id in sorted(volume_ids):
+            # A call cut off by the crash may still hold the volume; let it finish first.
+            async with self._locks.wait_hold(volume_id, REBUILD_LOCK_WAIT) as held:
+                if not held:
+                    log.warning("event=rebuild_lock_busy volume_id=%s; rebuilding anyway", volume_id)
+                if await self._rebuild_volume(client, volume_id):
+                    wanted.add(volume_id)
         for volume_id in await attach.volumes_in_graph(client) - wanted:
             log.info("event=reconcile_remove_graph volume_id=%s", volume_id)
             await attach.remove_volume(client, volume_id)
+
+    async def _rebuild_volume(self, client: QSDClient, volume_id: str) -> bool:
+        """Repair one volume from its catalog rows; True if it stays staged (its graph is wanted)."""
+        volume = await self._catalog.volume(volume_id)
+        for publish in await self._catalog.publishes(volume_id):
+            if publish.state is not PublishState.PUBLISHED and volume is not None:
+                log.info("event=reconcile_publish volume_id=%s target=%s state=%s",
+                         publish.volume_id, publish.target_path, publish.state.value)
+                await self._remove_publish(volume, publish, client)
+        stage = await self._catalog.stage(volume_id)
+        if stage is None:
+            return False
+        if volume is None:
+            await self._catalog.delete_stage(volume_id)
+            return False
+        if stage.state is not StageState.STAGED:
+            log.info("event=reconcile_stage volume_id=%s state=%s", volume_id, stage.state.value)
+            await self._tear_down(volume, stage, client)
+            await self._catalog.delete_stage(volume_id)
+            return False
+        try:
+            publishes = await self._catalog.publishes(volume_id)
+            stage = await self._bring_up(volume, stage, publishes, client)
+            await self._catalog.put_stage(stage)
+            for publish in publishes:
+                updated = await self._ensure_published(volume, stage, publish)
+                await self._catalog.put_publish(updated)
+        except Exception:
+            log.exception("event=rebuild_failed volume_id=%s", volume_id)
+        return True
 
     # steps --------------------------------------------------------------
 

@@ -142,8 +142,8 @@ class QSDClient:
     async def run_job(self, command: str, arguments: QMPArgs, job_id: str) -> None:
         """Start a block job and wait, without a timeout, until it completes; raise QSDError if it failed."""
         listener = EventListener(("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED", "BLOCK_JOB_ERROR"))
-        with self._qmp.listen(listener):
-            await self.execute(command, arguments)
+
+        async def finished() -> None:
             async for event in listener:
                 data = cast(dict[str, Any], event["data"])
                 if data.get("device") != job_id:
@@ -153,6 +153,22 @@ class QSDClient:
                 if event["event"] == "BLOCK_JOB_ERROR":
                     continue  # the job's on-error policy decides; completion or cancel follows
                 raise QSDError(f"block job {job_id} ended without success: {data.get('error', event['event'])}")
+
+        async def session_lost() -> None:
+            while self._qmp.runstate is Runstate.RUNNING:
+                await self._qmp.runstate_changed()
+            raise QSDError(f"qemu-storage-daemon went away during block job {job_id}")
+
+        with self._qmp.listen(listener):
+            await self.execute(command, arguments)
+            waiters = [asyncio.create_task(finished()), asyncio.create_task(session_lost())]
+            try:
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+                await asyncio.gather(*waiters, return_exceptions=True)
+            done.pop().result()
 
     async def block_resize(self, node_name: str, size: int) -> None:
         await self.execute("block_resize", {"node-name": node_name, "size": size})
