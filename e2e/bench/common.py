@@ -7,12 +7,20 @@ never start or stop anything.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import math
+import os
+import signal
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+
+import grpc
+
+from tests.harness import DriverProcess, qsd_pid
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -94,3 +102,45 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+# --- cleanup shared by the benchmarks that serve the driver ---------------------------
+
+
+async def retrying(what: str, call: Callable[[], Awaitable[object]], attempts: int = 20) -> None:
+    """Run a cleanup call, retrying while the object is busy (a call cut short may still run)."""
+    for attempt in range(attempts):
+        try:
+            await call()
+            return
+        except grpc.aio.AioRpcError as exc:
+            busy = exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+            if busy and attempt + 1 < attempts:
+                await asyncio.sleep(0.5)
+                continue
+            print(f"cleanup: {what} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return
+
+
+async def stop_driver_and_qsd(driver: DriverProcess) -> None:
+    """Stop the served driver, then its QSD: SIGTERM, wait, SIGKILL."""
+    await driver.stop()
+    pid = qsd_pid(driver.box)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    for _ in range(100):
+        if not Path(f"/proc/{pid}").exists():
+            return
+        await asyncio.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def kill_driver(driver: DriverProcess) -> None:
+    """Last resort after a second Ctrl-C: the driver runs in its own session and would survive us."""
+    proc = driver.proc
+    if proc is not None and proc.returncode is None and Path(f"/proc/{proc.pid}").exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)

@@ -43,7 +43,7 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import loop, mounts
-from e2e.bench.common import GIB, KIB, Summary, ms, open_fds, ratio, status_field_kib, table, timed
+from e2e.bench.common import kill_driver, retrying, stop_driver_and_qsd, GIB, KIB, Summary, ms, open_fds, ratio, status_field_kib, table, timed
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount", "umount", "fallocate")
@@ -293,50 +293,20 @@ class Bench:
     async def _undo(self, csi: CSIClient) -> None:
         """Unpublish, unstage and delete whatever the run left, through the driver, as kubelet would."""
         for i in sorted(self.staged):
-            await _retrying(f"unpublish {self.ids[i]}", lambda: csi.unpublish(self.ids[i], str(self.target(i))))
-            await _retrying(f"unstage {self.ids[i]}", lambda: csi.unstage(self.ids[i], str(self.staging(i))))
+            await retrying(f"unpublish {self.ids[i]}", lambda: csi.unpublish(self.ids[i], str(self.target(i))))
+            await retrying(f"unstage {self.ids[i]}", lambda: csi.unstage(self.ids[i], str(self.staging(i))))
         leftovers = set(self.ids) - self.deleted
         # A CreateVolume cut short may have made a volume whose ID never reached us.
         with contextlib.suppress(grpc.aio.AioRpcError):
             leftovers |= {volume.volume_id for volume in await csi.list_volumes()}
         for volume_id in sorted(leftovers):
-            await _retrying(f"delete {volume_id}", lambda: csi.delete_volume(volume_id))
+            await retrying(f"delete {volume_id}", lambda: csi.delete_volume(volume_id))
 
     async def _stop_daemons(self) -> None:
-        await self.driver.stop()
-        pid = qsd_pid(self.box)
-        if pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            if not Path(f"/proc/{pid}").exists():
-                return
-            await asyncio.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        await stop_driver_and_qsd(self.driver)
 
     def kill_driver(self) -> None:
-        """Last resort after a second Ctrl-C: the driver runs in its own session and would survive us."""
-        proc = self.driver.proc
-        if proc is not None and proc.returncode is None and Path(f"/proc/{proc.pid}").exists():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-
-
-async def _retrying(what: str, call: Callable[[], Awaitable[object]], attempts: int = 20) -> None:
-    """Run a cleanup call, retrying while the volume is busy (a call cut short may still run)."""
-    for attempt in range(attempts):
-        try:
-            await call()
-            return
-        except grpc.aio.AioRpcError as exc:
-            busy = exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
-            if busy and attempt + 1 < attempts:
-                await asyncio.sleep(0.5)
-                continue
-            print(f"cleanup: {what} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return
+        kill_driver(self.driver)
 
 
 # the report ---------------------------------------------------------------

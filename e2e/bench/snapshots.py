@@ -59,7 +59,7 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.snapshots import MAX_CHAIN_DEPTH
-from e2e.bench.common import GIB, MIB, Summary, ms, table, timed
+from e2e.bench.common import kill_driver, retrying, stop_driver_and_qsd, GIB, MIB, Summary, ms, table, timed
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "cp")
@@ -270,20 +270,20 @@ class Bench:
     async def _undo(self, csi: CSIClient) -> None:
         """Unpublish, unstage and delete whatever the run made, through the driver, newest first."""
         for volume_id, (staging, target) in list(self.published.items()):
-            await _retrying(f"unpublish {volume_id}", lambda: csi.unpublish(volume_id, str(target)))
-            await _retrying(f"unstage {volume_id}", lambda: csi.unstage(volume_id, str(staging)))
+            await retrying(f"unpublish {volume_id}", lambda: csi.unpublish(volume_id, str(target)))
+            await retrying(f"unstage {volume_id}", lambda: csi.unstage(volume_id, str(staging)))
             del self.published[volume_id]
         with contextlib.suppress(grpc.aio.AioRpcError):  # a call cut short may have made one we never heard of
             known = {v.volume_id for v in await csi.list_volumes()}
             self.volumes += sorted(known - set(self.volumes))
         for volume_id in reversed(self.volumes):
-            await _retrying(f"delete volume {volume_id}", lambda: csi.delete_volume(volume_id))
+            await retrying(f"delete volume {volume_id}", lambda: csi.delete_volume(volume_id))
         self.volumes.clear()
         with contextlib.suppress(grpc.aio.AioRpcError):
             known = {s.snapshot_id for s in await csi.list_snapshots()}
             self.snapshots += sorted(known - set(self.snapshots))
         for snapshot_id in reversed(self.snapshots):
-            await _retrying(f"delete snapshot {snapshot_id}", lambda: csi.delete_snapshot(snapshot_id))
+            await retrying(f"delete snapshot {snapshot_id}", lambda: csi.delete_snapshot(snapshot_id))
         self.snapshots.clear()
 
     def _check_pool_empty(self) -> None:
@@ -292,44 +292,14 @@ class Bench:
             self.leftovers.append(f"{len(left)} image(s) left in the pool: {', '.join(left[:4])}")
 
     async def _stop_daemons(self) -> None:
-        await self.driver.stop()
-        pid = qsd_pid(self.box)
-        if pid is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            if not Path(f"/proc/{pid}").exists():
-                return
-            await asyncio.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        await stop_driver_and_qsd(self.driver)
 
     def kill_driver(self) -> None:
-        """Last resort after a second Ctrl-C: the driver runs in its own session and would survive us."""
-        proc = self.driver.proc
-        if proc is not None and proc.returncode is None and Path(f"/proc/{proc.pid}").exists():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
+        kill_driver(self.driver)
 
 
 def _progress(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message} ...", file=sys.stderr, flush=True)
-
-
-async def _retrying(what: str, call: Callable[[], Awaitable[object]], attempts: int = 20) -> None:
-    """Run a cleanup call, retrying while the object is busy (a call cut short may still run)."""
-    for attempt in range(attempts):
-        try:
-            await call()
-            return
-        except grpc.aio.AioRpcError as exc:
-            busy = exc.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
-            if busy and attempt + 1 < attempts:
-                await asyncio.sleep(0.5)
-                continue
-            print(f"cleanup: {what} failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return
 
 
 # the report ---------------------------------------------------------------
