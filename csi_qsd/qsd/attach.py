@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from csi_qsd.errors import QSDError
 from csi_qsd.params import VolumeParameters

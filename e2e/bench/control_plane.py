@@ -32,7 +32,6 @@ import dataclasses
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import time

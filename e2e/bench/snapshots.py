@@ -47,7 +47,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -60,7 +59,7 @@ import grpc
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.snapshots import MAX_CHAIN_DEPTH
 from e2e.bench.common import kill_driver, retrying, stop_driver_and_qsd, GIB, MIB, Summary, ms, table, timed
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+from tests.harness import DriverProcess, Sandbox, sandbox
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "cp")
 PARAMETERS = {"format": "qcow2"}  # export "filesystem" (FUSE + loop device), published as a raw block volume
