@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 .venv/bin/python -m mypy
+.venv/bin/python -m ruff check csi_qsd tests e2e scripts
 exec .venv/bin/python -m pytest -p no:cacheprovider -ra "$@"
