@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from csi_qsd import __version__
 from csi_qsd.config import DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, Config, QSDMode
 from csi_qsd.csi_client import CSIClient
+from csi_qsd.errors import DriverError
 
 ENV_PREFIX = "CSI_QSD_"
 
@@ -203,7 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "qsd-run":
         _qsd_run(config)
         return 0
-    asyncio.run(_serve(config))
+    try:
+        asyncio.run(_serve(config))
+    except (DriverError, ValueError) as exc:
+        logging.getLogger("csi_qsd").error("event=startup_failed error=%r", str(exc))
+        print(f"csi-qsd: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -77,3 +77,7 @@ class QSDError(Internal):
 
 class HostCommandError(Internal):
     """A host tool (losetup, mkfs, mount, qemu-img) failed."""
+
+
+class StartupError(DriverError):
+    """The driver cannot start as configured (a busy port, a bad endpoint); the message says which."""

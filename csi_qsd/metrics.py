@@ -43,7 +43,7 @@ from prometheus_client.registry import Collector
 from csi_qsd.catalog import StageRecord, StageState, VolumeRecord, VolumeState
 from csi_qsd.config import Config
 from csi_qsd.csi import errors as rpc_errors
-from csi_qsd.errors import QSDError
+from csi_qsd.errors import QSDError, StartupError
 from csi_qsd.pools.files import FilePool, PoolUsage
 from csi_qsd.qsd import graph
 
@@ -350,7 +350,10 @@ async def serving_metrics(config: Config, driver: Driver) -> AsyncIterator[Metri
         return
     metrics = Metrics(driver)
     host, _, port = config.metrics_address.rpartition(":")
-    server = await asyncio.start_server(lambda r, w: _handle(metrics, r, w), host.strip("[]") or None, int(port))
+    try:
+        server = await asyncio.start_server(lambda r, w: _handle(metrics, r, w), host.strip("[]") or None, int(port))
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"cannot serve metrics on {config.metrics_address!r}: {exc}") from exc
     rpc_errors.add_observer(metrics.observe)
     log.info("event=metrics_serving address=%s", config.metrics_address)
     try:

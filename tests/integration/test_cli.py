@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 
 from tests.harness import DriverProcess, Sandbox
@@ -51,3 +52,22 @@ async def test_volume_lifecycle_through_the_cli(box: Sandbox) -> None:
         assert "INVALID_ARGUMENT" in error and "colour" in error
     finally:
         await driver.stop()
+
+
+async def test_serve_refuses_a_bad_configuration_with_a_clear_message(box: Sandbox) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for extra, expected in (
+            (["--metrics-address", f"127.0.0.1:{port}"], f"cannot serve metrics on '127.0.0.1:{port}'"),
+            (["--endpoint", "tcp://0.0.0.0:1"], "must start with unix://"),
+        ):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "csi_qsd.cli", "serve", "--state-dir", str(box.state_dir),
+                "--target-root", str(box.kubelet), *extra,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 1
+            assert expected in err.decode() and "Traceback" not in err.decode()
