@@ -300,3 +300,33 @@ async def test_refused_clone_leaves_the_source_uncut(box: Sandbox, driver: tuple
     assert pool_files(box) == before
     record = await drv.catalog.volume(vid)
     assert record is not None and record.generation == 0 and record.backing == ""
+
+
+@pytest.mark.parametrize("point", ["create.after_intent", "create.after_image"])
+async def test_crash_inside_a_clone(box: Sandbox, point: str) -> None:
+    """A clone cut short: no half-made clone survives, the source's chain is whole, the retry works."""
+    process = DriverProcess(box)
+    await process.start()
+    try:
+        async with CSIClient(box.endpoint, timeout=60) as csi:
+            vid = (await csi.create_volume("pvc-cs", 64 * MIB)).volume_id
+            async with Mounted(box, csi, vid, "cs") as mount:
+                write_synced(mount / "f", b"cloned bytes")
+            await process.stop()
+            await process.start(failpoints=point)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await csi.create_volume("pvc-cs-clone", 64 * MIB, from_volume=vid)
+            await process.wait_exit()
+            await process.start()
+            assert [v.volume_id for v in await csi.list_volumes()] == [vid]
+            assert await csi.list_snapshots() == []
+            clone = (await csi.create_volume("pvc-cs-clone", 64 * MIB, from_volume=vid)).volume_id  # the retry
+            async with Mounted(box, csi, clone, "csc") as copy:
+                assert (copy / "f").read_bytes() == b"cloned bytes"
+            async with Mounted(box, csi, vid, "cs2") as mount:
+                assert (mount / "f").read_bytes() == b"cloned bytes"
+            await csi.delete_volume(clone)
+            await csi.delete_volume(vid)
+            assert pool_files(box) == [], "the interrupted clone's cut must not leak an image"
+    finally:
+        await process.stop()
