@@ -75,6 +75,12 @@ class QSDError(Internal):
     """qemu-storage-daemon refused a command or could not be reached."""
 
 
+class QSDUnavailable(QSDError, Unavailable):
+    """qemu-storage-daemon went away or stopped answering: transient, the call may be retried."""
+
+    code = Code.UNAVAILABLE
+
+
 class HostCommandError(Internal):
     """A host tool (losetup, mkfs, mount, qemu-img) failed."""
 

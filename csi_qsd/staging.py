@@ -10,18 +10,19 @@ No gRPC types here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from csi_qsd.catalog import (
     AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord, VolumeState,
 )
 from csi_qsd.config import Config
-from csi_qsd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from csi_qsd.errors import AlreadyExists, FailedPrecondition, Internal, InvalidArgument, NotFound, Unavailable
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ExportKind
@@ -101,7 +102,7 @@ class NodeVolumes:
 
     async def stage(self, spec: StageSpec) -> None:
         """Raises NotFound, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
-        async with self._locks.hold(spec.volume_id):
+        async with self._locks.hold(spec.volume_id), self._transient_if_qsd_lost():
             volume = await self._volume(spec.volume_id)
             self._require_qsd()
             self._check_kind(volume, spec.block)
@@ -139,7 +140,7 @@ class NodeVolumes:
 
     async def unstage(self, volume_id: str, staging_path: Path) -> None:
         """Raises NotFound for an unknown volume, FailedPrecondition while published."""
-        async with self._locks.hold(volume_id):
+        async with self._locks.hold(volume_id), self._transient_if_qsd_lost():
             volume = await self._catalog.volume(volume_id)
             if volume is None:
                 raise NotFound(f"volume {volume_id} does not exist")
@@ -162,7 +163,7 @@ class NodeVolumes:
 
     async def publish(self, spec: PublishSpec) -> None:
         """Raises NotFound, FailedPrecondition (not staged), AlreadyExists (incompatible), Unavailable."""
-        async with self._locks.hold(spec.volume_id):
+        async with self._locks.hold(spec.volume_id), self._transient_if_qsd_lost():
             volume = await self._volume(spec.volume_id)
             stage = await self._catalog.stage(spec.volume_id)
             if stage is None or stage.state is not StageState.STAGED or stage.staging_path != spec.staging_path:
@@ -204,7 +205,7 @@ class NodeVolumes:
 
     async def unpublish(self, volume_id: str, target_path: Path) -> None:
         """Raises NotFound for an unknown volume; an unpublished target is success."""
-        async with self._locks.hold(volume_id):
+        async with self._locks.hold(volume_id), self._transient_if_qsd_lost():
             volume = await self._catalog.volume(volume_id)
             if volume is None:
                 raise NotFound(f"volume {volume_id} does not exist")
@@ -225,7 +226,7 @@ class NodeVolumes:
         sees the new size, a running one does not (hence OFFLINE expansion).
         Raises NotFound, OutOfRange, FailedPrecondition, Unavailable, Aborted.
         """
-        async with self._locks.hold(volume_id):
+        async with self._locks.hold(volume_id), self._transient_if_qsd_lost():
             volume = await self._volume(volume_id)
             stage = await self._catalog.stage(volume_id)
             paths = {p.target_path for p in await self._catalog.publishes(volume_id)}
@@ -570,6 +571,22 @@ class NodeVolumes:
         if volume is None or volume.state is not VolumeState.READY:
             raise NotFound(f"volume {volume_id} does not exist")
         return volume
+
+    @contextlib.asynccontextmanager
+    async def _transient_if_qsd_lost(self) -> AsyncIterator[None]:
+        """A step that failed because QSD died under it is UNAVAILABLE (retry), not INTERNAL.
+
+        The FUSE file of a dead export answers ENOTCONN, so host tools fail
+        too; the rebuild repairs the volume and the CO's retry succeeds.
+        """
+        try:
+            yield
+        except Internal as exc:
+            if isinstance(exc, Unavailable):
+                raise
+            if self._daemon.ready and "Transport endpoint is not connected" not in str(exc):
+                raise
+            raise Unavailable(f"qemu-storage-daemon went away during the call ({exc}); retry shortly") from exc
 
     def _require_qsd(self) -> None:
         if not self._daemon.ready:

@@ -14,7 +14,7 @@ from typing import Any, TypedDict, cast
 
 from qemu.qmp import EventListener, ExecuteError, QMPClient, QMPError, Runstate
 
-from csi_qsd.errors import QSDError
+from csi_qsd.errors import QSDError, QSDUnavailable
 from csi_qsd.qsd.graph import QMPArgs
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,13 @@ class QSDClient:
         except ExecuteError as exc:
             raise QSDError(f"qemu-storage-daemon refused {command}: {exc}") from exc
         except asyncio.TimeoutError as exc:
-            raise QSDError(f"qemu-storage-daemon did not answer {command} within {self._timeout}s") from exc
+            raise QSDUnavailable(
+                f"qemu-storage-daemon did not answer {command} within {self._timeout}s; retry shortly"
+            ) from exc
         except (QMPError, OSError) as exc:
-            raise QSDError(f"qemu-storage-daemon connection failed during {command}: {exc}") from exc
+            raise QSDUnavailable(
+                f"qemu-storage-daemon went away during {command} ({exc}); it is being restarted, retry shortly"
+            ) from exc
 
     # graph --------------------------------------------------------------
 
