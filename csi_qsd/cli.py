@@ -74,7 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="StorageClass parameter (repeatable)")
     create.add_argument("--block", action="store_true", help="request the block access type")
+    source = create.add_mutually_exclusive_group()
+    source.add_argument("--from-snapshot", default="", metavar="SNAPSHOT_ID", help="restore a snapshot")
+    source.add_argument("--from-volume", default="", metavar="VOLUME_ID", help="clone a volume")
     actions.add_parser("list", help="ListVolumes")
+    snapshot = actions.add_parser("snapshot", help="CreateSnapshot")
+    snapshot.add_argument("name")
+    snapshot.add_argument("volume_id")
+    actions.add_parser("snapshots", help="ListSnapshots")
+    delete_snapshot = actions.add_parser("delete-snapshot", help="DeleteSnapshot")
+    delete_snapshot.add_argument("snapshot_id")
+    expand = actions.add_parser("expand", help="NodeExpandVolume")
+    expand.add_argument("volume_id")
+    expand.add_argument("path", help="the volume's staging or target path")
+    expand.add_argument("--size", required=True, help="bytes, or with suffix Ki/Mi/Gi/Ti")
     delete = actions.add_parser("delete", help="DeleteVolume")
     delete.add_argument("volume_id")
     for name, text in (("stage", "NodeStageVolume"), ("unstage", "NodeUnstageVolume")):
@@ -161,11 +174,21 @@ async def _client(args: argparse.Namespace) -> int:
         action = args.action
         if action == "create":
             params = dict(item.split("=", 1) for item in args.param)
-            volume = await client.create_volume(args.name, parse_size(args.size), params, block=args.block)
+            volume = await client.create_volume(args.name, parse_size(args.size), params, block=args.block,
+                                                from_snapshot=args.from_snapshot, from_volume=args.from_volume)
             _print(volume)
         elif action == "list":
             for volume in await client.list_volumes():
                 _print(volume)
+        elif action == "snapshot":
+            _print(await client.create_snapshot(args.name, args.volume_id))
+        elif action == "snapshots":
+            for snapshot in await client.list_snapshots():
+                _print(snapshot)
+        elif action == "delete-snapshot":
+            await client.delete_snapshot(args.snapshot_id)
+        elif action == "expand":
+            print(json.dumps({"capacity_bytes": await client.expand(args.volume_id, args.path, parse_size(args.size))}))
         elif action == "delete":
             await client.delete_volume(args.volume_id)
         elif action == "stage":

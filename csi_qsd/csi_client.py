@@ -152,6 +152,14 @@ class CSIClient:
         )
         return response  # type: ignore[no-any-return]
 
+    async def expand(self, volume_id: str, path: str, size: int) -> int:
+        response: Any = await self.node.NodeExpandVolume(
+            pb.NodeExpandVolumeRequest(volume_id=volume_id, volume_path=path,
+                                       capacity_range=pb.CapacityRange(required_bytes=size)),
+            timeout=self.timeout,
+        )
+        return int(response.capacity_bytes)
+
     async def capacity(self) -> int:
         response = await self.controller.GetCapacity(pb.GetCapacityRequest(), timeout=self.timeout)
         return int(response.available_capacity)

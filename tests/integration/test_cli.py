@@ -43,6 +43,23 @@ async def test_volume_lifecycle_through_the_cli(box: Sandbox) -> None:
         error = await cli(box, "delete", vid, expect=1)
         assert "FAILED_PRECONDITION" in error and vid in error
 
+        snapshot = json.loads(await cli(box, "snapshot", "cli-snap", vid))
+        assert snapshot["source_volume_id"] == vid and snapshot["ready_to_use"] is True
+        listed_snaps = [json.loads(line) for line in (await cli(box, "snapshots")).splitlines()]
+        assert [s["snapshot_id"] for s in listed_snaps] == [snapshot["snapshot_id"]]
+        restored = json.loads(await cli(box, "create", "cli-restore", "--size", "96Mi",
+                                        "--from-snapshot", snapshot["snapshot_id"]))
+        assert restored["content_source"]["snapshot"]["snapshot_id"] == snapshot["snapshot_id"]
+        await cli(box, "delete", restored["volume_id"])
+        await cli(box, "delete-snapshot", snapshot["snapshot_id"])
+        assert (await cli(box, "snapshots")).strip() == ""
+
+        await cli(box, "unpublish", vid, str(target))
+        grown = json.loads(await cli(box, "expand", vid, str(staging), "--size", "128Mi"))
+        assert grown["capacity_bytes"] == 128 << 20
+        await cli(box, "publish", vid, str(staging), str(target))
+        assert (target / "hello.txt").read_text() == "hello"
+
         await cli(box, "unpublish", vid, str(target))
         await cli(box, "unstage", vid, str(staging))
         await cli(box, "delete", vid)
