@@ -290,11 +290,17 @@ class Snapshots:
                 await self._pool.delete(snapshot.image)
                 await self._catalog.delete_snapshot(snapshot.id)
                 await chains.reclaim(self._catalog, self._pool, snapshot.backing)
+        # A flatten that finished but was not recorded: the image's header no longer names a backing file.
         for volume in await self._catalog.volumes(state=VolumeState.READY):
             if volume.backing and volume.image.exists() and not await self._pool.backing_of(volume.image):
-                log.info("event=reconcile_flattened volume_id=%s", volume.id)  # a flatten finished, unrecorded
+                log.info("event=reconcile_flattened volume_id=%s", volume.id)
                 await self._catalog.update_volume(dataclasses.replace(volume, backing=""))
                 await chains.reclaim(self._catalog, self._pool, volume.backing)
+        for snapshot in await self._catalog.snapshots():
+            if snapshot.backing and snapshot.image.exists() and not await self._pool.backing_of(snapshot.image):
+                log.info("event=reconcile_flattened snapshot_id=%s", snapshot.id)
+                await self._catalog.put_snapshots([dataclasses.replace(snapshot, backing="")])
+                await chains.reclaim(self._catalog, self._pool, snapshot.backing)
 
     # flattening ---------------------------------------------------------
 
@@ -340,10 +346,16 @@ class Snapshots:
             if volume is None or not volume.backing:
                 return
             log.info("event=flatten_start volume_id=%s", volume_id)
-            if not await self._node.stream_if_staged(volume, _top(volume)):
-                await self._pool.flatten(volume.image)
+            if await self._node.stream_backing_if_staged(volume):
+                base = await self._catalog.snapshot_by_image(volume.backing)
+                if base is not None and base.backing:
+                    await self._catalog.put_snapshots([dataclasses.replace(base, backing="")])
+                    log.info("event=flatten_done volume_id=%s live=true into=%s", volume_id, base.id)
+                    await chains.reclaim(self._catalog, self._pool, base.backing)
+                return
+            await self._pool.flatten(volume.image)
             await self._catalog.update_volume(dataclasses.replace(volume, backing=""))
-            log.info("event=flatten_done volume_id=%s", volume_id)
+            log.info("event=flatten_done volume_id=%s live=false", volume_id)
             await chains.reclaim(self._catalog, self._pool, volume.backing)
 
 

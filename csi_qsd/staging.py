@@ -28,7 +28,7 @@ from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem, vhost_user
 from csi_qsd.qsd import attach, graph
-from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.client import BlockNodeInfo, QSDClient
 from csi_qsd.qsd.daemon import QSDDaemon
 from csi_qsd.sys import filesystems, loop, mounts
 from csi_qsd.volumes import choose_size
@@ -321,26 +321,26 @@ class NodeVolumes:
             return False
         return any(top.nodes.format in present for top in tops)
 
-    async def stream_if_staged(self, volume: VolumeRecord, top: attach.TopImage) -> bool:
-        """Flatten a staged volume live with QSD's block-stream; False if it is not staged here.
+    async def stream_backing_if_staged(self, volume: VolumeRecord) -> bool:
+        """Flatten a staged volume's chain live; False if it is not staged here.
 
-        Raises FailedPrecondition for a volume staged over FUSE: QSD 7.2's FUSE
-        export holds the 'resize' permission that block-stream must deny, so
-        such a volume is flattened offline once it is unstaged.
+        QSD's block-stream copies everything below the volume's backing image
+        (its newest snapshot) into that image, which then stands alone: the
+        volume reads through two images again. The top node is left alone on
+        purpose: QSD 7.2's writable FUSE export holds the 'resize' permission
+        that a stream into the top must deny. Streaming keeps every image's
+        content as it was, so snapshots and clones standing on it see no change.
+        Raises FailedPrecondition if QSD does not have the backing image open.
         """
         stage = await self._catalog.stage(volume.id)
-        if stage is None or stage.state is not StageState.STAGED:
+        if stage is None or stage.state is not StageState.STAGED or not volume.backing:
             return False
-        if not _is_vhost(volume):
-            raise FailedPrecondition(
-                f"volume {volume.id} is staged over FUSE, which block-stream cannot run under; "
-                "it is flattened when unstaged"
-            )
         self._require_qsd()
-        await attach.ensure_top(self._daemon.client, top)
-        await self._daemon.client.run_job(
-            "block-stream", {"job-id": f"stream-{volume.id}", "device": top.nodes.format}, f"stream-{volume.id}"
-        )
+        base = _format_node_of(await self._daemon.client.named_nodes(), volume.backing)
+        if not base:
+            raise FailedPrecondition(f"the backing image of volume {volume.id} is not open in qemu-storage-daemon")
+        job = f"stream-{volume.id}"
+        await self._daemon.client.run_job("block-stream", {"job-id": job, "device": base}, job)
         return True
 
     async def staged_count(self) -> int:
@@ -598,6 +598,24 @@ class NodeVolumes:
             raise InvalidArgument(
                 f"volume {volume.id} is a vhost-user-blk volume: stage it with the mount access type"
             )
+
+
+def _format_node_of(nodes: dict[str, BlockNodeInfo], image: str) -> str:
+    """The qcow2 node QSD reads `image` through, or ''.
+
+    A node QEMU opened from a backing chain reports the image's file name; an
+    overlay we attached with blockdev-snapshot reports a json: pseudo-name,
+    so it is found through its file node, whose name follows our scheme.
+    """
+    for name, info in nodes.items():
+        if info["drv"] == "qcow2" and info["file"] == image:
+            return name
+        volume_id, generation = graph.volume_of(name), graph.generation_of(name)
+        if info["drv"] == "file" and info["file"] == image and volume_id is not None and generation is not None:
+            candidate = graph.nodes_for(volume_id, generation).format
+            if candidate in nodes:
+                return candidate
+    return ""
 
 
 def top_image(volume: VolumeRecord) -> attach.TopImage:

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from csi_qsd import chains
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
@@ -125,8 +126,8 @@ async def test_snapshot_deleted_before_its_clone(box: Sandbox, driver: tuple[Dri
     assert pool_files(box) == [], "the last dependant took the hidden snapshot with it"
 
 
-async def test_deep_chains_are_flattened(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
-    """Past MAX_CHAIN_DEPTH the chain is flattened in the background (offline for FUSE-staged volumes)."""
+async def test_deep_chains_are_flattened_live(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
+    """Past MAX_CHAIN_DEPTH the chain is flattened in the background while the volume stays mounted."""
     drv, csi = driver
     vid = (await csi.create_volume("pvc-deep", 64 * MIB)).volume_id
     snaps = []
@@ -134,20 +135,34 @@ async def test_deep_chains_are_flattened(box: Sandbox, driver: tuple[Driver, CSI
         for i in range(MAX_CHAIN_DEPTH + 1):
             write_synced(mount / f"file{i}", f"generation {i}".encode() * 1000)
             snaps.append((await csi.create_snapshot(f"deep-{i}", vid)).snapshot_id)
-    record = None
-    for _ in range(300):
-        record = await drv.catalog.volume(vid)
-        assert record is not None
-        if not record.backing:
-            break
-        await asyncio.sleep(0.1)
-    assert record is not None and record.backing == "", "the chain must have been flattened"
+        depth = MAX_CHAIN_DEPTH + 2
+        for _ in range(300):
+            record = await drv.catalog.volume(vid)
+            assert record is not None
+            depth = await chains.depth(drv.catalog, record)
+            if depth <= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert depth == 2, "block-stream must have flattened the chain under the mounted volume"
+        write_synced(mount / "during", b"the volume stayed writable")
+        for i in range(MAX_CHAIN_DEPTH + 1):
+            assert (mount / f"file{i}").read_bytes() == f"generation {i}".encode() * 1000
+    # Every snapshot still restores to exactly what it held.
+    restored = (await csi.create_volume("pvc-deep-r", 64 * MIB, from_snapshot=snaps[3])).volume_id
+    async with Mounted(box, csi, restored, "deep-r") as copy:
+        assert sorted(p.name for p in copy.iterdir() if p.name.startswith("file")) == [f"file{i}" for i in range(4)]
+    await csi.delete_volume(restored)
     for snapshot_id in snaps:
         await csi.delete_snapshot(snapshot_id)
-    assert pool_files(box) == [Path(record.image).name]
+    record = await drv.catalog.volume(vid)
+    assert record is not None
+    assert pool_files(box) == sorted([record.image.name, Path(record.backing).name])
     async with Mounted(box, csi, vid, "deep2") as mount:
         for i in range(MAX_CHAIN_DEPTH + 1):
             assert (mount / f"file{i}").read_bytes() == f"generation {i}".encode() * 1000
+        assert (mount / "during").read_bytes() == b"the volume stayed writable"
+    await csi.delete_volume(vid)
+    assert pool_files(box) == []
 
 
 async def test_group_snapshot_cuts_all_members_at_one_instant(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
