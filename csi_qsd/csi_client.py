@@ -6,7 +6,6 @@ cluster, and by tests that run the driver as a separate process.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
@@ -48,9 +47,6 @@ class CSIClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def wait_ready(self, timeout: float) -> None:
-        await asyncio.wait_for(self._channel.channel_ready(), timeout)
 
     async def create_volume(self, name: str, size: int, parameters: dict[str, str] | None = None,
                             *, block: bool = False, fs_type: str = "", from_snapshot: str = "",

@@ -25,8 +25,7 @@ from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.pools.files import FilePool
-from csi_qsd.qsd import attach
-from csi_qsd.staging import NodeVolumes
+from csi_qsd.staging import NodeVolumes, top_image
 from csi_qsd.volumes import Capability, Volumes
 
 log = logging.getLogger(__name__)
@@ -249,12 +248,12 @@ class Snapshots:
                 self._failpoints.hit("snapshot.after_overlay")
                 moved = [_moved(volume, snapshot) for volume, snapshot in zip(volumes, snapshots)]
                 await self._node.switch_tops(
-                    [(volume, _top(new)) for volume, new in zip(volumes, moved)]
+                    [(volume, top_image(new)) for volume, new in zip(volumes, moved)]
                 )
             except BaseException:
                 # A switch QSD carried out although its answer was lost must roll forward:
                 # the volume already writes to the overlay.
-                if not await self._node.on_new_tops([_top(m) for m in moved]):
+                if not await self._node.on_new_tops([top_image(m) for m in moved]):
                     await self._undo_cut(snapshots)
                     raise
                 log.warning("event=snapshot_switch_answer_lost; rolling forward")
@@ -364,7 +363,3 @@ def _moved(volume: VolumeRecord, snapshot: SnapshotRecord) -> VolumeRecord:
     return dataclasses.replace(
         volume, image=Path(snapshot.overlay), generation=volume.generation + 1, backing=str(snapshot.image)
     )
-
-
-def _top(volume: VolumeRecord) -> attach.TopImage:
-    return attach.TopImage(volume.id, volume.generation, volume.image, volume.params)

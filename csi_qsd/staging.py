@@ -228,11 +228,8 @@ class NodeVolumes:
         """
         async with self._locks.hold(volume_id), self._transient_if_qsd_lost():
             volume = await self._volume(volume_id)
-            stage = await self._catalog.stage(volume_id)
-            paths = {p.target_path for p in await self._catalog.publishes(volume_id)}
-            if stage is None or stage.state is not StageState.STAGED or (
-                path != stage.staging_path and path not in paths
-            ):
+            stage, paths = await self._stage_at(volume_id, path)
+            if stage.state is not StageState.STAGED:
                 raise NotFound(f"volume {volume_id} is not staged or published at {path}")
             size = max(choose_size(required, limit), volume.capacity)
             self._require_qsd()
@@ -261,15 +258,18 @@ class NodeVolumes:
                     await filesystems.grow(stage.staging_path, stage.fs_type, device)
             return size
 
+    async def _stage_at(self, volume_id: str, path: Path) -> tuple[StageRecord, set[Path]]:
+        """The volume's stage and publish targets, if `path` is one of them; NotFound otherwise."""
+        stage = await self._catalog.stage(volume_id)
+        targets = {p.target_path for p in await self._catalog.publishes(volume_id)}
+        if stage is None or (path != stage.staging_path and path not in targets):
+            raise NotFound(f"volume {volume_id} is not staged or published at {path}")
+        return stage, targets
+
     async def stats(self, volume_id: str, path: Path) -> VolumeStats:
         """Usage of a volume at its staging or target path. Raises NotFound."""
         volume = await self._volume(volume_id)
-        stage = await self._catalog.stage(volume_id)
-        paths = {p.target_path for p in await self._catalog.publishes(volume_id)}
-        if stage is not None:
-            paths.add(stage.staging_path)
-        if stage is None or path not in paths:
-            raise NotFound(f"volume {volume_id} is not staged or published at {path}")
+        stage, _targets = await self._stage_at(volume_id, path)
         abnormal, message = await self._condition(volume)
         if stage.access_type is AccessType.BLOCK or _is_vhost(volume):
             return VolumeStats(block=True, total_bytes=volume.capacity, available_bytes=0, used_bytes=0,
@@ -343,9 +343,6 @@ class NodeVolumes:
         await self._daemon.client.run_job("block-stream", {"job-id": job, "device": base}, job)
         return True
 
-    async def staged_count(self) -> int:
-        return len(await self._catalog.stages())
-
     async def rebuild(self, client: QSDClient) -> None:
         """Make QSD and the host match the catalog; called after every (re)connect to QSD.
 
@@ -417,10 +414,12 @@ class NodeVolumes:
             vhost_user.restrict_socket(socket, stage.mount_group)
             return stage
         export_file = self.export_file(volume.id)
-        if not await attach.has_export(client, nodes.fuse_export):
+        fresh_export = not await attach.has_export(client, nodes.fuse_export)
+        if fresh_export:
             await self._drop_stale_host_state(volume, stage, publishes)
         await attach.ensure_top(client, top)
-        fresh_export = await attach.ensure_fuse_export(client, top, export_file, writable=True)
+        if fresh_export:
+            await attach.add_fuse_export(client, top, export_file, writable=True)
         self._failpoints.hit("stage.after_export")
         device = await self._loop_for(export_file, stage.loop_device, fresh_export)
         self._failpoints.hit("stage.after_loop")

@@ -97,10 +97,6 @@ class FilePool:
     async def delete(self, image: Path) -> None:
         await asyncio.to_thread(_unlink_durably, image)
 
-    async def virtual_size(self, image: Path) -> int:
-        _, out = await run("qemu-img", "info", "--force-share", "--output=json", str(image))
-        return int(json.loads(out)["virtual-size"])
-
     def leftovers(self) -> list[Path]:
         """Temporary files a crash left during creation: never user data."""
         return sorted(self.directory.glob(f"vol-*{TMP_SUFFIX}"))

@@ -97,15 +97,11 @@ async def has_export(client: QSDClient, export_id: str) -> bool:
     return export_id in exports and not exports[export_id]["shutting_down"]
 
 
-async def ensure_fuse_export(client: QSDClient, top: TopImage, mountpoint: Path, *, writable: bool) -> bool:
-    """Export over FUSE at `mountpoint` (a regular file); True if it had to be added."""
-    nodes = top.nodes
-    if await has_export(client, nodes.fuse_export):
-        return False
+async def add_fuse_export(client: QSDClient, top: TopImage, mountpoint: Path, *, writable: bool) -> None:
+    """Export over FUSE at `mountpoint` (a regular file); the caller has seen it is missing."""
     mountpoint.parent.mkdir(parents=True, exist_ok=True)
     mountpoint.touch(mode=0o600, exist_ok=True)
-    await client.export_add(graph.fuse_export(nodes, mountpoint, writable=writable))
-    return True
+    await client.export_add(graph.fuse_export(top.nodes, mountpoint, writable=writable))
 
 
 async def ensure_vhost_export(client: QSDClient, top: TopImage, socket: Path, *, writable: bool) -> bool:

@@ -79,12 +79,6 @@ class QSDDaemon:
     def ready(self) -> bool:
         return self._ready.is_set() and self.client.connected
 
-    async def wait_ready(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except asyncio.TimeoutError as exc:
-            raise QSDError(f"qemu-storage-daemon not ready within {timeout}s") from exc
-
     async def start(self, rebuild: Rebuild) -> None:
         """Adopt the running QSD or start one, `rebuild` the graph, then supervise.
 

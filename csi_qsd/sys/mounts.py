@@ -7,7 +7,6 @@ exact (octal escapes decoded) and cost no subprocess.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from pathlib import Path
 
@@ -77,16 +76,6 @@ def mounted_at(path: Path) -> MountEntry | None:
     return found
 
 
-def mounts_of_device(device: Path) -> list[MountEntry]:
-    """Mounts whose source is `device` (by device number, so bind mounts count too)."""
-    try:
-        rdev = os.stat(device).st_rdev
-    except OSError:
-        return []
-    wanted = f"{os.major(rdev)}:{os.minor(rdev)}"
-    return [entry for entry in mount_table() if entry.major_minor == wanted]
-
-
 async def mount(source: Path, target: Path, *, fs_type: str, options: list[str]) -> None:
     argv = ["mount", "-t", fs_type]
     if options:
@@ -111,6 +100,3 @@ async def unmount(target: Path, *, lazy: bool = False) -> None:
     while mounted_at(target) is not None:
         await run("umount", *(["--lazy"] if lazy else []), str(target))
 
-
-async def remount_ro(target: Path) -> None:
-    await run("mount", "-o", "remount,ro", str(target))
