@@ -10,13 +10,13 @@ covered by an independent check.
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
+from e2e.conftest import e2e_marks
 from e2e.guest import (
     BLOCK_SIZE,
     FileDisk,
@@ -26,7 +26,6 @@ from e2e.guest import (
     VhostUserDisk,
     VhostUserExport,
     acknowledged_blocks,
-    build_guest_image,
     count_kernel_io_errors,
     device_stat_samples,
     device_stats,
@@ -40,22 +39,11 @@ from e2e.guest import (
     write_pattern,
 )
 
-_REQUIRED_TOOLS = ("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "apt-get", "dpkg-deb")
-_MISSING = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.asyncio,
-    pytest.mark.skipif(bool(_MISSING), reason=f"missing {', '.join(_MISSING)}"),
-]
+pytestmark = e2e_marks()
 
 IMAGE_SIZE = 64 * 1024 * 1024
 VM_TIMEOUT_S = 50.0
 
-
-@pytest.fixture(scope="session")
-def guest_image() -> GuestImage:
-    return build_guest_image()
 
 
 async def _run(*cmd: str) -> None:

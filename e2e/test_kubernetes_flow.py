@@ -59,7 +59,6 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.guest import (
     GuestImage,
     VhostUserDisk,
-    build_guest_image,
     count_kernel_io_errors,
     guest_script,
     pattern_block,
@@ -83,15 +82,10 @@ from tests.deploy.helpers import (
     select,
 )
 from tests.deploy.kustomize import load_yaml_documents, render
+from e2e.conftest import e2e_marks
 from tests.harness import DriverProcess, Sandbox, sandbox
 
-_REQUIRED_TOOLS = ("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount")
-_MISSING = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(bool(_MISSING), reason=f"missing {', '.join(_MISSING)}"),
-]
+pytestmark = e2e_marks(("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount"))
 
 MIB = 1 << 20
 VM_TIMEOUT_S = 120.0
@@ -498,10 +492,6 @@ async def served() -> AsyncIterator[Served]:
         finally:
             await driver.stop()
 
-
-@pytest.fixture(scope="session")
-def guest_image() -> GuestImage:
-    return build_guest_image()
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,7 +36,6 @@ from e2e.guest import (
     RunningVM,
     VhostUserDisk,
     acknowledged_blocks,
-    build_guest_image,
     count_kernel_io_errors,
     guest_script,
     pattern_block,
@@ -47,16 +45,10 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
+from e2e.conftest import e2e_marks
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
-_REQUIRED_TOOLS = ("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "apt-get", "dpkg-deb")
-_MISSING = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.asyncio,
-    pytest.mark.skipif(bool(_MISSING), reason=f"missing {', '.join(_MISSING)}"),
-]
+pytestmark = e2e_marks()
 
 MIB = 1 << 20
 SECTOR = 512
@@ -81,10 +73,6 @@ class Served:
     driver: DriverProcess
     csi: CSIClient
 
-
-@pytest.fixture(scope="session")
-def guest_image() -> GuestImage:
-    return build_guest_image()
 
 
 @pytest.fixture

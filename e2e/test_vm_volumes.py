@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import signal
 import stat
 import time
@@ -53,7 +52,6 @@ from e2e.guest import (
     RunningVM,
     VhostUserDisk,
     acknowledged_blocks,
-    build_guest_image,
     count_kernel_io_errors,
     guest_script,
     pattern_block,
@@ -64,16 +62,10 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
+from e2e.conftest import e2e_marks
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
-_REQUIRED_TOOLS = ("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "apt-get", "dpkg-deb")
-_MISSING = [tool for tool in _REQUIRED_TOOLS if shutil.which(tool) is None]
-
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.asyncio,
-    pytest.mark.skipif(bool(_MISSING), reason=f"missing {', '.join(_MISSING)}"),
-]
+pytestmark = e2e_marks()
 
 MIB = 1 << 20
 SIZE = 64 * MIB
@@ -105,10 +97,6 @@ class Volume:
     def socket(self) -> Path:
         return self.target / SOCKET
 
-
-@pytest.fixture(scope="session")
-def guest_image() -> GuestImage:
-    return build_guest_image()
 
 
 @pytest.fixture

@@ -166,3 +166,24 @@ def qsd_pid(box: Sandbox) -> int | None:
     return running_pid(Config(state_dir=box.state_dir))
 
 
+def write_synced(path: Path, data: bytes) -> None:
+    """Write a file the way an application that cares does: data, then fsync."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+async def wait_restored(csi: CSIClient, vid: str, path: Path, timeout: float = 30) -> None:
+    """Until NodeGetVolumeStats reports the volume healthy again (after a QSD restart)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            stats = await csi.stats(vid, str(path))
+            if not stats.volume_condition.abnormal:
+                return
+        except Exception:
+            pass
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"volume {vid} not restored within {timeout}s")
+        await asyncio.sleep(0.2)

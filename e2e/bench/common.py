@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -102,6 +103,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+def sh(*argv: str) -> str:
+    """Run a host command for a baseline; raise with its stderr if it fails."""
+    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # --- cleanup shared by the benchmarks that serve the driver ---------------------------

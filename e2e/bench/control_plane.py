@@ -32,7 +32,6 @@ import dataclasses
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -42,7 +41,9 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import loop, mounts
-from e2e.bench.common import kill_driver, retrying, stop_driver_and_qsd, GIB, KIB, Summary, ms, open_fds, ratio, status_field_kib, table, timed
+from e2e.bench.common import (
+    GIB, KIB, fsync_path, kill_driver, ms, open_fds, ratio, retrying, sh, status_field_kib, stop_driver_and_qsd, Summary, table, timed,
+)
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount", "umount", "fallocate")
@@ -54,22 +55,6 @@ MKFS_EXT4 = ("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_ini
 
 TARGET_CREATE_P99_MS = 100.0
 TARGET_RSS_PER_VOLUME_KIB = 2 * 1024
-
-
-def sh(*argv: str) -> str:
-    """Run a host command for a baseline; raise with its stderr if it fails."""
-    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclasses.dataclass

@@ -47,7 +47,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -58,7 +57,9 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.snapshots import MAX_CHAIN_DEPTH
-from e2e.bench.common import kill_driver, retrying, stop_driver_and_qsd, GIB, MIB, Summary, ms, table, timed
+from e2e.bench.common import (
+    GIB, MIB, fsync_path, kill_driver, ms, retrying, sh, stop_driver_and_qsd, Summary, table, timed,
+)
 from tests.harness import DriverProcess, Sandbox, sandbox
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "cp")
@@ -75,22 +76,6 @@ FLAT_LIMIT = 2.0  # p50 at the largest size / p50 at the smallest: a copy would 
 SPACE_MARGIN = 2 * GIB
 
 T = TypeVar("T")
-
-
-def sh(*argv: str) -> str:
-    """Run a host command for a baseline; raise with its stderr if it fails."""
-    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done.stdout
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fill_device(device: Path, length: int) -> None:

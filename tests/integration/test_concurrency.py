@@ -19,7 +19,7 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import mounts
-from tests.harness import DriverProcess, Sandbox, qsd_pid
+from tests.harness import DriverProcess, Sandbox, qsd_pid, write_synced
 
 MIB = 1 << 20
 WORKERS = 12
@@ -40,12 +40,6 @@ async def as_a_co(call: Callable[[], Awaitable[object]]) -> None:
         await asyncio.sleep(0.1)
     raise TimeoutError("the driver kept failing the call")
 
-
-def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 async def read_back(target: Path, block: bool, size: int) -> bytes:

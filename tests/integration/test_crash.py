@@ -12,13 +12,12 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import mounts
-from tests.harness import DriverProcess, Sandbox, qsd_pid
+from tests.harness import DriverProcess, Sandbox, qsd_pid, wait_restored, write_synced
 
 MIB = 1 << 20
 
@@ -39,12 +38,6 @@ async def crash_and_restart(driver: DriverProcess) -> None:
     await driver.start()
     assert qsd_pid(driver.box) == pid, "a restarted driver must adopt the running QSD, not replace it"
 
-
-def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 async def test_driver_sigkill_between_every_step(box: Sandbox, process: DriverProcess) -> None:
@@ -95,20 +88,6 @@ async def test_driver_sigkill_between_every_step(box: Sandbox, process: DriverPr
         assert not list((box.state_dir / "pool").glob("vol-*"))
     finally:
         await csi.close()
-
-
-async def wait_restored(csi: CSIClient, vid: str, path: Path, timeout: float = 30) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        try:
-            stats = await csi.stats(vid, str(path))
-            if not stats.volume_condition.abnormal:
-                return
-        except Exception:
-            pass
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"volume {vid} not restored within {timeout}s")
-        await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["filesystem", "block"])

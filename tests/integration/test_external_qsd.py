@@ -13,7 +13,7 @@ import signal
 import sys
 
 from csi_qsd.csi_client import CSIClient
-from tests.harness import DriverProcess, Sandbox, qsd_pid
+from tests.harness import DriverProcess, Sandbox, qsd_pid, wait_restored
 
 MIB = 1 << 20
 
@@ -24,18 +24,6 @@ async def start_qsd_container(box: Sandbox) -> asyncio.subprocess.Process:
         sys.executable, "-m", "csi_qsd.cli", "qsd-run", "--state-dir", str(box.state_dir),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
     )
-
-
-async def wait_healthy(csi: CSIClient, vid: str, path: str) -> None:
-    for _ in range(150):
-        try:
-            stats = await csi.stats(vid, path)
-            if not stats.volume_condition.abnormal:
-                return
-        except Exception:
-            pass
-        await asyncio.sleep(0.2)
-    raise TimeoutError("volume not restored")
 
 
 async def test_plugin_adopts_and_rebuilds_an_external_qsd(box: Sandbox) -> None:
@@ -64,7 +52,7 @@ async def test_plugin_adopts_and_rebuilds_an_external_qsd(box: Sandbox) -> None:
             qsd.send_signal(signal.SIGKILL)
             await qsd.wait()
             qsd = await start_qsd_container(box)
-            await wait_healthy(csi, vid, str(target))
+            await wait_restored(csi, vid, target)
             assert (target / "a").read_bytes() == b"before the plugin restart"
             (target / "b").write_bytes(b"after the qsd restart")
             os.sync()

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox
+from tests.harness import Sandbox, write_synced
 
 MIB = 1 << 20
 
-
-def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 @pytest.mark.parametrize("fs_type", ["ext4", "xfs"])

@@ -15,16 +15,10 @@ from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.snapshots import MAX_CHAIN_DEPTH
-from tests.harness import DriverProcess, Sandbox
+from tests.harness import DriverProcess, Sandbox, write_synced
 
 MIB = 1 << 20
 
-
-def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 class Mounted:
