@@ -23,6 +23,7 @@ from csi_qsd import __version__
 from csi_qsd.config import DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, Config, QSDMode
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.errors import DriverError
+from csi_qsd.tools import bundled
 
 ENV_PREFIX = "CSI_QSD_"
 
@@ -41,7 +42,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--state-dir", str(DEFAULT_STATE_DIR), "catalog, QSD sockets and exports live here")
     _option(parser, "--pool-dir", "", "directory for volume images (default: <state-dir>/pool)")
     _option(parser, "--log-level", "info", "debug, info, warning or error")
-    _option(parser, "--qsd-binary", "qemu-storage-daemon", "qemu-storage-daemon executable")
+    _option(parser, "--qsd-binary", bundled("qemu-storage-daemon"), "qemu-storage-daemon executable")
+    _option(parser, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +138,7 @@ def config_from(args: argparse.Namespace) -> Config:
         qsd_mode=QSDMode(getattr(args, "qsd_mode", QSDMode.MANAGED.value)),
         max_volumes=int(getattr(args, "max_volumes", 0)),
         qsd_binary=args.qsd_binary,
+        qemu_img=args.qemu_img,
         failpoints=os.environ.get(env_name("--failpoints"), ""),
     )
 

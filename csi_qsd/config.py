@@ -11,6 +11,8 @@ import enum
 import socket
 from pathlib import Path
 
+from csi_qsd.tools import bundled
+
 DEFAULT_DRIVER_NAME = "csi-qsd.io"
 DEFAULT_STATE_DIR = Path("/var/lib/csi-qsd")
 DEFAULT_TARGET_ROOT = Path("/var/lib/kubelet")
@@ -40,7 +42,8 @@ class Config:
     metrics_address: str = ""
     qsd_mode: QSDMode = QSDMode.MANAGED
     max_volumes: int = 0
-    qsd_binary: str = "qemu-storage-daemon"
+    qsd_binary: str = dataclasses.field(default_factory=lambda: bundled("qemu-storage-daemon"))
+    qemu_img: str = dataclasses.field(default_factory=lambda: bundled("qemu-img"))
     qmp_timeout: float = 10.0
     failpoints: str = ""
 

@@ -158,7 +158,7 @@ class DriverCollector(Collector):
 
     def __init__(self, driver: Driver) -> None:
         self._driver = driver
-        self._pool = FilePool(driver.config.pool)
+        self._pool = FilePool(driver.config.pool, driver.config.qemu_img)
         self._sample = Sample()
 
     async def refresh(self) -> None:

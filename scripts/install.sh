@@ -11,7 +11,7 @@ PACKAGES=(
   python3 python3-venv python3-dev
   qemu-system-common qemu-utils qemu-system-x86
   fuse3 e2fsprogs xfsprogs util-linux mount
-  fio curl ca-certificates
+  fio curl ca-certificates mmdebstrap
 )
 
 missing=()
@@ -36,4 +36,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+SUDO="$SUDO" bash scripts/install-qemu.sh .venv/bin
 echo "csi-qsd installed: $(.venv/bin/csi-qsd --version)"

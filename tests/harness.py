@@ -25,6 +25,7 @@ from csi_qsd.csi_client import CSIClient
 from csi_qsd.qsd.daemon import running_pid
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys import loop, mounts
+from csi_qsd.tools import bundled
 
 
 @dataclass
@@ -45,7 +46,11 @@ class Sandbox:
         return f"unix://{self.state_dir / 'csi.sock'}"
 
     def config(self, **overrides: object) -> Config:
-        values: dict[str, object] = dict(state_dir=self.state_dir, target_root=self.kubelet, node_id="node-a")
+        values: dict[str, object] = dict(
+            state_dir=self.state_dir, target_root=self.kubelet, node_id="node-a",
+            qsd_binary=os.environ.get("CSI_QSD_QSD_BINARY", bundled("qemu-storage-daemon")),
+            qemu_img=os.environ.get("CSI_QSD_QEMU_IMG", bundled("qemu-img")),
+        )
         values.update(overrides)
         return Config(**values)  # type: ignore[arg-type]
 

@@ -29,8 +29,9 @@ class PoolUsage:
 class FilePool:
     """Image files in `directory`, one per volume."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, qemu_img: str = "qemu-img") -> None:
         self.directory = directory
+        self._qemu_img = qemu_img
 
     def prepare(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -54,7 +55,7 @@ class FilePool:
             )
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
-        argv = ["qemu-img", "create", "-q", "-f", params.format.value]
+        argv = [self._qemu_img, "create", "-q", "-f", params.format.value]
         options = []
         if params.preallocation is not Preallocation.OFF:
             options.append(f"preallocation={params.preallocation.value}")
@@ -75,7 +76,7 @@ class FilePool:
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
         try:
             # -u: the size is given, so the backing chain need not be opened (saves milliseconds per layer).
-            await run("qemu-img", "create", "-q", "-f", "qcow2", "-u", "-o", "lazy_refcounts=off",
+            await run(self._qemu_img, "create", "-q", "-f", "qcow2", "-u", "-o", "lazy_refcounts=off",
                       "-b", backing.name, "-F", backing_format, str(tmp), str(size))
             await asyncio.to_thread(_fsync_and_rename, tmp, image)
         finally:
@@ -83,7 +84,7 @@ class FilePool:
 
     async def backing_of(self, image: Path) -> str:
         """The absolute backing file an image's header names, or ''."""
-        _, out = await run("qemu-img", "info", "--force-share", "--output=json", str(image))
+        _, out = await run(self._qemu_img, "info", "--force-share", "--output=json", str(image))
         info = json.loads(out)
         return str(info.get("full-backing-filename", "") or "")
 
@@ -92,7 +93,7 @@ class FilePool:
 
         qemu-img rewrites the header last, so a crash midway leaves the old, valid chain.
         """
-        await run("qemu-img", "rebase", "-q", "-f", "qcow2", "-b", "", str(image), timeout=24 * 3600)
+        await run(self._qemu_img, "rebase", "-q", "-f", "qcow2", "-b", "", str(image), timeout=24 * 3600)
 
     async def delete(self, image: Path) -> None:
         await asyncio.to_thread(_unlink_durably, image)

@@ -56,7 +56,7 @@ class VhostUserExport:
 
 
 def qsd_binary() -> str:
-    return os.environ.get("CSI_QSD_STORAGE_DAEMON", "qemu-storage-daemon")
+    return os.environ.get("CSI_QSD_QSD_BINARY", "qemu-storage-daemon")
 
 
 def _check_socket_path(path: Path) -> None:
