@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from csi_qsd import __version__
 from csi_qsd.config import DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, Config, QSDMode
 from csi_qsd.csi_client import CSIClient
+from csi_qsd.datapath import LoopIO
 from csi_qsd.errors import DriverError
 from csi_qsd.tools import bundled
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     _option(serve, "--qsd-mode", QSDMode.MANAGED.value,
             "managed: start QSD ourselves; external: adopt the one `csi-qsd qsd-run` keeps running",
             choices=[m.value for m in QSDMode])
+    _option(serve, "--loop-io", LoopIO.AUTO.value,
+            "loop devices of container volumes: auto (direct I/O where QSD's FUSE export is known to keep "
+            "parallel writes intact, >= 10.0.8), direct or buffered", choices=[m.value for m in LoopIO])
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
 
     run = sub.add_parser("qsd-run", help="run qemu-storage-daemon in the foreground (its own container)")
@@ -137,6 +141,7 @@ def config_from(args: argparse.Namespace) -> Config:
         metrics_address=getattr(args, "metrics_address", ""),
         qsd_mode=QSDMode(getattr(args, "qsd_mode", QSDMode.MANAGED.value)),
         max_volumes=int(getattr(args, "max_volumes", 0)),
+        loop_io=LoopIO(getattr(args, "loop_io", LoopIO.AUTO.value)),
         qsd_binary=args.qsd_binary,
         qemu_img=args.qemu_img,
         failpoints=os.environ.get(env_name("--failpoints"), ""),

@@ -11,6 +11,7 @@ import enum
 import socket
 from pathlib import Path
 
+from csi_qsd.datapath import LoopIO
 from csi_qsd.tools import bundled
 
 DEFAULT_DRIVER_NAME = "csi-qsd.io"
@@ -44,6 +45,7 @@ class Config:
     max_volumes: int = 0
     qsd_binary: str = dataclasses.field(default_factory=lambda: bundled("qemu-storage-daemon"))
     qemu_img: str = dataclasses.field(default_factory=lambda: bundled("qemu-img"))
+    loop_io: LoopIO = LoopIO.AUTO
     qmp_timeout: float = 10.0
     failpoints: str = ""
 

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from csi_qsd import datapath
 from csi_qsd.catalog import StageRecord, StageState, VolumeRecord, VolumeState
 from csi_qsd.config import Config
 from csi_qsd.csi import errors as rpc_errors
@@ -233,6 +234,14 @@ class DriverCollector(Collector):
                                   value=daemon.restarts)
         yield GaugeMetricFamily("csi_qsd_qsd_ready", "1 while qemu-storage-daemon answers over QMP",
                                 value=1 if daemon.ready else 0)
+        data_path = GaugeMetricFamily(
+            "csi_qsd_data_path_info",
+            "1, labelled with QSD's version and the loop-device I/O mode new container volumes get "
+            "(direct where QSD's FUSE export keeps parallel writes intact, else buffered)",
+            labels=["qsd_version", "loop_io", "setting"])
+        data_path.add_metric([".".join(map(str, daemon.version)), datapath.describe(daemon.loop_direct_io),
+                              self._driver.config.loop_io.value], 1)
+        yield data_path
 
         info = GaugeMetricFamily("csi_qsd_volume_info", "One per volume: its CSI name (the PV name), export and format",
                                  labels=["volume_id", "name", "export", "format"])

@@ -449,7 +449,7 @@ class NodeVolumes:
             loops = [lp.device for lp in loop.find_loop(export_file, readonly=True)]
             device = Path(record.loop_device) if record.loop_device and Path(record.loop_device) in loops else None
             if device is None:
-                device = await loop.attach(export_file, readonly=True)
+                device = await loop.attach(export_file, readonly=True, direct_io=self._daemon.loop_direct_io)
                 record = dataclasses.replace(record, loop_device=str(device))
         else:
             device = Path(stage.loop_device)
@@ -499,7 +499,7 @@ class NodeVolumes:
             found = loop.find_loop(export_file, readonly=False)
             if found:
                 return found[0].device
-        return await loop.attach(export_file)
+        return await loop.attach(export_file, direct_io=self._daemon.loop_direct_io)
 
     async def _tear_down(
         self, volume: VolumeRecord, stage: StageRecord, client: QSDClient | None = None, *, thorough: bool = True

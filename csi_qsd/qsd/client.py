@@ -76,6 +76,12 @@ class QSDClient:
                 f"qemu-storage-daemon went away during {command} ({exc}); it is being restarted, retry shortly"
             ) from exc
 
+    async def version(self) -> tuple[int, int, int]:
+        """QSD's QEMU version (major, minor, micro), as it reports itself over QMP."""
+        raw = await self.execute("query-version")
+        qemu = raw["qemu"]
+        return int(qemu["major"]), int(qemu["minor"]), int(qemu["micro"])
+
     # graph --------------------------------------------------------------
 
     async def node_names(self) -> set[str]:

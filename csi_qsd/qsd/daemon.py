@@ -18,6 +18,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from csi_qsd import datapath
 from csi_qsd.config import Config, QSDMode
 from csi_qsd.errors import QSDError
 from csi_qsd.qsd.client import QSDClient
@@ -72,6 +73,8 @@ class QSDDaemon:
         self._rebuild: Rebuild | None = None
         self.client = QSDClient(f"csi-qsd-{config.node_id}", config.qmp_timeout)
         self.restarts = 0
+        self.version: tuple[int, int, int] = (0, 0, 0)
+        self.loop_direct_io = False
         self._ready = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
 
@@ -122,6 +125,10 @@ class QSDDaemon:
         else:
             log.info("event=qsd_adopt pid=%s socket=%s", running_pid(self._config), qmp_socket(self._config))
         await self._connect()
+        self.version = await self.client.version()
+        self.loop_direct_io = datapath.direct_io(self._config.loop_io, self.version)
+        log.info("event=qsd_version version=%s loop_io=%s setting=%s", ".".join(map(str, self.version)),
+                 datapath.describe(self.loop_direct_io), self._config.loop_io.value)
         if self._rebuild is not None:
             await self._rebuild(self.client)
         self._ready.set()

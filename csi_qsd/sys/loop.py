@@ -1,7 +1,8 @@
 """Loop devices over export files: attach, find (via udev's view of sysfs), detach.
 
-Always buffered: a direct-I/O loop device over a FUSE export corrupts writes
-(measured on QSD 7.2), so `--direct-io=off` is passed explicitly.
+Direct or buffered I/O is the caller's choice (see `csi_qsd.datapath`): a
+direct-I/O loop device over the FUSE export of a QSD older than 10.0.8
+corrupts parallel writes, so the mode is always passed explicitly.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def find_loop(backing_file: Path, *, readonly: bool | None = None) -> list[LoopD
     return found
 
 
-async def attach(backing_file: Path, *, readonly: bool = False) -> Path:
-    argv = ["losetup", "--find", "--show", "--direct-io=off"]
+async def attach(backing_file: Path, *, readonly: bool = False, direct_io: bool = False) -> Path:
+    argv = ["losetup", "--find", "--show", f"--direct-io={'on' if direct_io else 'off'}"]
     if readonly:
         argv.append("--read-only")
     _, out = await run(*argv, str(backing_file))
@@ -78,6 +79,14 @@ async def detach(device: Path) -> None:
     code, _ = await run("losetup", "--detach", str(device), check=False)
     if code != 0 and _backing(device) is not None:
         raise HostCommandError(f"cannot detach loop device {device}")
+
+
+def uses_direct_io(device: Path) -> bool:
+    """True if the loop device passes I/O to its backing file with O_DIRECT."""
+    try:
+        return Path(f"/sys/block/{device.name}/loop/dio").read_text().strip() == "1"
+    except OSError:
+        return False
 
 
 def backing_of(device: Path) -> Path | None:

@@ -1,0 +1,40 @@
+"""Which loop device a container volume gets over its FUSE export: direct I/O or buffered.
+
+A direct-I/O loop device passes the kernel's parallel requests straight to
+QSD's FUSE export: 4.8x the random-read speed of a buffered one. But QSD's
+FUSE export before QEMU 10.0.8 corrupts parallel writes (nested polling
+overwrote the request buffer: 14-16 bad blocks in 16 parallel verified
+writers on 7.2.22 and 10.0.2, none on 10.0.13), so older daemons get the
+buffered loop device, which serialises I/O and stays intact on every version.
+Decided from the version QSD reports over QMP, never from hope.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# First release whose FUSE export copies a write's buffer before polling (10.0 stable, and every later series).
+FUSE_PARALLEL_WRITES_SAFE = (10, 0, 8)
+
+
+class LoopIO(enum.Enum):
+    """The operator's setting: decide by QSD's version, or force one mode."""
+
+    AUTO = "auto"
+    DIRECT = "direct"
+    BUFFERED = "buffered"
+
+
+def fuse_safe_for_parallel_writes(version: tuple[int, int, int]) -> bool:
+    return version >= FUSE_PARALLEL_WRITES_SAFE
+
+
+def direct_io(setting: LoopIO, version: tuple[int, int, int]) -> bool:
+    """True if new loop devices over FUSE exports should use direct I/O."""
+    if setting is LoopIO.AUTO:
+        return fuse_safe_for_parallel_writes(version)
+    return setting is LoopIO.DIRECT
+
+
+def describe(direct: bool) -> str:
+    return "direct" if direct else "buffered"
