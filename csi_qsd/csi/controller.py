@@ -1,4 +1,10 @@
-"""CSI Controller service: volume lifecycle on this node's pool."""
+"""CSI Controller service: volume lifecycle on this node's pool.
+
+REQUIRED fields are checked before a handler runs (`csi.required`). Each
+handler then checks what the request says (names, parameters, capabilities,
+paths) before it checks the IDs it names, so a malformed ID is answered like
+an unknown one (NOT_FOUND) and never hides a bad field.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from csi_qsd import validate
 from csi_qsd.catalog import SnapshotRecord, VolumeRecord
 from csi_qsd.config import Config, TOPOLOGY_KEY_NODE
 from csi_qsd.csi import convert
-from csi_qsd.csi.errors import rpc
+from csi_qsd.csi.errors import not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
@@ -80,19 +86,15 @@ class ControllerService(pb_grpc.ControllerServicer):
         elif source.WhichOneof("type") == "snapshot":
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
             record = await self._snapshots.volume_from(name, required, limit, params, caps, snapshot_id=snapshot_id)
-        elif source.WhichOneof("type") == "volume":
+        else:
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
             record = await self._snapshots.volume_from(name, required, limit, params, caps, volume_id=volume_id)
-        else:
-            raise InvalidArgument("volume_content_source must name a snapshot or a volume")
         return pb.CreateVolumeResponse(volume=self._volume_message(record))
 
     @rpc
     async def DeleteVolume(
         self, request: pb.DeleteVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteVolumeResponse:
-        if not request.volume_id:
-            raise InvalidArgument("volume_id is required")
         if validate.VOLUME_ID_RE.match(request.volume_id):
             await self._volumes.delete(request.volume_id)
         return pb.DeleteVolumeResponse()
@@ -101,12 +103,12 @@ class ControllerService(pb_grpc.ControllerServicer):
     async def ValidateVolumeCapabilities(
         self, request: pb.ValidateVolumeCapabilitiesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ValidateVolumeCapabilitiesResponse:
-        volume_id = validate.volume_id(request.volume_id)
         caps = convert.capabilities(list(request.volume_capabilities))
+        params = parse_parameters(dict(request.parameters))
+        volume_id = validate.volume_id(request.volume_id)
         record = await self._volumes.get(volume_id)
         if record is None:
             raise NotFound(f"volume {volume_id} does not exist")
-        params = parse_parameters(dict(request.parameters))
         if request.parameters and params != record.params:
             return pb.ValidateVolumeCapabilitiesResponse(message="parameters differ from the volume's")
         for cap in caps:
@@ -181,8 +183,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         self, request: pb.CreateSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateSnapshotResponse:
         name = validate.name(request.name)
-        source = validate.volume_id(request.source_volume_id, "source_volume_id")
         check_snapshot_parameters(dict(request.parameters))
+        source = validate.volume_id(request.source_volume_id, "source_volume_id")
         record = await self._snapshots.create(name, source)
         return pb.CreateSnapshotResponse(snapshot=snapshot_message(record))
 
@@ -190,8 +192,6 @@ class ControllerService(pb_grpc.ControllerServicer):
     async def DeleteSnapshot(
         self, request: pb.DeleteSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSnapshotResponse:
-        if not request.snapshot_id:
-            raise InvalidArgument("snapshot_id is required")
         if validate.SNAPSHOT_ID_RE.match(request.snapshot_id):
             await self._snapshots.delete(request.snapshot_id)
         return pb.DeleteSnapshotResponse()
@@ -218,21 +218,20 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise NotFound(f"snapshot {snapshot_id} does not exist")
         return pb.GetSnapshotResponse(snapshot=snapshot_message(record))
 
-    # Not offered: answered UNIMPLEMENTED, and absent from the capabilities above.
+    # Not offered: answered UNIMPLEMENTED whatever the request holds, and absent from the capabilities above.
 
-    @rpc
+    @not_offered
     async def ControllerPublishVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
         raise Unimplemented("ControllerPublishVolume is not needed: volumes are node-local (attachRequired: false)")
 
-    @rpc
+    @not_offered
     async def ControllerUnpublishVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
         raise Unimplemented("ControllerUnpublishVolume is not needed: volumes are node-local")
 
-
-    @rpc
+    @not_offered
     async def ControllerExpandVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
         raise Unimplemented("volume expansion is not supported by this driver version")
 
-    @rpc
+    @not_offered
     async def ControllerModifyVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
         raise Unimplemented("volume modification is not supported by this driver version")

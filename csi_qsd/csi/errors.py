@@ -1,9 +1,14 @@
 """Map domain errors to gRPC status codes, in one place, and log every call.
 
-Each handler is wrapped by `rpc`: a DriverError (matched by isinstance, so a
-subclass keeps its code) becomes `context.abort` with its code and message;
-anything else becomes INTERNAL and is logged with its traceback. Every call
-is logged key=value with its method, volume ID, code and duration.
+Each handler is wrapped by `rpc`: first the request's REQUIRED fields are
+checked (`csi.required`), so a missing field is INVALID_ARGUMENT before any
+lookup can answer NOT_FOUND; then the handler runs. A DriverError (matched by
+isinstance, so a subclass keeps its code) becomes `context.abort` with its
+code and message; anything else becomes INTERNAL and is logged with its
+traceback. Every call is logged key=value with its method, volume ID, code
+and duration. An RPC the driver does not offer is wrapped by `not_offered`
+instead: the spec's "call not implemented" means the RPC is not there at all,
+so UNIMPLEMENTED wins over whatever the request lacks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from csi_qsd.csi import required
 from csi_qsd.errors import DriverError
 
 log = logging.getLogger("csi_qsd.rpc")
@@ -47,7 +53,16 @@ def _object_id(request: Any) -> str:
 
 
 def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Wrap a servicer method with error mapping, logging and timing."""
+    """Wrap a servicer method with the REQUIRED-field check, error mapping, logging and timing."""
+    return _wrap(handler, check_required=True)
+
+
+def not_offered(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """Wrap a method that answers UNIMPLEMENTED: error mapping and logging, no REQUIRED-field check."""
+    return _wrap(handler, check_required=False)
+
+
+def _wrap(handler: Handler[Req, Resp], *, check_required: bool) -> Handler[Req, Resp]:
     method = handler.__name__
 
     @functools.wraps(handler)
@@ -56,6 +71,8 @@ def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         code = "OK"
         level = logging.DEBUG if method == "Probe" else logging.INFO
         try:
+            if check_required:
+                required.check(request)
             return await handler(self, request, context)
         except DriverError as exc:
             code = exc.code.value

@@ -25,9 +25,13 @@ def group_message(group: Group) -> pb.VolumeGroupSnapshot:
     )
 
 
+def _check_members(group: Group, snapshot_ids: list[str]) -> None:
+    """The spec's "snapshot list mismatch": `snapshot_ids` must be exactly the group's members."""
+    if set(snapshot_ids) != {s.id for s in group.members}:
+        raise InvalidArgument(f"snapshot_ids do not match the members of group snapshot {group.id}")
+
+
 def _group_id(value: str) -> str:
-    if not value:
-        raise InvalidArgument("group_snapshot_id is required")
     if not validate.GROUP_ID_RE.match(value):
         raise NotFound(f"group snapshot {value!r} does not exist")
     return value
@@ -52,8 +56,8 @@ class GroupControllerService(pb_grpc.GroupControllerServicer):
         self, request: pb.CreateVolumeGroupSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreateVolumeGroupSnapshotResponse:
         name = validate.name(request.name)
-        volume_ids = [validate.volume_id(v, "source_volume_ids") for v in request.source_volume_ids]
         check_snapshot_parameters(dict(request.parameters))
+        volume_ids = [validate.volume_id(v, "source_volume_ids") for v in request.source_volume_ids]
         group = await self._snapshots.create_group(name, volume_ids)
         return pb.CreateVolumeGroupSnapshotResponse(group_snapshot=group_message(group))
 
@@ -61,16 +65,10 @@ class GroupControllerService(pb_grpc.GroupControllerServicer):
     async def DeleteVolumeGroupSnapshot(
         self, request: pb.DeleteVolumeGroupSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteVolumeGroupSnapshotResponse:
-        if not request.group_snapshot_id:
-            raise InvalidArgument("group_snapshot_id is required")
         if validate.GROUP_ID_RE.match(request.group_snapshot_id):
             group = await self._snapshots.get_group(request.group_snapshot_id)
             if group is not None:
-                members = {s.id for s in group.members}
-                if request.snapshot_ids and set(request.snapshot_ids) != members:
-                    raise InvalidArgument(
-                        f"snapshot_ids do not match the members of group snapshot {group.id}"
-                    )
+                _check_members(group, list(request.snapshot_ids))
                 await self._snapshots.delete_group(group.id)
         return pb.DeleteVolumeGroupSnapshotResponse()
 
@@ -82,4 +80,5 @@ class GroupControllerService(pb_grpc.GroupControllerServicer):
         group = await self._snapshots.get_group(group_id)
         if group is None:
             raise NotFound(f"group snapshot {group_id} does not exist")
+        _check_members(group, list(request.snapshot_ids))
         return pb.GetVolumeGroupSnapshotResponse(group_snapshot=group_message(group))

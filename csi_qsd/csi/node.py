@@ -1,4 +1,11 @@
-"""CSI Node service: stage, publish and report volumes on this node."""
+"""CSI Node service: stage, publish and report volumes on this node.
+
+REQUIRED fields are checked before a handler runs (`csi.required`). Each
+handler then checks the paths and the capability before the volume ID, so a
+malformed ID is answered like an unknown one (NOT_FOUND) and a bad path is
+INVALID_ARGUMENT whichever ID it comes with; only then does the domain look
+the volume up.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from csi_qsd.csi import convert
 from csi_qsd.csi.errors import rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from csi_qsd.errors import InvalidArgument
+from csi_qsd.errors import InvalidArgument, NotFound
 from csi_qsd.staging import NodeVolumes, PublishSpec, StageSpec
 from csi_qsd.volumes import unsupported_capability
 
@@ -28,8 +35,6 @@ class NodeService(pb_grpc.NodeServicer):
         self._features = features
 
     def _capability(self, request: pb.NodeStageVolumeRequest | pb.NodePublishVolumeRequest) -> tuple[bool, str, tuple[str, ...], str]:
-        if not request.HasField("volume_capability"):
-            raise InvalidArgument("volume_capability is required")
         cap = convert.capability(request.volume_capability)
         reason = unsupported_capability(cap, None)
         if reason:
@@ -43,9 +48,9 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeStageVolume(
         self, request: pb.NodeStageVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeStageVolumeResponse:
-        volume_id = validate.volume_id(request.volume_id)
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
         block, fs_type, flags, group = self._capability(request)
+        volume_id = validate.volume_id(request.volume_id)
         await self._node.stage(StageSpec(volume_id, staging, block, fs_type, flags, group))
         return pb.NodeStageVolumeResponse()
 
@@ -53,8 +58,8 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeUnstageVolume(
         self, request: pb.NodeUnstageVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeUnstageVolumeResponse:
-        volume_id = validate.volume_id(request.volume_id)
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
+        volume_id = validate.volume_id(request.volume_id)
         await self._node.unstage(volume_id, staging)
         return pb.NodeUnstageVolumeResponse()
 
@@ -62,7 +67,6 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodePublishVolume(
         self, request: pb.NodePublishVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodePublishVolumeResponse:
-        volume_id = validate.volume_id(request.volume_id)
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
         target = convert.request_path(request.target_path, "target_path", self._config)
         if target == staging:
@@ -72,6 +76,7 @@ class NodeService(pb_grpc.NodeServicer):
                 f"target_path {str(target)!r} and staging_target_path {str(staging)!r} must not contain each other"
             )
         block, _fs_type, flags, group = self._capability(request)
+        volume_id = validate.volume_id(request.volume_id)
         await self._node.publish(PublishSpec(volume_id, staging, target, block, request.readonly, flags, group))
         return pb.NodePublishVolumeResponse()
 
@@ -79,8 +84,8 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeUnpublishVolume(
         self, request: pb.NodeUnpublishVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeUnpublishVolumeResponse:
-        volume_id = validate.volume_id(request.volume_id)
         target = convert.request_path(request.target_path, "target_path", self._config)
+        volume_id = validate.volume_id(request.volume_id)
         await self._node.unpublish(volume_id, target)
         return pb.NodeUnpublishVolumeResponse()
 
@@ -89,7 +94,13 @@ class NodeService(pb_grpc.NodeServicer):
         self, request: pb.NodeGetVolumeStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeGetVolumeStatsResponse:
         volume_id = validate.volume_id(request.volume_id)
-        path = convert.request_path(request.volume_path, "volume_path", self._config)
+        try:
+            path = convert.request_path(request.volume_path, "volume_path", self._config)
+        except InvalidArgument as exc:
+            # The spec's only NodeGetVolumeStats error: the volume does not exist at volume_path.
+            # A path that could never hold a volume of ours holds this one nowhere (csi-sanity
+            # asks with "some/path"); stats only read, so nothing is touched at such a path.
+            raise NotFound(f"volume {volume_id} is not staged or published at volume_path: {exc}") from None
         stats = await self._node.stats(volume_id, path)
         usage = [pb.VolumeUsage(unit=pb.VolumeUsage.BYTES, total=stats.total_bytes,
                                 available=stats.available_bytes, used=stats.used_bytes)]
@@ -104,10 +115,10 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeExpandVolume(
         self, request: pb.NodeExpandVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeExpandVolumeResponse:
-        volume_id = validate.volume_id(request.volume_id)
         path = convert.request_path(request.volume_path, "volume_path", self._config)
         if request.HasField("volume_capability"):
             convert.capability(request.volume_capability)
+        volume_id = validate.volume_id(request.volume_id)
         size = await self._node.expand(
             volume_id, path, request.capacity_range.required_bytes, request.capacity_range.limit_bytes
         )

@@ -261,11 +261,15 @@ BAD_PATHS: list[tuple[str, Callable[[Env], str], tuple[str, ...]]] = [
 ]
 
 
-def path_cases(field: str, build: Callable[..., Message], needs: str = "volume") -> list[Case]:
+def path_cases(
+    field: str, build: Callable[..., Message], needs: str = "volume", *,
+    bad: Code = Code.INVALID_ARGUMENT, empty: Code = Code.INVALID_ARGUMENT,
+) -> list[Case]:
+    """Every bad path in one field: `empty` is the code for an empty one, `bad` for the rest."""
     def make(path: Callable[[Env], str]) -> Callable[[Env], Message]:
         return lambda e: build(e, **{field: path(e)})
     return [
-        Case(f"{field}-{name}", make(path), Code.INVALID_ARGUMENT, (field, *names), needs)
+        Case(f"{field}-{name}", make(path), empty if name == "empty" else bad, (field, *names), needs)
         for name, path, names in BAD_PATHS
     ]
 
@@ -647,7 +651,10 @@ PUBLISH_CASES = table(
         Case("malformed-id", lambda e: publish(e, volume_id="vol-1"), Code.NOT_FOUND, ("'vol-1'",), "staged"),
     ]),
     ("bad-target_path", path_cases("target_path", publish, needs="staged")),
-    ("bad-staging_target_path", path_cases("staging_target_path", publish, needs="staged")),
+    # The spec's NodePublishVolume table: no staging_target_path while STAGE_UNSTAGE_VOLUME is advertised
+    # is FAILED_PRECONDITION (call NodeStageVolume first), not INVALID_ARGUMENT.
+    ("bad-staging_target_path", path_cases("staging_target_path", publish, needs="staged",
+                                           empty=Code.FAILED_PRECONDITION)),
     ("nested-paths", [
         Case("target-is-staging", lambda e: publish(e, target_path=e.staging), Code.INVALID_ARGUMENT,
              ("target_path", "staging_target_path"), "staged"),
@@ -702,7 +709,9 @@ STATS_CASES = table(
         Case("unknown-id", lambda e: stats(e, volume_id=UNKNOWN_ID), Code.NOT_FOUND, ("{unknown}",), "staged"),
         Case("malformed-id", lambda e: stats(e, volume_id="vol-"), Code.NOT_FOUND, ("'vol-'",), "staged"),
     ]),
-    ("bad-volume_path", path_cases("volume_path", stats, needs="staged")),
+    # The spec's NodeGetVolumeStats table: a volume_path the volume is not at is NOT_FOUND,
+    # however malformed the path (csi-sanity asks with "some/path"); only a missing one is INVALID_ARGUMENT.
+    ("bad-volume_path", path_cases("volume_path", stats, needs="staged", bad=Code.NOT_FOUND)),
     Case("not-staged", lambda e: stats(e), Code.NOT_FOUND, ("{volume_id}", "{staging}")),
     Case("other-path", lambda e: stats(e, volume_path=e.target), Code.NOT_FOUND, ("{volume_id}", "{target}"),
          "staged"),
