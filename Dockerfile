@@ -1,17 +1,30 @@
 # csi-qsd: the CSI plugin (`csi-qsd serve`) and qemu-storage-daemon
-# (`csi-qsd qsd-run`) in one image. Debian 12 (bookworm), Python 3.11.
+# (`csi-qsd qsd-run`) in one image. Debian 13 (trixie), Python 3.13.
 #
 #   docker build -t ghcr.io/csi-qsd/csi-qsd:$(version) .
-FROM python:3.11-slim-bookworm
+#   scripts/build-image.sh         (podman, with a base image made locally)
+#
+# Debian 13 because its QEMU (1:10.0.x) carries "fuse: Copy write buffer
+# content before polling" (10.0.8): older FUSE exports corrupt parallel
+# writes, and the driver then falls back to the slow buffered loop device.
+# BASE_IMAGE lets a build without a registry start from a Debian 13 root
+# filesystem imported under another name; it must be Debian 13 all the same.
+ARG BASE_IMAGE=debian:trixie-slim
 
-# qemu-system-common: qemu-storage-daemon; qemu-utils: qemu-img;
-# fuse3: fusermount3 for FUSE exports; e2fsprogs/xfsprogs: mkfs, resize2fs,
-# xfs_growfs; util-linux and mount: blkid, losetup, mount/umount.
+FROM ${BASE_IMAGE} AS runtime
+
+# qemu-utils: qemu-storage-daemon and qemu-img (in Debian 12 QSD was in
+# qemu-system-common; in 13 it moved here); fuse3: fusermount3 and the FUSE
+# library for exports; e2fsprogs/xfsprogs: mkfs, resize2fs, xfs_growfs;
+# util-linux and mount: blkid, losetup, fsfreeze, mount/umount;
+# python3-venv: the driver lives in its own venv, not in Debian's Python
+# (which refuses `pip install` into it, PEP 668).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends \
-        qemu-system-common \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         qemu-utils \
         fuse3 \
+        python3 \
+        python3-venv \
         e2fsprogs \
         xfsprogs \
         util-linux \
@@ -23,8 +36,20 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Built in a throw-away stage, so the source tree never becomes a layer of
+# the final image; only the venv is copied over.
+FROM runtime AS build
+# pip fetches the dependencies from PyPI over TLS. A build behind a
+# TLS-inspecting proxy passes that proxy's CA bundle as PIP_CERT (as
+# scripts/build-image.sh does with the host's); unset, pip trusts its own.
+ARG PIP_CERT
 COPY . /src
-RUN pip install /src \
- && rm -rf /src
+RUN python3 -m venv /opt/csi-qsd \
+ && /opt/csi-qsd/bin/pip install /src
+
+FROM runtime
+COPY --from=build /opt/csi-qsd /opt/csi-qsd
+# The venv first, so `csi-qsd` is found; QEMU and the host tools stay Debian's.
+ENV PATH=/opt/csi-qsd/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 ENTRYPOINT ["csi-qsd"]

@@ -11,7 +11,7 @@ PACKAGES=(
   python3 python3-venv python3-dev
   qemu-system-common qemu-utils qemu-system-x86
   fuse3 e2fsprogs xfsprogs util-linux mount
-  fio curl ca-certificates mmdebstrap
+  fio curl ca-certificates mmdebstrap podman buildah
 )
 
 missing=()

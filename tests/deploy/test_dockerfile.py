@@ -1,4 +1,4 @@
-"""Static checks of Dockerfile and .dockerignore (no container engine here)."""
+"""Static checks of Dockerfile and .dockerignore; tests/image/ builds the image and runs it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from tests.deploy.helpers import REPO_ROOT
 
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
-PACKAGES = {"qemu-system-common", "qemu-utils", "fuse3", "e2fsprogs", "xfsprogs", "util-linux"}
+BUILD_SCRIPT = REPO_ROOT / "scripts" / "build-image.sh"
+# qemu-utils carries qemu-storage-daemon in Debian 13 (qemu-system-common did in 12).
+PACKAGES = {"qemu-utils", "fuse3", "python3", "python3-venv", "e2fsprogs", "xfsprogs", "util-linux", "mount"}
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -34,10 +36,57 @@ def instructions() -> list[tuple[str, str]]:
     return result
 
 
-def test_base_image_is_bookworm_python_311() -> None:
-    froms = [args for keyword, args in instructions() if keyword == "FROM"]
-    assert froms, "no FROM"
-    assert re.fullmatch(r"python:3\.11(\.\d+)?-(slim-)?bookworm", froms[-1].split()[0]), froms[-1]
+def global_args() -> dict[str, str | None]:
+    """ARGs before the first FROM: the only ones a FROM line may use."""
+    result: dict[str, str | None] = {}
+    for keyword, args in instructions():
+        if keyword == "FROM":
+            break
+        if keyword == "ARG":
+            name, eq, default = args.partition("=")
+            result[name] = default if eq else None
+    return result
+
+
+def stages() -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """(image it starts from, stage name or "", its instructions) for each FROM."""
+    result: list[tuple[str, str, list[tuple[str, str]]]] = []
+    for keyword, args in instructions():
+        if keyword == "FROM":
+            words = args.split()
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else ""
+            result.append((words[0], name, []))
+        elif result:
+            result[-1][2].append((keyword, args))
+    assert result, "no FROM"
+    return result
+
+
+def lineage(stage: int) -> list[str]:
+    """The stage's FROM, then its parent stage's, down to an image that is no stage."""
+    named = {name: (base, name, steps) for base, name, steps in stages() if name}
+    chain = [stages()[stage][0]]
+    while chain[-1] in named:
+        chain.append(named[chain[-1]][0])
+    return chain
+
+
+def test_base_image_is_debian_trixie() -> None:
+    """Debian 13: its QEMU has the FUSE export fix (10.0.8) the fast data path needs."""
+    root = lineage(-1)[-1]
+    match = re.fullmatch(r"\$\{?(\w+)\}?", root)
+    assert match, f"the final stage must come from the BASE_IMAGE argument, not {root}"
+    default = global_args().get(match.group(1))
+    assert default is not None and re.fullmatch(r"(docker\.io/(library/)?)?debian:trixie(-slim)?", default), default
+    for index in range(len(stages())):
+        assert lineage(index)[-1] == root, f"stage {index} does not start from the same Debian base"
+
+
+def test_build_script_passes_the_base_argument() -> None:
+    """scripts/build-image.sh names the same ARG, or its local base would be ignored."""
+    name = next(iter(global_args()))
+    assert re.search(rf"--build-arg \"{name}=\$BASE\"", BUILD_SCRIPT.read_text(encoding="utf-8"))
+    assert "--isolation chroot" in BUILD_SCRIPT.read_text(encoding="utf-8")
 
 
 def test_installs_the_tools() -> None:
@@ -51,16 +100,40 @@ def test_installs_the_tools() -> None:
     assert "rm -rf /var/lib/apt/lists" in runs
 
 
-def test_installs_the_package_and_its_entry_point() -> None:
-    steps = instructions()
-    copies = [args for keyword, args in steps if keyword == "COPY"]
-    assert any(args.split()[0] == "." for args in copies), "the build context must be copied for `pip install`"
-    runs = [args for keyword, args in steps if keyword == "RUN"]
-    assert any(re.search(r"\bpip install (--\S+ )*(\.|/src)\b", args) for args in runs)
-    (entrypoint,) = [args for keyword, args in steps if keyword == "ENTRYPOINT"]
+def test_installs_the_package_into_a_venv() -> None:
+    """The source is built in a stage of its own; the final image gets the venv only."""
+    *builders, (_, _, final) = stages()
+    venvs = [
+        (match.group(1), steps)
+        for _, _, steps in builders
+        for keyword, args in steps
+        if keyword == "RUN" and (match := re.search(r"python3 -m venv (/\S+)", args))
+    ]
+    assert len(venvs) == 1, "one build stage makes the venv"
+    venv, steps = venvs[0]
+    assert any(keyword == "COPY" and args.split()[0] == "." for keyword, args in steps), "the context is copied"
+    assert any(
+        keyword == "RUN" and re.search(rf"{re.escape(venv)}/bin/pip install (--\S+ )*/src\b", args)
+        for keyword, args in steps
+    )
+    assert not any(keyword == "COPY" and args.split()[0] == "." for keyword, args in final), "source in the image"
+    assert ("COPY", f"--from=build {venv} {venv}") in final
+    (path,) = [args for keyword, args in final if keyword == "ENV" and args.startswith("PATH=")]
+    assert path.removeprefix("PATH=").split(":")[0] == f"{venv}/bin", "csi-qsd must come from the venv"
+
+
+def test_entry_point() -> None:
+    (entrypoint,) = [args for keyword, args in instructions() if keyword == "ENTRYPOINT"]
     assert json.loads(entrypoint) == ["csi-qsd"]
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert "csi-qsd" in scripts
+
+
+def test_pip_certificate_argument_has_no_default() -> None:
+    """PIP_CERT is for builds behind a TLS-inspecting proxy only; elsewhere pip keeps its own trust."""
+    args = [args for _, _, steps in stages() for keyword, args in steps if keyword == "ARG"]
+    assert "PIP_CERT" in args
+    assert not any(keyword == "ARG" and args.startswith("PIP_CERT") for keyword, args in stages()[-1][2])
 
 
 def ignore_patterns() -> list[str]:
@@ -114,7 +187,7 @@ def ignored(path: str) -> bool:
 
 def test_dockerignore_excludes_local_state() -> None:
     for path in (".venv/bin/python", ".git/HEAD", "csi_qsd/__pycache__/cli.cpython-311.pyc",
-                 ".pytest_cache/v", ".mypy_cache/3.11"):
+                 ".pytest_cache/v", ".mypy_cache/3.11", ".runtime/qemu/usr/bin/qemu-img", ".demo/state/csi.sock"):
         assert ignored(path), f"{path} would be sent to the builder"
 
 
