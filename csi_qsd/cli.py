@@ -47,6 +47,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="csi-qsd", description="CSI driver on qemu-storage-daemon")
     parser.add_argument("--version", action="version", version=f"csi-qsd {__version__}")
@@ -67,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
             "loop devices of container volumes: auto (direct I/O where QSD's FUSE export is known to keep "
             "parallel writes intact, >= 10.0.8), direct or buffered", choices=[m.value for m in LoopIO])
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
+    _option(serve, "--qmp-timeout", "10", "seconds QSD may take to answer a QMP command; a QSD that stays "
+            "silent longer is treated as dead: logged, killed and replaced", type=_seconds)
 
     run = sub.add_parser("qsd-run", help="run qemu-storage-daemon in the foreground (its own container)")
     _common(run)
@@ -142,6 +154,7 @@ def config_from(args: argparse.Namespace) -> Config:
         qsd_mode=QSDMode(getattr(args, "qsd_mode", QSDMode.MANAGED.value)),
         max_volumes=int(getattr(args, "max_volumes", 0)),
         loop_io=LoopIO(getattr(args, "loop_io", LoopIO.AUTO.value)),
+        qmp_timeout=float(getattr(args, "qmp_timeout", 10.0)),
         qsd_binary=args.qsd_binary,
         qemu_img=args.qemu_img,
         failpoints=os.environ.get(env_name("--failpoints"), ""),

@@ -72,7 +72,16 @@ class Internal(DriverError):
 
 
 class QSDError(Internal):
-    """qemu-storage-daemon refused a command or could not be reached."""
+    """qemu-storage-daemon refused a command or could not be reached.
+
+    `error_class` is QEMU's own class for a refused command (`GenericError`,
+    `CommandNotFound`, `DeviceNotFound`, ...), None when QSD gave no answer.
+    Callers decide by it, never by the English text of the message.
+    """
+
+    def __init__(self, message: str, *, error_class: str | None = None) -> None:
+        super().__init__(message)
+        self.error_class = error_class
 
 
 class QSDUnavailable(QSDError, Unavailable):

@@ -46,7 +46,8 @@ from csi_qsd.config import Config
 from csi_qsd.csi import errors as rpc_errors
 from csi_qsd.errors import QSDError, StartupError
 from csi_qsd.pools.files import FilePool, PoolUsage
-from csi_qsd.qsd import graph
+from csi_qsd.qsd import stats as qsd_stats
+from csi_qsd.qsd.daemon import QSDState
 
 if TYPE_CHECKING:
     from csi_qsd.server import Driver
@@ -199,23 +200,11 @@ class DriverCollector(Collector):
         if not daemon.ready:
             return {}
         try:
-            exports = await daemon.client.exports()
-            raw = await daemon.client.blockstats()
+            tops = await qsd_stats.volume_top_stats(daemon.client)
         except QSDError as exc:
             log.warning("event=metrics_qsd_failed error=%r", str(exc))
             return {}
-        top_nodes: dict[str, str] = {}
-        for export_id, export in exports.items():
-            volume_id = graph.volume_of(export_id)
-            if volume_id is not None:
-                top_nodes[export["node_name"]] = volume_id
-        offsets: dict[str, int] = {}
-        for entry in raw:
-            volume_id = top_nodes.get(str(entry.get("node-name", "")))
-            stats = entry.get("stats")
-            if volume_id is not None and isinstance(stats, dict):
-                offsets[volume_id] = int(stats.get("wr_highest_offset", 0))
-        return offsets
+        return {volume_id: node["wr_highest_offset"] for volume_id, node in tops.items()}
 
     def collect(self) -> Iterator[Metric]:
         sample, daemon = self._sample, self._driver.daemon
@@ -234,6 +223,16 @@ class DriverCollector(Collector):
                                   value=daemon.restarts)
         yield GaugeMetricFamily("csi_qsd_qsd_ready", "1 while qemu-storage-daemon answers over QMP",
                                 value=1 if daemon.ready else 0)
+        state = GaugeMetricFamily(
+            "csi_qsd_qsd_state",
+            "1 for the supervised qemu-storage-daemon's current runstate, 0 for the others "
+            "(starting, running, wedged, restarting, stopped)", labels=["state"])
+        for runstate in QSDState:
+            state.add_metric([runstate.value], 1 if daemon.runstate is runstate else 0)
+        yield state
+        yield CounterMetricFamily("csi_qsd_qsd_wedges",
+                                  "Times qemu-storage-daemon stopped answering over QMP and was killed and replaced",
+                                  value=daemon.wedges)
         data_path = GaugeMetricFamily(
             "csi_qsd_data_path_info",
             "1, labelled with QSD's version and the loop-device I/O mode new container volumes get "

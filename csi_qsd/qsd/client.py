@@ -2,13 +2,19 @@
 
 Every command runs under a timeout and every QMP failure comes back as a
 `QSDError` that names the command and QSD's own message, never a raw QMP
-exception.
+exception; a refusal keeps QEMU's `error_class`, so callers decide by class.
+A command QSD does not answer within the timeout is reported to the owner of
+the client (the daemon supervisor), which treats a silent monitor as a dead
+QSD. QMP JSON never leaves this package: results come back as TypedDicts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
@@ -35,23 +41,141 @@ class BlockNodeInfo(TypedDict):
     virtual_size: int
 
 
+class _RawBlockStatsCounters(TypedDict, total=False):
+    """The part of QMP's BlockDeviceStats the driver reads (QEMU sends many more)."""
+
+    wr_highest_offset: int
+    rd_bytes: int
+    wr_bytes: int
+    rd_operations: int
+    wr_operations: int
+    flush_operations: int
+
+
+# One entry of `query-blockstats` with query-nodes=true (QMP's BlockStats), the fields read here.
+_RawBlockStats = TypedDict("_RawBlockStats", {"node-name": str, "stats": _RawBlockStatsCounters}, total=False)
+
+
+class NodeStats(TypedDict):
+    """Per-node figures from `query-blockstats`.
+
+    On export backends QSD counts nothing (they are anonymous and skipped),
+    so of the node-level counters only `wr_highest_offset` carries meaning;
+    the others are kept for nodes a future QEMU does count.
+    """
+
+    node_name: str
+    wr_highest_offset: int
+    rd_bytes: int
+    wr_bytes: int
+    rd_operations: int
+    wr_operations: int
+    flush_operations: int
+
+
+def parse_blockstats(raw: list[_RawBlockStats]) -> dict[str, NodeStats]:
+    """Node name → figures, for every named node in a `query-blockstats` reply (anonymous ones skipped)."""
+    found: dict[str, NodeStats] = {}
+    for entry in raw:
+        name = entry.get("node-name")
+        stats = entry.get("stats")
+        if not isinstance(name, str) or not name or not isinstance(stats, dict):
+            continue
+        found[name] = NodeStats(
+            node_name=name,
+            wr_highest_offset=int(stats.get("wr_highest_offset", 0)),
+            rd_bytes=int(stats.get("rd_bytes", 0)),
+            wr_bytes=int(stats.get("wr_bytes", 0)),
+            rd_operations=int(stats.get("rd_operations", 0)),
+            wr_operations=int(stats.get("wr_operations", 0)),
+            flush_operations=int(stats.get("flush_operations", 0)),
+        )
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A command sent to QSD and not yet answered: what, since when (event-loop time), on which session."""
+
+    command: str
+    started: float
+    session: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NoAnswer:
+    """What a client saw when QSD left a command unanswered past the timeout: the evidence of a wedge."""
+
+    command: str
+    waited: float
+    session: int
+    in_flight: tuple[InFlight, ...]
+
+
+class QSDNoAnswer(QSDUnavailable):
+    """QSD did not answer a command (or the QMP greeting) within the timeout: its monitor is stuck.
+
+    The call may be retried: the supervisor kills and replaces a QSD that
+    stops answering.
+    """
+
+    def __init__(self, message: str, report: NoAnswer) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class QSDClient:
     """One QMP session with one qemu-storage-daemon."""
 
     def __init__(self, name: str, timeout: float) -> None:
         self._qmp = QMPClient(name)
         self._timeout = timeout
+        self._tokens = itertools.count()
+        self._in_flight: dict[int, InFlight] = {}
+        self._last_answer = 0.0
+        #: Bumped on every connect, so a report about an old session is told from one about this one.
+        self.session = 0
+        #: Called (synchronously) when QSD leaves a command unanswered past the timeout.
+        self.on_no_answer: Callable[[NoAnswer], None] | None = None
 
     @property
     def connected(self) -> bool:
         return self._qmp.runstate is Runstate.RUNNING
 
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    def in_flight(self) -> tuple[InFlight, ...]:
+        """Commands sent and not yet answered, oldest first."""
+        return tuple(sorted(self._in_flight.values(), key=lambda item: item.started))
+
+    def idle_for(self) -> float:
+        """Seconds since QSD last answered a command on this session (0 while one is in flight)."""
+        if self._in_flight:
+            return 0.0
+        return asyncio.get_running_loop().time() - self._last_answer
+
     async def connect(self, socket: Path) -> None:
+        """Open a session; raise QSDNoAnswer if QSD accepts but never greets, QSDError if unreachable."""
+        loop = asyncio.get_running_loop()
+        self.session += 1
+        started = loop.time()
         try:
             await asyncio.wait_for(self._qmp.connect(str(socket)), self._timeout)
-        except (QMPError, OSError, asyncio.TimeoutError) as exc:
+        except asyncio.TimeoutError as exc:
+            await self._reset()
+            # The socket took the connection (the kernel's backlog does that for a frozen QSD),
+            # but QSD never sent its greeting: the monitor is stuck.
+            report = NoAnswer("qmp_capabilities", loop.time() - started, self.session, ())
+            raise QSDNoAnswer(
+                f"qemu-storage-daemon at {socket} accepted a connection but did not greet within "
+                f"{self._timeout}s", report,
+            ) from exc
+        except (QMPError, OSError) as exc:
             await self._reset()
             raise QSDError(f"cannot reach qemu-storage-daemon at {socket}: {exc or type(exc).__name__}") from exc
+        self._last_answer = loop.time()
 
     async def disconnect(self) -> None:
         await self._reset()
@@ -63,24 +187,46 @@ class QSDClient:
         await self._reset()
 
     async def execute(self, command: str, arguments: QMPArgs | None = None) -> Any:
+        """Run one command; raise QSDError (with `error_class`) if refused, QSDUnavailable if cut off.
+
+        A command left unanswered past the timeout raises QSDNoAnswer and is
+        reported through `on_no_answer` first.
+        """
+        loop = asyncio.get_running_loop()
+        token = next(self._tokens)
+        started = loop.time()
+        self._in_flight[token] = InFlight(command, started, self.session)
         try:
-            return await asyncio.wait_for(self._qmp.execute(command, arguments), self._timeout)
+            result = await asyncio.wait_for(self._qmp.execute(command, arguments), self._timeout)
         except ExecuteError as exc:
-            raise QSDError(f"qemu-storage-daemon refused {command}: {exc}") from exc
+            self._last_answer = loop.time()
+            raise QSDError(f"qemu-storage-daemon refused {command}: {exc}", error_class=exc.error_class) from exc
         except asyncio.TimeoutError as exc:
-            raise QSDUnavailable(
-                f"qemu-storage-daemon did not answer {command} within {self._timeout}s; retry shortly"
+            report = NoAnswer(command, loop.time() - started, self.session, self.in_flight())
+            if self.on_no_answer is not None:
+                self.on_no_answer(report)
+            raise QSDNoAnswer(
+                f"qemu-storage-daemon did not answer {command} within {self._timeout}s; "
+                "it is being replaced, retry shortly", report,
             ) from exc
         except (QMPError, OSError) as exc:
             raise QSDUnavailable(
                 f"qemu-storage-daemon went away during {command} ({exc}); it is being restarted, retry shortly"
             ) from exc
+        finally:
+            del self._in_flight[token]
+        self._last_answer = loop.time()
+        return result
 
     async def version(self) -> tuple[int, int, int]:
         """QSD's QEMU version (major, minor, micro), as it reports itself over QMP."""
         raw = await self.execute("query-version")
         qemu = raw["qemu"]
         return int(qemu["major"]), int(qemu["minor"]), int(qemu["micro"])
+
+    async def ping(self) -> None:
+        """The cheapest command that needs QSD's monitor to turn: proof of life, bounded like any other."""
+        await self.execute("query-version")
 
     # graph --------------------------------------------------------------
 
@@ -93,7 +239,9 @@ class QSDClient:
         """
         try:
             graph = await self.execute("x-debug-query-block-graph")
-        except QSDError:
+        except QSDError as exc:
+            if exc.error_class != "CommandNotFound":
+                raise
             return set(await self.named_nodes())
         return {node["name"] for node in graph["nodes"] if node.get("type") == "block-driver" and node.get("name")
                 and not node["name"].startswith("#")}
@@ -149,6 +297,14 @@ class QSDClient:
             except asyncio.TimeoutError as exc:
                 raise QSDError(f"export {export_id} was not removed within {self._timeout}s") from exc
 
+    async def stream(self, job_id: str, node: str) -> None:
+        """Flatten into `node`: copy everything below it into it (block-stream), and wait for the end.
+
+        No timeout on the copy itself (it takes as long as the data); a QSD
+        that goes away ends it with QSDError. Raises QSDError if the job fails.
+        """
+        await self.run_job("block-stream", {"job-id": job_id, "device": node}, job_id)
+
     async def run_job(self, command: str, arguments: QMPArgs, job_id: str) -> None:
         """Start a block job and wait, without a timeout, until it completes; raise QSDError if it failed."""
         listener = EventListener(("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED", "BLOCK_JOB_ERROR"))
@@ -183,8 +339,10 @@ class QSDClient:
     async def block_resize(self, node_name: str, size: int) -> None:
         await self.execute("block_resize", {"node-name": node_name, "size": size})
 
-    async def blockstats(self) -> list[dict[str, Any]]:
-        return cast(list[dict[str, Any]], await self.execute("query-blockstats", {"query-nodes": True}))
+    async def blockstats(self) -> dict[str, NodeStats]:
+        """Figures of every named node (`query-blockstats` with query-nodes), by node name."""
+        raw = await self.execute("query-blockstats", {"query-nodes": True})
+        return parse_blockstats(cast(list[_RawBlockStats], raw))
 
     async def quit(self) -> None:
         await self.execute("quit")

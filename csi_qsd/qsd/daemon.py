@@ -6,12 +6,23 @@ instead of restarting it. When QSD dies, the supervisor starts a new one (or,
 in external mode, waits for its container to) and calls back so the caller can
 rebuild the graph from the catalog. This module never decides what the graph
 should hold.
+
+A QSD that stops answering is treated as a dead one. A wedged QSD is worse
+than a crashed one: its exports hang every consumer and nothing restarts it
+(seen on 7.2: `block-export-del` unanswered, the monitor silent for 12
+minutes). So a command left unanswered for `qmp_timeout`, or a liveness ping
+(`query-version`, sent while the session is idle) left unanswered, makes the
+supervisor log what a bug report needs, SIGKILL QSD and take the crash path.
+The daemon's runstate (`QSDState`) says where in that cycle it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import enum
+import json
 import logging
 import os
 import signal
@@ -21,14 +32,39 @@ from pathlib import Path
 from csi_qsd import datapath
 from csi_qsd.config import Config, QSDMode
 from csi_qsd.errors import QSDError
-from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.client import NoAnswer, QSDClient, QSDNoAnswer
 from csi_qsd.qsd.graph import IOTHREAD_ID
+from csi_qsd.sys.run import tool_env
 
 log = logging.getLogger(__name__)
 
 Rebuild = Callable[[QSDClient], Awaitable[None]]
 RECONNECT_DELAY = 0.2
 SHUTDOWN_TIMEOUT = 10.0
+# The liveness ping goes out once the session has been idle for a ping interval, checked every
+# interval: a silent monitor is noticed within qmp_timeout + 2 intervals (2 x qmp_timeout up to
+# 10 s, then qmp_timeout + 10 s), and an idle QSD gets one cheap query every few seconds at most.
+PING_MIN = 0.2
+PING_MAX = 5.0
+KERNEL_STACK_LINES = 64
+
+
+class QSDState(enum.Enum):
+    """Where the supervised QSD is, like qemu.qmp's Runstate for a session. Only RUNNING serves calls."""
+
+    STOPPED = "stopped"  # not supervised: before start, after close or shutdown
+    STARTING = "starting"  # first bring-up: adopt or spawn, connect, rebuild the graph
+    RUNNING = "running"  # answering over QMP with the graph rebuilt
+    WEDGED = "wedged"  # stopped answering: being diagnosed and killed
+    RESTARTING = "restarting"  # lost (crashed or killed): a new QSD is coming up and being rebuilt
+
+
+StateObserver = Callable[["QSDState"], None]
+
+
+def ping_interval(qmp_timeout: float) -> float:
+    """Seconds between liveness pings of an idle session, for a given QMP timeout."""
+    return max(PING_MIN, min(qmp_timeout / 2, PING_MAX))
 
 
 def qmp_socket(config: Config) -> Path:
@@ -54,7 +90,13 @@ def daemon_argv(config: Config, *, daemonize: bool) -> list[str]:
 
 
 def running_pid(config: Config) -> int | None:
-    """The PID of a live QSD named by our pidfile, or None (stale pidfiles are ignored)."""
+    """The PID of a live QSD named by our pidfile, or None (stale pidfiles are ignored).
+
+    In external mode the pidfile holds the PID as QSD's container sees it; it
+    names the same process here only when the pod shares one PID namespace.
+    Otherwise the command-line check finds another process (or none) under
+    that number and this returns None, so nothing else is ever signalled.
+    """
     try:
         pid = int(pidfile(config).read_text().strip())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -65,41 +107,136 @@ def running_pid(config: Config) -> int | None:
     return pid
 
 
+@dataclasses.dataclass(frozen=True)
+class ThreadDiagnostics:
+    """What the kernel says one QSD thread is doing."""
+
+    tid: int
+    name: str
+    wchan: str
+    stack: tuple[str, ...] | None  # None where /proc/PID/task/TID/stack is not readable
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def process_state(pid: int) -> str:
+    """The State line of /proc/PID/status ('T (stopped)', 'D (disk sleep)', ...), or '' if gone."""
+    for line in (_read(Path(f"/proc/{pid}/status")) or "").splitlines():
+        if line.startswith("State:"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
+def thread_diagnostics(pid: int) -> list[ThreadDiagnostics]:
+    """Every thread's name, wait channel and kernel stack (root only), read from /proc. Blocking: run in a thread."""
+    found = []
+    try:
+        tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name))
+    except (OSError, ValueError):
+        return []
+    for task in tasks:
+        stack = _read(task / "stack")
+        found.append(ThreadDiagnostics(
+            tid=int(task.name),
+            name=(_read(task / "comm") or "").strip(),
+            wchan=(_read(task / "wchan") or "").strip(),
+            stack=tuple(stack.splitlines()[:KERNEL_STACK_LINES]) if stack is not None else None,
+        ))
+    return found
+
+
 class QSDDaemon:
-    """The supervised QSD of one pool and the QMP session to it."""
+    """The supervised QSD of one pool, the QMP session to it and its runstate."""
 
     def __init__(self, config: Config) -> None:
         self._config = config
         self._rebuild: Rebuild | None = None
         self.client = QSDClient(f"csi-qsd-{config.node_id}", config.qmp_timeout)
+        self.client.on_no_answer = self._no_answer
         self.restarts = 0
+        self.wedges = 0
         self.version: tuple[int, int, int] = (0, 0, 0)
         self.loop_direct_io = False
-        self._ready = asyncio.Event()
+        self._state = QSDState.STOPPED
+        self._state_changed = asyncio.Event()
+        self._observers: list[StateObserver] = []
+        self._wedge: NoAnswer | None = None
+        self._wedge_reported = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+
+    @property
+    def runstate(self) -> QSDState:
+        return self._state
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.client.connected
+        """True only while RUNNING with a live session: the one state in which calls are served."""
+        return self._state is QSDState.RUNNING and self.client.connected
+
+    async def runstate_changed(self) -> QSDState:
+        """Wait for the next runstate change and return the new state (as qemu.qmp's runstate_changed)."""
+        await self._state_changed.wait()
+        return self._state
+
+    def add_observer(self, observer: StateObserver) -> None:
+        """Call `observer(state)` on every transition, synchronously, so no transition is missed."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: StateObserver) -> None:
+        self._observers.remove(observer)
+
+    def _set_state(self, state: QSDState, reason: str = "") -> None:
+        if state is self._state:
+            return
+        previous, self._state = self._state, state
+        level = logging.WARNING if state in (QSDState.WEDGED, QSDState.RESTARTING) else logging.INFO
+        log.log(level, "event=qsd_state from=%s to=%s%s", previous.value, state.value,
+                f" reason={reason}" if reason else "")
+        self._state_changed.set()
+        self._state_changed = asyncio.Event()
+        for observer in list(self._observers):
+            observer(state)
 
     async def start(self, rebuild: Rebuild) -> None:
         """Adopt the running QSD or start one, `rebuild` the graph, then supervise.
 
         `rebuild` runs again after every reconnect, so it must be idempotent.
+        An adopted QSD that does not answer is killed and replaced once.
+        Raises QSDError if no QSD can be brought up.
         """
         self._rebuild = rebuild
         self._config.qsd_dir.mkdir(parents=True, exist_ok=True)
-        await self._attach()
+        self._set_state(QSDState.STARTING)
+        try:
+            try:
+                await self._attach()
+            except QSDNoAnswer as exc:
+                await self._put_down(exc.report)
+                self._set_state(QSDState.STARTING, "wedged")
+                await self._attach()
+        except BaseException:
+            self._set_state(QSDState.STOPPED, "start_failed")
+            await self.client.disconnect()
+            raise
+        self._set_state(QSDState.RUNNING)
         self._supervisor = asyncio.create_task(self._supervise(), name="qsd-supervisor")
+        self._watchdog = asyncio.create_task(self._watch(), name="qsd-watchdog")
 
     async def close(self) -> None:
         """Stop supervising and drop the QMP session; QSD itself keeps running."""
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
-            self._supervisor = None
-        self._ready.clear()
+        for task in (self._watchdog, self._supervisor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._supervisor = self._watchdog = None
+        self._set_state(QSDState.STOPPED)
         await self.client.disconnect()
 
     async def shutdown(self) -> None:
@@ -131,15 +268,20 @@ class QSDDaemon:
                  datapath.describe(self.loop_direct_io), self._config.loop_io.value)
         if self._rebuild is not None:
             await self._rebuild(self.client)
-        self._ready.set()
 
     async def _connect(self) -> None:
-        """Connect to the QMP socket, waiting for it when QSD is another container's to start."""
+        """Connect to the QMP socket, waiting for it when QSD is another container's to start.
+
+        A QSD that takes the connection but never greets is not waited for:
+        QSDNoAnswer goes up, and the caller puts it down.
+        """
         deadline = asyncio.get_running_loop().time() + self._config.qmp_timeout
         while True:
             try:
                 await self.client.connect(qmp_socket(self._config))
                 return
+            except QSDNoAnswer:
+                raise
             except QSDError:
                 if asyncio.get_running_loop().time() > deadline and self._config.qsd_mode is QSDMode.MANAGED:
                     raise
@@ -150,7 +292,7 @@ class QSDDaemon:
         log.info("event=qsd_start argv=%r", " ".join(argv))
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=tool_env(),
         )
         out, err = await proc.communicate()
         if proc.returncode != 0:
@@ -159,15 +301,96 @@ class QSDDaemon:
                 f"{(err or out).decode(errors='replace').strip()}"
             )
 
+    # watchdog -----------------------------------------------------------
+
+    def _no_answer(self, report: NoAnswer) -> None:
+        """The client's hook: a command went unanswered. Acted on by the supervisor, only for the live session.
+
+        While starting or restarting, the supervisor gets the same news as a
+        QSDNoAnswer from its own call and acts on that instead.
+        """
+        if self._state is not QSDState.RUNNING or report.session != self.client.session or self._wedge is not None:
+            return
+        self._wedge = report
+        self._wedge_reported.set()
+
+    async def _watch(self) -> None:
+        """Eternal task: ping an idle session, so a QSD that stops answering is noticed with nobody calling."""
+        interval = ping_interval(self._config.qmp_timeout)
+        while True:
+            await asyncio.sleep(interval)
+            if not self.ready or self.client.idle_for() < interval:
+                continue
+            try:
+                await self.client.ping()
+            except QSDError as exc:
+                # No answer reaches the supervisor through the hook; a lost session it sees itself.
+                log.debug("event=qsd_ping_failed error=%r", str(exc))
+
+    async def _until_lost_or_wedged(self) -> NoAnswer | None:
+        """Wait until the session ends (None) or a command goes unanswered (its report)."""
+        lost = asyncio.create_task(self.client.wait_disconnected(), name="qsd-session")
+        wedged = asyncio.create_task(self._wedge_reported.wait(), name="qsd-wedge")
+        try:
+            await asyncio.wait((lost, wedged), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (lost, wedged):
+                task.cancel()
+            await asyncio.gather(lost, wedged, return_exceptions=True)
+        return self._wedge
+
+    async def _put_down(self, report: NoAnswer) -> None:
+        """Log what a bug report needs about a QSD that stopped answering, then SIGKILL it.
+
+        The session is dropped afterwards, so the crash path (restart,
+        rebuild) follows. Never raises for a QSD that is already gone.
+        """
+        self._set_state(QSDState.WEDGED, f"no_answer command={report.command}")
+        self.wedges += 1
+        pid = running_pid(self._config)
+        now = asyncio.get_running_loop().time()
+        in_flight = [f"{item.command}:{now - item.started:.1f}s" for item in self.client.in_flight()]
+        if pid is not None:
+            state = process_state(pid)
+            threads = await asyncio.to_thread(thread_diagnostics, pid)
+        else:
+            state, threads = "", []
+        log.error(
+            "event=qsd_wedged pid=%s command=%s waited_s=%.1f timeout_s=%s in_flight=%s proc_state=%r "
+            "mode=%s threads=%s", pid, report.command, report.waited, self._config.qmp_timeout,
+            ",".join(in_flight) or "-", state, self._config.qsd_mode.value,
+            json.dumps([dataclasses.asdict(t) for t in threads]),
+        )
+        if pid is None:
+            log.error("event=qsd_kill_impossible reason=pid_not_visible pidfile=%s mode=%s: restart the "
+                      "qemu-storage-daemon by hand (in external mode its PID is only visible to this "
+                      "container when the pod shares one PID namespace)", pidfile(self._config),
+                      self._config.qsd_mode.value)
+        else:
+            log.warning("event=qsd_kill pid=%d reason=wedged", pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if not await _wait_gone(pid, SHUTDOWN_TIMEOUT):
+                log.error("event=qsd_kill_failed pid=%d proc_state=%r", pid, process_state(pid))
+        await self.client.disconnect()
+        self._wedge = None
+        self._wedge_reported.clear()
+
+    # supervisor ---------------------------------------------------------
+
     async def _supervise(self) -> None:
-        """Eternal task: notice a lost daemon, bring it back, rebuild. Never exits silently."""
+        """Eternal task: notice a lost or wedged daemon, bring it back, rebuild. Never exits silently."""
         while True:
             try:
-                await self.client.wait_disconnected()
-                self._ready.clear()
-                log.warning("event=qsd_lost pid=%s", running_pid(self._config))
+                wedge = await self._until_lost_or_wedged()
+                if wedge is not None:
+                    await self._put_down(wedge)
+                reason = "wedged" if wedge is not None else "session_lost"
+                self._set_state(QSDState.RESTARTING, reason)
+                log.warning("event=qsd_lost pid=%s reason=%s", running_pid(self._config), reason)
                 self.restarts += 1
                 await self._recover()
+                self._set_state(QSDState.RUNNING)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -181,6 +404,9 @@ class QSDDaemon:
                 await self._attach()
                 log.info("event=qsd_recovered restarts=%d", self.restarts)
                 return
+            except QSDNoAnswer as exc:
+                await self._put_down(exc.report)
+                self._set_state(QSDState.RESTARTING, "wedged")
             except QSDError as exc:
                 log.warning("event=qsd_recover_retry error=%r", str(exc))
                 await self.client.disconnect()

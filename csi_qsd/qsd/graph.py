@@ -8,6 +8,8 @@ anything else in the graph.
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,11 @@ class VolumeNodes:
         return (self.format, self.file)
 
 
+_BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
 def _base36(number: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    digits = _BASE36
     if not 0 <= number <= MAX_GENERATION:
         raise ValueError(f"image generation {number} out of range")
     out = ""
@@ -63,17 +68,73 @@ def nodes_for(volume_id: str, generation: int = 0) -> VolumeNodes:
     )
 
 
+class NameKind(enum.Enum):
+    """What one of our QSD names stands for (the part after the last dash)."""
+
+    FILE = "f"
+    FORMAT = "q"
+    FUSE_EXPORT = "fuse"
+    VHOST_EXPORT = "vhost"
+    IOTHREAD = "io"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedName:
+    """One of our node, export or iothread names, decoded; `generation` only for file and format nodes."""
+
+    volume_id: str
+    kind: NameKind
+    generation: int | None = None
+
+
+def parse_name(name: str) -> ParsedName | None:
+    """Decode a name from QSD's graph; None if it is not one of ours.
+
+    The one place that knows the scheme `nodes_for` writes: every other
+    module asks here instead of splitting names itself, so the scheme can
+    change in one file.
+    """
+    volume_id = volume_of(name)
+    if volume_id is None:
+        return None
+    tail = name.rpartition("-")[2]
+    for kind in (NameKind.FUSE_EXPORT, NameKind.VHOST_EXPORT, NameKind.IOTHREAD):
+        if tail == kind.value:
+            return ParsedName(volume_id, kind)
+    layers = {NameKind.FILE.value: NameKind.FILE, NameKind.FORMAT.value: NameKind.FORMAT}
+    layer = layers.get(tail[:1])
+    digits = tail[1:]
+    if layer is None or not digits or not all(c in _BASE36 for c in digits):
+        return None
+    generation = int(digits, 36)
+    if generation > MAX_GENERATION:
+        return None
+    return ParsedName(volume_id, layer, generation)
+
+
 def generation_of(node_name: str) -> int | None:
     """The image generation of one of our format or file node names, else None."""
-    if volume_of(node_name) is None:
+    parsed = parse_name(node_name)
+    return parsed.generation if parsed is not None else None
+
+
+def format_generations(names: Iterable[str], volume_id: str) -> list[int]:
+    """Generations of `volume_id`'s format nodes among `names`, newest first."""
+    found = set()
+    for name in names:
+        parsed = parse_name(name)
+        if parsed is not None and parsed.volume_id == volume_id and parsed.kind is NameKind.FORMAT:
+            assert parsed.generation is not None
+            found.add(parsed.generation)
+    return sorted(found, reverse=True)
+
+
+def format_node_over(file_node: str) -> str | None:
+    """The name of the format node that our scheme puts over our file node `file_node`, else None."""
+    parsed = parse_name(file_node)
+    if parsed is None or parsed.kind is not NameKind.FILE or parsed.generation is None:
         return None
-    kind = node_name.rpartition("-")[2]
-    if kind[:1] not in ("f", "q") or kind in ("fuse",):
-        return None
-    try:
-        return int(kind[1:], 36)
-    except ValueError:
-        return None
+    return nodes_for(parsed.volume_id, parsed.generation).format
 
 
 def volume_of(node_or_export: str) -> str | None:

@@ -1,20 +1,36 @@
-"""Run host tools as asyncio subprocesses and turn failures into typed errors."""
+"""Run host tools as asyncio subprocesses and turn failures into typed errors.
+
+Tools run in the C locale: their output is parsed (dumpe2fs fields, blkid
+values) and their messages end up in errors, and both must read the same on
+every node whatever the host's language. Callers decide by exit code, never
+by a tool's message.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Mapping
 
 from csi_qsd.errors import HostCommandError
 
 log = logging.getLogger(__name__)
 
 
+def tool_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment, PATH included) with the locale fixed to C."""
+    env = dict(os.environ if base is None else base)
+    env.pop("LANGUAGE", None)  # a language list some tools honour even under LC_ALL
+    env["LC_ALL"] = "C"
+    return env
+
+
 async def run(*argv: str, timeout: float = 120.0, check: bool = True) -> tuple[int, str]:
     """Run `argv`, return (exit code, stdout); raise HostCommandError with stderr on failure."""
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=tool_env(),
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
