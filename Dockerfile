@@ -9,7 +9,9 @@
 # writes, and the driver then falls back to the slow buffered loop device.
 # BASE_IMAGE lets a build without a registry start from a Debian 13 root
 # filesystem imported under another name; it must be Debian 13 all the same.
-ARG BASE_IMAGE=debian:trixie-slim
+# Spelled out in full so podman, which refuses ambiguous short names, takes
+# Docker Hub's like docker does.
+ARG BASE_IMAGE=docker.io/library/debian:trixie-slim
 
 FROM ${BASE_IMAGE} AS runtime
 

@@ -9,7 +9,7 @@
 #
 # Usage: scripts/build-image.sh [TAG]
 #   TAG                   default ghcr.io/csi-qsd/csi-qsd:<version in pyproject.toml>
-#   CSI_QSD_BASE_IMAGE    base image to build on instead of making one (e.g. debian:trixie-slim)
+#   CSI_QSD_BASE_IMAGE    base image to build on instead of making one (e.g. docker.io/library/debian:trixie-slim)
 #   CSI_QSD_CACHE_DIR     where the base tarball is kept, default ~/.cache/csi-qsd
 #                         (delete image/debian-trixie-minbase.tar to make a fresh one)
 #   CSI_QSD_BUILD_CA      CA bundle pip trusts in the build (it fetches from PyPI over TLS),
