@@ -24,7 +24,9 @@ from csi_qsd.params import VolumeParameters
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+DEFAULT_POOL = "default"
+# The whole schema as this release creates it; older catalogs reach it through _MIGRATIONS.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS volumes (
     id          TEXT PRIMARY KEY,
@@ -36,7 +38,8 @@ CREATE TABLE IF NOT EXISTS volumes (
     created_at  REAL NOT NULL,
     backing     TEXT NOT NULL DEFAULT '',
     generation  INTEGER NOT NULL DEFAULT 0,
-    source      TEXT NOT NULL DEFAULT ''
+    source      TEXT NOT NULL DEFAULT '',
+    pool        TEXT NOT NULL DEFAULT 'default'
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     id               TEXT PRIMARY KEY,
@@ -74,10 +77,19 @@ CREATE TABLE IF NOT EXISTS publishes (
     readonly    INTEGER NOT NULL,
     mount_flags TEXT NOT NULL,
     state       TEXT NOT NULL,
-    loop_device TEXT NOT NULL DEFAULT ''
+    loop_device TEXT NOT NULL DEFAULT '',
+    single_writer INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS publishes_by_volume ON publishes(volume_id);
 """
+# Statements that bring a catalog of schema N-1 to N, each run in one transaction with the version bump.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: (
+        # Every volume of a release before pools lived in the one file pool.
+        "ALTER TABLE volumes ADD COLUMN pool TEXT NOT NULL DEFAULT 'default'",
+        "ALTER TABLE publishes ADD COLUMN single_writer INTEGER NOT NULL DEFAULT 0",
+    ),
+}
 
 
 class VolumeState(enum.Enum):
@@ -121,6 +133,7 @@ class VolumeRecord:
     backing: str = ""  # the image the volume's top image is an overlay on ('' = none)
     generation: int = 0  # how many times the top image was replaced by a new overlay
     source: str = ""  # "snapshot:<id>" or "volume:<id>" it was made from
+    pool: str = DEFAULT_POOL  # the pool the volume's images live in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +173,7 @@ class PublishRecord:
     mount_flags: tuple[str, ...]
     state: PublishState
     loop_device: str = ""
+    single_writer: bool = False  # published with SINGLE_NODE_SINGLE_WRITER: no other target allowed
 
 
 class Catalog:
@@ -203,9 +217,6 @@ class Catalog:
     async def set_volume_state(self, volume_id: str, state: VolumeState) -> None:
         await self._run(lambda db: db.execute("UPDATE volumes SET state=? WHERE id=?", (state.value, volume_id)))
 
-    async def set_volume_capacity(self, volume_id: str, capacity: int) -> None:
-        await self._run(lambda db: db.execute("UPDATE volumes SET capacity=? WHERE id=?", (capacity, volume_id)))
-
     async def delete_volume(self, volume_id: str) -> None:
         def delete(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM publishes WHERE volume_id=?", (volume_id,))
@@ -242,7 +253,9 @@ class Catalog:
         """Write snapshot rows and volume rows together, atomically."""
         def write(db: sqlite3.Connection) -> None:
             for record in records:
-                db.execute("INSERT OR REPLACE INTO snapshots VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
+                db.execute(
+                    "INSERT OR REPLACE INTO snapshots (id, name, source_volume_id, image, backing, size, created_at,"
+                    " state, hidden, group_id, overlay) VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
                     record.id, record.name, record.source_volume_id, str(record.image), record.backing,
                     record.size, record.created_at, record.state.value, int(record.hidden), record.group_id,
                     record.overlay,
@@ -252,7 +265,8 @@ class Catalog:
         await self._run(write)
 
     async def add_group(self, group_id: str, name: str, created_at: float) -> None:
-        await self._run(lambda db: db.execute("INSERT INTO groups VALUES (?,?,?)", (group_id, name, created_at)))
+        await self._run(lambda db: db.execute(
+            "INSERT INTO groups (id, name, created_at) VALUES (?,?,?)", (group_id, name, created_at)))
 
     async def group(self, *, group_id: str = "", name: str = "") -> tuple[str, str, float] | None:
         rows = await self._query("SELECT * FROM groups WHERE id=? OR name=?", (group_id, name))
@@ -296,7 +310,8 @@ class Catalog:
     async def put_stage(self, record: StageRecord) -> None:
         await self._run(
             lambda db: db.execute(
-                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO stages (volume_id, staging_path, access_type, fs_type, mount_flags,"
+                " mount_group, state, loop_device) VALUES (?,?,?,?,?,?,?,?)",
                 (record.volume_id, str(record.staging_path), record.access_type.value, record.fs_type,
                  json.dumps(list(record.mount_flags)), record.mount_group, record.state.value,
                  record.loop_device),
@@ -318,9 +333,11 @@ class Catalog:
     async def put_publish(self, record: PublishRecord) -> None:
         await self._run(
             lambda db: db.execute(
-                "INSERT OR REPLACE INTO publishes VALUES (?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO publishes (target_path, volume_id, readonly, mount_flags, state,"
+                " loop_device, single_writer) VALUES (?,?,?,?,?,?,?)",
                 (str(record.target_path), record.volume_id, int(record.readonly),
-                 json.dumps(list(record.mount_flags)), record.state.value, record.loop_device),
+                 json.dumps(list(record.mount_flags)), record.state.value, record.loop_device,
+                 int(record.single_writer)),
             )
         )
 
@@ -355,8 +372,11 @@ class Catalog:
             raise RuntimeError(
                 f"catalog {self._path} has schema {version}, newer than this driver's {SCHEMA_VERSION}"
             )
-        db.executescript(_SCHEMA)
-        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        if version == 0:
+            db.executescript(_SCHEMA)
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        for target in range(version + 1, SCHEMA_VERSION + 1) if version else ():
+            _migrate(db, target)
         self._db = db
 
     def _close(self) -> None:
@@ -386,21 +406,34 @@ class Catalog:
         return await asyncio.to_thread(self._call, lambda db: db.execute(sql, args).fetchall())
 
 
+def _migrate(db: sqlite3.Connection, target: int) -> None:
+    """Bring the catalog from schema `target`-1 to `target`, atomically: all of it or none."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _MIGRATIONS[target]:
+            db.execute(statement)
+        db.execute(f"PRAGMA user_version={target}")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 def _insert_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     db.execute(
-        "INSERT INTO volumes (id, name, capacity, params, image, state, created_at, backing, generation, source)"
-        " VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "INSERT INTO volumes (id, name, capacity, params, image, state, created_at, backing, generation, source,"
+        " pool) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
         (record.id, record.name, record.capacity, record.params.to_json(), str(record.image),
-         record.state.value, record.created_at, record.backing, record.generation, record.source),
+         record.state.value, record.created_at, record.backing, record.generation, record.source, record.pool),
     )
 
 
 def _update_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     db.execute(
         "UPDATE volumes SET name=?, capacity=?, params=?, image=?, state=?, created_at=?, backing=?,"
-        " generation=?, source=? WHERE id=?",
+        " generation=?, source=?, pool=? WHERE id=?",
         (record.name, record.capacity, record.params.to_json(), str(record.image), record.state.value,
-         record.created_at, record.backing, record.generation, record.source, record.id),
+         record.created_at, record.backing, record.generation, record.source, record.pool, record.id),
     )
 
 
@@ -409,7 +442,7 @@ def _volume(row: sqlite3.Row) -> VolumeRecord:
         id=row["id"], name=row["name"], capacity=row["capacity"],
         params=VolumeParameters.from_json(row["params"]), image=Path(row["image"]),
         state=VolumeState(row["state"]), created_at=row["created_at"], backing=row["backing"],
-        generation=row["generation"], source=row["source"],
+        generation=row["generation"], source=row["source"], pool=row["pool"],
     )
 
 
@@ -434,7 +467,7 @@ def _publish(row: sqlite3.Row) -> PublishRecord:
     return PublishRecord(
         target_path=Path(row["target_path"]), volume_id=row["volume_id"], readonly=bool(row["readonly"]),
         mount_flags=tuple(json.loads(row["mount_flags"])), state=PublishState(row["state"]),
-        loop_device=row["loop_device"],
+        loop_device=row["loop_device"], single_writer=bool(row["single_writer"]),
     )
 
 

@@ -13,12 +13,12 @@ import logging
 from pathlib import Path
 
 from csi_qsd.catalog import Catalog, SnapshotState, VolumeRecord
-from csi_qsd.pools.files import FilePool
+from csi_qsd.pools.base import Pool
 
 log = logging.getLogger(__name__)
 
 
-async def reclaim(catalog: Catalog, pool: FilePool, image: str) -> None:
+async def reclaim(catalog: Catalog, pool: Pool, image: str) -> None:
     """Delete `image` if it belongs to a hidden snapshot with no dependants, then its backing, and so on."""
     while image:
         snapshot = await catalog.snapshot_by_image(image)

@@ -127,11 +127,12 @@ class CSIClient:
         )
 
     async def publish(self, volume_id: str, staging_path: str, target_path: str, *, block: bool = False,
-                      fs_type: str = "", readonly: bool = False, mount_group: str = "") -> None:
+                      fs_type: str = "", readonly: bool = False, mount_group: str = "",
+                      mode: int = SINGLE_NODE_WRITER) -> None:
         await self.node.NodePublishVolume(
             pb.NodePublishVolumeRequest(
                 volume_id=volume_id, staging_target_path=staging_path, target_path=target_path,
-                volume_capability=capability(block=block, fs_type=fs_type, mount_group=mount_group),
+                volume_capability=capability(block=block, fs_type=fs_type, mount_group=mount_group, mode=mode),
                 readonly=readonly,
             ),
             timeout=self.timeout,

@@ -41,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from csi_qsd import datapath
+from csi_qsd.exports import fuse_loop
 from csi_qsd.catalog import StageRecord, StageState, VolumeRecord, VolumeState
 from csi_qsd.config import Config
 from csi_qsd.csi import errors as rpc_errors
@@ -173,7 +174,7 @@ class DriverCollector(Collector):
             if publish.loop_device:
                 publish_loops.setdefault(publish.volume_id, []).append(publish.loop_device)
         pairs = _loop_devices(stages, publish_loops)
-        backing = {vid: self._driver.node.export_file(vid) for vid, _ in pairs}
+        backing = {vid: fuse_loop.export_file(self._driver.config.exports_dir, vid) for vid, _ in pairs}
 
         def read_host() -> tuple[PoolUsage | None, dict[str, int], tuple[LoopSample, ...]]:
             try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from csi_qsd import datapath
 from csi_qsd.catalog import Catalog
 from csi_qsd.config import Config
 from csi_qsd.csi.controller import ControllerService
@@ -22,7 +23,10 @@ from csi_qsd.csi.group_controller import GroupControllerService
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.node import NodeService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.exports.base import ExportHost
+from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.failpoints import Failpoints
+from csi_qsd.live import LiveImages
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.daemon import QSDDaemon
@@ -69,8 +73,9 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         volumes = Volumes(catalog, pool, locks, failpoints)
         await volumes.reconcile()
         daemon = QSDDaemon(config)
-        node = NodeVolumes(config, catalog, daemon, locks, failpoints)
-        snapshots = Snapshots(catalog, pool, volumes, node, locks, failpoints)
+        exports = ExportPaths(ExportHost(daemon, config.exports_dir, failpoints))
+        snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
+        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         await snapshots.reconcile()
         await daemon.start(node.rebuild)
         try:
@@ -85,7 +90,8 @@ async def serving(config: Config) -> AsyncIterator[Driver]:
     """A driver answering CSI calls on its endpoint until the context exits."""
     async with running_driver(config) as driver:
         server = grpc.aio.server()
-        pb_grpc.add_IdentityServicer_to_server(IdentityService(config.driver_name, driver.ready), server)
+        pb_grpc.add_IdentityServicer_to_server(IdentityService(
+            config.driver_name, driver.ready, lambda: datapath.live_resize_reaches_guest(driver.daemon.version)), server)
         pb_grpc.add_ControllerServicer_to_server(ControllerService(config, driver.volumes, driver.snapshots), server)
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features()), server)

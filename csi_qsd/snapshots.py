@@ -24,8 +24,8 @@ from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPreconditi
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ImageFormat, VolumeParameters
-from csi_qsd.pools.files import FilePool
-from csi_qsd.staging import NodeVolumes, top_image
+from csi_qsd.pools.base import Pool
+from csi_qsd.live import LiveImages
 from csi_qsd.volumes import Capability, Volumes
 
 log = logging.getLogger(__name__)
@@ -48,18 +48,19 @@ class Snapshots:
     """Snapshot lifecycle on one pool; shares the per-volume locks with volumes and staging."""
 
     def __init__(
-        self, catalog: Catalog, pool: FilePool, volumes: Volumes, node: NodeVolumes, locks: KeyedLocks,
+        self, catalog: Catalog, pool: Pool, volumes: Volumes, live: LiveImages, locks: KeyedLocks,
         failpoints: Failpoints = NO_FAILPOINTS,
     ) -> None:
         self._catalog = catalog
         self._pool = pool
         self._volumes = volumes
-        self._node = node
+        self._live = live
         self._locks = locks
         self._failpoints = failpoints
         self._name_locks = KeyedLocks("snapshot name")
+        # A restore reads through the snapshot's image from before its row exists until after: a delete must wait.
+        self._snapshot_locks = KeyedLocks("snapshot")
         self._flattening: dict[str, asyncio.Task[None]] = {}
-        node.unstaged_listeners.append(self._flatten_later)
 
     async def close(self) -> None:
         """Cancel background flattens; an interrupted flatten leaves the old chain, which is valid."""
@@ -91,7 +92,7 @@ class Snapshots:
             return
         if snapshot.state is SnapshotState.CREATING:
             raise Aborted(f"snapshot {snapshot_id} is still being created; retry the delete")
-        async with self._locks.hold(snapshot_id):
+        async with self._snapshot_locks.hold(snapshot_id):
             if await self._catalog.dependants(str(snapshot.image)) > 0:
                 await self._catalog.put_snapshots([dataclasses.replace(snapshot, hidden=True)])
                 log.info("event=snapshot_hidden snapshot_id=%s (images still depend on it)", snapshot_id)
@@ -179,12 +180,13 @@ class Snapshots:
         if existing is not None and existing.state is VolumeState.READY:
             return await self._volumes.create(name, required, limit, params, caps, source=source)
         if snapshot_id:
-            snapshot = await self.get(snapshot_id)
-            if snapshot is None:
-                raise NotFound(f"snapshot {snapshot_id} does not exist")
-            volume = await self._volumes.create(
-                name, required, limit, params, caps, base=snapshot.image, base_size=snapshot.size, source=source,
-            )
+            async with self._snapshot_locks.hold(snapshot_id):
+                snapshot = await self.get(snapshot_id)
+                if snapshot is None:
+                    raise NotFound(f"snapshot {snapshot_id} does not exist")
+                volume = await self._volumes.create(
+                    name, required, limit, params, caps, base=snapshot.image, base_size=snapshot.size, source=source,
+                )
         else:
             origin = await self._catalog.volume(volume_id)
             if origin is None or origin.state is not VolumeState.READY:
@@ -247,13 +249,11 @@ class Snapshots:
                     await self._pool.create_overlay(Path(snapshot.overlay), volume.image, volume.capacity)
                 self._failpoints.hit("snapshot.after_overlay")
                 moved = [_moved(volume, snapshot) for volume, snapshot in zip(volumes, snapshots)]
-                await self._node.switch_tops(
-                    [(volume, top_image(new)) for volume, new in zip(volumes, moved)]
-                )
+                await self._live.switch_tops(list(zip(volumes, moved)))
             except BaseException:
                 # A switch QSD carried out although its answer was lost must roll forward:
                 # the volume already writes to the overlay.
-                if not await self._node.on_new_tops([top_image(m) for m in moved]):
+                if not await self._live.any_switched(moved):
                     await self._undo_cut(snapshots)
                     raise
                 log.warning("event=snapshot_switch_answer_lost; rolling forward")
@@ -303,7 +303,8 @@ class Snapshots:
 
     # flattening ---------------------------------------------------------
 
-    def _flatten_later(self, volume_id: str) -> None:
+    def flatten_later(self, volume_id: str) -> None:
+        """Flatten a deep chain once the volume is free (called when a volume is unstaged)."""
         if volume_id not in self._flattening:
             task = asyncio.create_task(self._flatten_if_deep(volume_id), name=f"flatten-{volume_id}")
             self._flattening[volume_id] = task
@@ -345,7 +346,7 @@ class Snapshots:
             if volume is None or not volume.backing:
                 return
             log.info("event=flatten_start volume_id=%s", volume_id)
-            if await self._node.stream_backing_if_staged(volume):
+            if await self._live.stream_backing_if_staged(volume):
                 base = await self._catalog.snapshot_by_image(volume.backing)
                 if base is not None and base.backing:
                     await self._catalog.put_snapshots([dataclasses.replace(base, backing="")])

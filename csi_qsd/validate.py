@@ -19,7 +19,7 @@ from csi_qsd.errors import InvalidArgument, NotFound
 ID_HEX_DIGITS = 24
 # Patterns end in \Z, not $: "$" also matches before a trailing newline.
 VOLUME_ID_RE = re.compile(r"^vol-[0-9a-f]{24}\Z")
-GROUP_ID_RE = re.compile(r"^group-[0-9a-f]{24}$")
+GROUP_ID_RE = re.compile(r"^group-[0-9a-f]{24}\Z")
 SNAPSHOT_ID_RE = re.compile(r"^snap-[0-9a-f]{24}\Z")
 # Kubernetes gives "pvc-<uuid>"; other COs give anything printable. 128 bytes is the CSI limit.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")

@@ -19,7 +19,7 @@ from csi_qsd.errors import (
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.params import ExportKind, VolumeParameters
-from csi_qsd.pools.files import FilePool
+from csi_qsd.pools.base import Pool
 from csi_qsd import chains, validate
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Volumes:
     """Volume lifecycle on one pool, serialized per name and per volume."""
 
     def __init__(
-        self, catalog: Catalog, pool: FilePool, volume_locks: KeyedLocks, failpoints: Failpoints = NO_FAILPOINTS
+        self, catalog: Catalog, pool: Pool, volume_locks: KeyedLocks, failpoints: Failpoints = NO_FAILPOINTS
     ) -> None:
         self._failpoints = failpoints
         self._catalog = catalog

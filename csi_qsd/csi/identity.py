@@ -13,12 +13,16 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 
 _Service = pb.PluginCapability.Service
+_Expansion = pb.PluginCapability.VolumeExpansion
 
 
 class IdentityService(pb_grpc.IdentityServicer):
-    def __init__(self, driver_name: str, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self, driver_name: str, ready: Callable[[], bool], online_expansion: Callable[[], bool] = lambda: True,
+    ) -> None:
         self._driver_name = driver_name
         self._ready = ready
+        self._online_expansion = online_expansion
 
     @rpc
     async def GetPluginInfo(
@@ -33,11 +37,10 @@ class IdentityService(pb_grpc.IdentityServicer):
         services = (
             _Service.CONTROLLER_SERVICE, _Service.VOLUME_ACCESSIBILITY_CONSTRAINTS, _Service.GROUP_CONTROLLER_SERVICE,
         )
-        # OFFLINE: a running VM does not see a vhost-user-blk export grow (QSD 7.2), so
-        # Kubernetes expands only volumes no pod uses; NodeExpandVolume does the work.
-        expansion = pb.PluginCapability(
-            volume_expansion=pb.PluginCapability.VolumeExpansion(type=pb.PluginCapability.VolumeExpansion.OFFLINE)
-        )
+        # ONLINE where a running VM sees its vhost-user-blk disk grow (QSD >= 10); QSD 7.2 never tells
+        # the guest, so there Kubernetes expands only volumes no pod uses. NodeExpandVolume does the work.
+        mode = _Expansion.ONLINE if self._online_expansion() else _Expansion.OFFLINE
+        expansion = pb.PluginCapability(volume_expansion=pb.PluginCapability.VolumeExpansion(type=mode))
         return pb.GetPluginCapabilitiesResponse(
             capabilities=[pb.PluginCapability(service=_Service(type=kind)) for kind in services] + [expansion]
         )

@@ -19,7 +19,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
 from csi_qsd.staging import NodeVolumes, PublishSpec, StageSpec
-from csi_qsd.volumes import unsupported_capability
+from csi_qsd.volumes import AccessMode, unsupported_capability
 
 _RPC = pb.NodeServiceCapability.RPC.Type
 CAPABILITIES = (
@@ -34,7 +34,10 @@ class NodeService(pb_grpc.NodeServicer):
         self._node = node
         self._features = features
 
-    def _capability(self, request: pb.NodeStageVolumeRequest | pb.NodePublishVolumeRequest) -> tuple[bool, str, tuple[str, ...], str]:
+    def _capability(
+        self, request: pb.NodeStageVolumeRequest | pb.NodePublishVolumeRequest,
+    ) -> tuple[bool, str, tuple[str, ...], str, bool]:
+        """(block, fs_type, mount flags, mount group, single writer) of the request's capability."""
         cap = convert.capability(request.volume_capability)
         reason = unsupported_capability(cap, None)
         if reason:
@@ -42,14 +45,14 @@ class NodeService(pb_grpc.NodeServicer):
         mount = request.volume_capability.mount
         flags = tuple(validate.mount_flags(list(mount.mount_flags))) if not cap.block else ()
         group = convert.mount_group(mount.volume_mount_group) if not cap.block else ""
-        return cap.block, cap.fs_type, flags, group
+        return cap.block, cap.fs_type, flags, group, cap.mode is AccessMode.SINGLE_NODE_SINGLE_WRITER
 
     @rpc
     async def NodeStageVolume(
         self, request: pb.NodeStageVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeStageVolumeResponse:
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
-        block, fs_type, flags, group = self._capability(request)
+        block, fs_type, flags, group, _single = self._capability(request)
         volume_id = validate.volume_id(request.volume_id)
         await self._node.stage(StageSpec(volume_id, staging, block, fs_type, flags, group))
         return pb.NodeStageVolumeResponse()
@@ -75,9 +78,10 @@ class NodeService(pb_grpc.NodeServicer):
             raise InvalidArgument(
                 f"target_path {str(target)!r} and staging_target_path {str(staging)!r} must not contain each other"
             )
-        block, _fs_type, flags, group = self._capability(request)
+        block, _fs_type, flags, group, single_writer = self._capability(request)
         volume_id = validate.volume_id(request.volume_id)
-        await self._node.publish(PublishSpec(volume_id, staging, target, block, request.readonly, flags, group))
+        await self._node.publish(
+            PublishSpec(volume_id, staging, target, block, request.readonly, flags, group, single_writer))
         return pb.NodePublishVolumeResponse()
 
     @rpc

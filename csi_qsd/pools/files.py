@@ -8,28 +8,26 @@ image under a volume's name.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 from pathlib import Path
 
+from csi_qsd.catalog import DEFAULT_POOL
 from csi_qsd.errors import ResourceExhausted
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
+from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.sys.run import run
+
+__all__ = ["FilePool", "PoolUsage"]
 
 TMP_SUFFIX = ".tmp"
 
 
-@dataclasses.dataclass(frozen=True)
-class PoolUsage:
-    total: int
-    available: int
-
-
-class FilePool:
+class FilePool(Pool):
     """Image files in `directory`, one per volume."""
 
-    def __init__(self, directory: Path, qemu_img: str = "qemu-img") -> None:
+    def __init__(self, directory: Path, qemu_img: str = "qemu-img", pool_id: str = DEFAULT_POOL) -> None:
+        self.id = pool_id
         self.directory = directory
         self._qemu_img = qemu_img
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from csi_qsd.errors import AlreadyExists, FailedPrecondition
 from csi_qsd.sys import filesystems, mounts
+from csi_qsd.sys.loop import device_size
 
 
 def _devno(device: Path) -> str:
@@ -27,6 +28,7 @@ async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str
         raise FailedPrecondition(f"staging path {staging} already has {entry.source} mounted")
     existing = await filesystems.probe(loop)
     if not existing:
+        filesystems.check_fits(fs_type, device_size(loop))
         await filesystems.make(loop, fs_type)
         existing = fs_type
     elif existing != fs_type:

@@ -15,7 +15,7 @@ from pathlib import Path
 from csi_qsd.errors import QSDError
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd import graph
-from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.client import BlockNodeInfo, QSDClient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,24 +32,13 @@ class TopImage:
         return graph.nodes_for(self.volume_id, self.generation)
 
 
-def _generations(present: set[str], volume_id: str) -> list[int]:
-    """Generations of the volume's format nodes now in QSD, newest first."""
-    found = []
-    for name in present:
-        if graph.volume_of(name) == volume_id and name.rpartition("-")[2].startswith("q"):
-            generation = graph.generation_of(name)
-            if generation is not None:
-                found.append(generation)
-    return sorted(found, reverse=True)
-
-
 async def ensure_top(client: QSDClient, top: TopImage, *, read_only: bool = False) -> None:
     """Make `top` the volume's top node: open it fresh, or switch to it live from an older top."""
     present = await client.node_names()
     nodes = top.nodes
     if nodes.format in present:
         return
-    older = [g for g in _generations(present, top.volume_id) if g < top.generation]
+    older = [g for g in graph.format_generations(present, top.volume_id) if g < top.generation]
     if older:
         await switch_tops(client, [(older[0], top)])
         return
@@ -92,6 +81,12 @@ async def switch_tops(client: QSDClient, switches: list[tuple[int, TopImage]]) -
         raise
 
 
+async def resize(client: QSDClient, top: TopImage, size: int) -> None:
+    """Grow the volume's top image to `size` bytes, live; exports on it see the new size."""
+    await ensure_top(client, top)
+    await client.block_resize(top.nodes.format, size)
+
+
 async def has_export(client: QSDClient, export_id: str) -> bool:
     exports = await client.exports()
     return export_id in exports and not exports[export_id]["shutting_down"]
@@ -126,7 +121,7 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     if own_iothread in await client.iothreads():
         await client.execute("object-del", {"id": own_iothread})
     present = await client.node_names()
-    for generation in _generations(present, volume_id):
+    for generation in graph.format_generations(present, volume_id):
         layer = graph.nodes_for(volume_id, generation)
         for node in (layer.format, layer.file):
             if node in present:
@@ -134,6 +129,42 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     for name in await client.node_names():  # a file node whose format node never came up
         if graph.volume_of(name) == volume_id:
             await client.blockdev_del(name)
+
+
+async def stream_into_backing(client: QSDClient, volume_id: str, backing_image: Path) -> bool:
+    """Copy everything below the node that reads `backing_image` into it (block-stream); wait for the end.
+
+    False if QSD does not have that image open. The caller picks an
+    intermediate node on purpose: QSD 7.2's writable FUSE export holds the
+    'resize' permission that a stream into the top must deny.
+    """
+    base = _format_node_of(await client.named_nodes(), str(backing_image))
+    if not base:
+        return False
+    await client.stream(f"stream-{volume_id}", base)
+    return True
+
+
+def _format_node_of(nodes: dict[str, BlockNodeInfo], image: str) -> str:
+    """The qcow2 node QSD reads `image` through, or ''.
+
+    A node QEMU opened from a backing chain reports the image's file name; an
+    overlay we attached with blockdev-snapshot reports a json: pseudo-name,
+    so it is found through its file node, whose name follows our scheme.
+    """
+    for name, info in nodes.items():
+        if info["drv"] == "qcow2" and info["file"] == image:
+            return name
+        candidate = graph.format_node_over(name) if info["drv"] == "file" and info["file"] == image else None
+        if candidate is not None and candidate in nodes:
+            return candidate
+    return ""
+
+
+async def any_open(client: QSDClient, tops: list[TopImage]) -> bool:
+    """True if QSD has any of `tops` open as a node."""
+    present = await client.node_names()
+    return any(top.nodes.format in present for top in tops)
 
 
 async def volumes_in_graph(client: QSDClient) -> set[str]:

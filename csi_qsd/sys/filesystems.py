@@ -10,6 +10,8 @@ from csi_qsd.sys.run import run
 
 SUPPORTED = ("ext4", "xfs")
 DEFAULT = "ext4"
+# mkfs.xfs (xfsprogs >= 5.19) refuses filesystems smaller than this; ext4 fits any volume we make.
+MINIMUM_BYTES = {"xfs": 300 * 1000 * 1000}
 
 
 def check_fs_type(fs_type: str) -> str:
@@ -26,6 +28,16 @@ async def probe(device: Path) -> str:
     if code == 2:  # nothing found
         return ""
     return out.strip()
+
+
+def check_fits(fs_type: str, size: int) -> None:
+    """Raise FailedPrecondition if a new `fs_type` filesystem cannot be made on `size` bytes."""
+    minimum = MINIMUM_BYTES.get(fs_type, 0)
+    if size < minimum:
+        raise FailedPrecondition(
+            f"a {fs_type} filesystem needs at least {minimum} bytes and the volume has {size}: "
+            "use ext4 or a larger volume"
+        )
 
 
 async def make(device: Path, fs_type: str) -> None:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
+import grpc
 import pytest
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
+from csi_qsd.sys import caps
 from tests.harness import Sandbox
 
 MIB = 1 << 20
@@ -20,11 +26,107 @@ async def expand(csi: CSIClient, vid: str, path: str, size: int) -> int:
     return int(response.capacity_bytes)
 
 
-async def test_plugin_advertises_offline_expansion(driver: tuple[Driver, CSIClient]) -> None:
+async def test_plugin_advertises_online_expansion(driver: tuple[Driver, CSIClient]) -> None:
     _, csi = driver
     caps = await csi.identity.GetPluginCapabilities(pb.GetPluginCapabilitiesRequest())
     kinds = [c.volume_expansion.type for c in caps.capabilities if c.HasField("volume_expansion")]
-    assert kinds == [pb.PluginCapability.VolumeExpansion.OFFLINE]
+    assert kinds == [pb.PluginCapability.VolumeExpansion.ONLINE]
+
+
+class Writer:
+    """A thread appending synced 64 KiB blocks to a file until stopped: the volume is in use throughout."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.blocks = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with open(self.path, "ab") as f:
+                while not self._stop.is_set():
+                    f.write(bytes([self.blocks % 251]) * (64 << 10))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    self.blocks += 1
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    async def __aenter__(self) -> "Writer":
+        self._thread.start()
+        await wait_for(lambda: self.blocks >= 4, "the writer to get going")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 30)
+        assert self.error is None, f"the writer failed during expansion: {self.error!r}"
+
+    def verify(self) -> None:
+        data = self.path.read_bytes()
+        assert len(data) == self.blocks * (64 << 10)
+        for i in range(self.blocks):
+            assert data[i << 16:(i + 1) << 16] == bytes([i % 251]) * (64 << 10), f"block {i} changed"
+
+
+async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def fs_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize
+
+
+ONLINE_EXT4 = caps.has(caps.CAP_SYS_RESOURCE)
+
+
+@pytest.mark.parametrize("fs_type", [
+    pytest.param("ext4", marks=pytest.mark.skipif(
+        not ONLINE_EXT4, reason="the kernel grows a mounted ext4 only for CAP_SYS_RESOURCE, which this host withholds")),
+    "xfs",
+])
+async def test_expand_published_filesystem_in_use(box: Sandbox, driver: tuple[Driver, CSIClient], fs_type: str) -> None:
+    _, csi = driver
+    vid = (await csi.create_volume("pvc-online", 320 * MIB, fs_type=fs_type)).volume_id
+    staging, target = box.staging("on"), box.target("on")
+    await csi.stage(vid, str(staging), fs_type=fs_type)
+    await csi.publish(vid, str(staging), str(target), fs_type=fs_type)
+    before = fs_bytes(target)
+    async with Writer(target / "log") as writer:
+        assert await expand(csi, vid, str(target), 640 * MIB) == 640 * MIB
+        assert fs_bytes(target) > before + 250 * MIB
+        grown_at = writer.blocks
+        await wait_for(lambda: writer.blocks >= grown_at + 4, "writes after the growth")
+    writer.verify()
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
+
+
+@pytest.mark.skipif(ONLINE_EXT4, reason="this host grants CAP_SYS_RESOURCE: ext4 grows online here")
+async def test_expand_published_ext4_without_cap_sys_resource_is_refused(
+    box: Sandbox, driver: tuple[Driver, CSIClient]
+) -> None:
+    _, csi = driver
+    vid = (await csi.create_volume("pvc-nocap", 64 * MIB)).volume_id
+    staging, target = box.staging("nc"), box.target("nc")
+    await csi.stage(vid, str(staging))
+    await csi.publish(vid, str(staging), str(target))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await expand(csi, vid, str(target), 128 * MIB)
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "CAP_SYS_RESOURCE" in str(caught.value.details()) and vid in str(caught.value.details())
+    got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vid))
+    assert got.volume.capacity_bytes == 64 * MIB  # nothing changed
+    await csi.unpublish(vid, str(target))
+    assert await expand(csi, vid, str(staging), 128 * MIB) == 128 * MIB  # not in use: grown offline
+    assert fs_bytes(staging) > 100 * MIB
+    await csi.unstage(vid, str(staging))
 
 
 @pytest.mark.parametrize("fs_type", ["ext4", "xfs"])

@@ -606,10 +606,6 @@ def test_fuzz_every_rpc(served: Served) -> None:
     assert snapshot_tree(run.outside) == before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "domain (staging.NodeVolumes.expand): the new size is never checked against the pool's free space "
-    "or QEMU's limit, so block_resize is refused and the call answers INTERNAL; expand must raise "
-    "ResourceExhausted (or OutOfRange) before resizing, as Volumes.create does"))
 async def test_node_expand_to_an_absurd_size(box: Sandbox, csi: Any) -> None:
     """NodeExpandVolume to 2**63-1 bytes must be refused (OUT_OF_RANGE or RESOURCE_EXHAUSTED), as CreateVolume is.
 
@@ -628,10 +624,6 @@ async def test_node_expand_to_an_absurd_size(box: Sandbox, csi: Any) -> None:
     await csi.unstage(volume, str(staging))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "domain (staging/filesystem): mkfs.xfs refuses a device under 300 MB and the failure surfaces as "
-    "INTERNAL; staging must check the volume's capacity against the filesystem's minimum first and answer "
-    "FAILED_PRECONDITION (the spec's 'exceeds capabilities' for NodeStageVolume) naming fs_type and the size"))
 async def test_stage_as_xfs_below_its_minimum_size(box: Sandbox, csi: Any) -> None:
     volume = (await csi.create_volume("pvc-small-xfs", 16 * MIB)).volume_id
     staging = box.staging("small-xfs")

@@ -192,6 +192,42 @@ async def test_publish_same_target_other_readonly_is_already_exists(
     assert entry is not None and entry.readonly is first and mounts_at(target) == 1
 
 
+@pytest.mark.parametrize("first, second", [
+    (pb.VolumeCapability.AccessMode.SINGLE_NODE_SINGLE_WRITER, pb.VolumeCapability.AccessMode.SINGLE_NODE_SINGLE_WRITER),
+    (pb.VolumeCapability.AccessMode.SINGLE_NODE_SINGLE_WRITER, pb.VolumeCapability.AccessMode.SINGLE_NODE_MULTI_WRITER),
+    (pb.VolumeCapability.AccessMode.SINGLE_NODE_MULTI_WRITER, pb.VolumeCapability.AccessMode.SINGLE_NODE_SINGLE_WRITER),
+])
+async def test_single_writer_refuses_a_second_target(
+    box: Sandbox, csi: CSIClient, staged: tuple[str, Path], first: int, second: int
+) -> None:
+    """SINGLE_NODE_SINGLE_WRITER (ReadWriteOncePod): one target at a time, whichever publish came first."""
+    volume_id, staging = staged
+    one, other = box.target("one"), box.target("other")
+    await csi.publish(volume_id, str(staging), str(one), mode=first)
+    await csi.publish(volume_id, str(staging), str(one), mode=first)  # a retry at the same target is fine
+    error = await rpc_error(csi.publish(volume_id, str(staging), str(other), mode=second))
+    assert error.code() == Code.FAILED_PRECONDITION
+    assert volume_id in (error.details() or "") and str(one) in (error.details() or "")
+    assert mounts.mounted_at(other) is None and not other.exists()
+    await csi.unpublish(volume_id, str(one))
+    await csi.publish(volume_id, str(staging), str(other), mode=second)  # free again once unpublished
+    await csi.unpublish(volume_id, str(other))
+
+
+async def test_multi_writer_publishes_at_several_targets(
+    box: Sandbox, csi: CSIClient, staged: tuple[str, Path]
+) -> None:
+    volume_id, staging = staged
+    mode = pb.VolumeCapability.AccessMode.SINGLE_NODE_MULTI_WRITER
+    targets = [box.target(f"multi{i}") for i in range(3)]
+    for target in targets:
+        await csi.publish(volume_id, str(staging), str(target), mode=mode)
+    (targets[0] / "shared").write_text("one filesystem")
+    assert all((t / "shared").read_text() == "one filesystem" for t in targets)
+    for target in targets:
+        await csi.unpublish(volume_id, str(target))
+
+
 async def test_unpublish_twice_and_never_published_are_ok(
     box: Sandbox, csi: CSIClient, staged: tuple[str, Path]
 ) -> None:

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from csi_qsd import chains
+from csi_qsd.catalog import VolumeRecord
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
@@ -94,6 +95,50 @@ async def test_source_deleted_before_its_snapshot(box: Sandbox, driver: tuple[Dr
         assert (copy / "keep").read_bytes() == b"outlives its volume"
     await csi.delete_volume(restored)
     await csi.delete_snapshot(snapshot.snapshot_id)
+    assert pool_files(box) == []
+
+
+async def test_delete_snapshot_during_a_restore_from_it(
+    box: Sandbox, driver: tuple[Driver, CSIClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeleteSnapshot racing a restore never removes the image the restore is about to stand on.
+
+    The restore is held just before it records its volume (the window in
+    which the snapshot has no dependants yet) until the delete has answered.
+    """
+    drv, csi = driver
+    vid = (await csi.create_volume("pvc-race", 64 * MIB)).volume_id
+    async with Mounted(box, csi, vid, "race") as mount:
+        write_synced(mount / "f", b"restored despite the delete")
+    snapshot = await csi.create_snapshot("snap-race", vid)
+    await csi.delete_volume(vid)  # the snapshot is now the only thing holding its image
+    entered, release = asyncio.Event(), asyncio.Event()
+    real_add = drv.catalog.add_volume
+
+    async def held_add(record: VolumeRecord) -> None:
+        if record.name == "pvc-raced":
+            entered.set()
+            await release.wait()
+        await real_add(record)
+
+    monkeypatch.setattr(drv.catalog, "add_volume", held_add)
+    restore = asyncio.create_task(csi.create_volume("pvc-raced", 64 * MIB, from_snapshot=snapshot.snapshot_id))
+    await asyncio.wait_for(entered.wait(), 30)
+    try:
+        await csi.delete_snapshot(snapshot.snapshot_id)
+        deleted = True
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() is grpc.StatusCode.ABORTED, exc
+        assert snapshot.snapshot_id in str(exc.details())
+        deleted = False
+    release.set()
+    restored = (await restore).volume_id
+    async with Mounted(box, csi, restored, "raced") as copy:
+        assert (copy / "f").read_bytes() == b"restored despite the delete"
+    if not deleted:
+        await csi.delete_snapshot(snapshot.snapshot_id)  # the CO's retry: now hidden behind the restore
+    assert await csi.list_snapshots() == []
+    await csi.delete_volume(restored)
     assert pool_files(box) == []
 
 

@@ -109,7 +109,7 @@ async def test_transitions_are_committed_one_by_one(tmp_path: Path) -> None:
         await catalog.set_volume_state(record.id, state)
         catalog = await reopen(catalog, path)
         assert (await catalog.volume(record.id)) == dataclasses.replace(record, state=state)
-    await catalog.set_volume_capacity(record.id, 99 * MIB)
+    await catalog.update_volume(dataclasses.replace(record, capacity=99 * MIB))
     stage = StageRecord(record.id, Path("/k/s"), AccessType.MOUNT, "ext4", (), "", StageState.STAGING)
     for state in (StageState.STAGING, StageState.STAGED, StageState.UNSTAGING):
         await catalog.put_stage(dataclasses.replace(stage, state=state))

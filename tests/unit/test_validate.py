@@ -220,3 +220,11 @@ def test_malformed_mount_flags_are_named(flag: str) -> None:
     with pytest.raises(InvalidArgument, match="malformed") as info:
         validate.mount_flags([flag])
     assert repr(flag) in str(info.value)
+
+
+def test_ids_end_at_the_end_of_the_string_not_before_a_newline() -> None:
+    """`$` also matches before a trailing newline; every ID pattern must use \\Z."""
+    for pattern, good in ((validate.VOLUME_ID_RE, "vol-" + "a" * 24), (validate.SNAPSHOT_ID_RE, "snap-" + "a" * 24),
+                          (validate.GROUP_ID_RE, "group-" + "a" * 24)):
+        assert pattern.match(good)
+        assert not pattern.match(good + "\n"), pattern.pattern

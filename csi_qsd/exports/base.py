@@ -1,0 +1,122 @@
+"""The export-path interface and what every kind is given to work with.
+
+A kind brings a staged volume up and down (QSD export and whatever the host
+needs on top of it), publishes it to pod targets, reports its condition and
+usage, grows it, and quiesces it for a snapshot. It never touches the
+catalog: the orchestrator passes in the rows it needs and commits what the
+kind returns. No gRPC types here.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import ClassVar
+
+from csi_qsd.catalog import PublishRecord, StageRecord, VolumeRecord
+from csi_qsd.errors import InvalidArgument
+from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.params import ExportKind
+from csi_qsd.qsd import attach
+from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.daemon import QSDDaemon
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeStats:
+    block: bool
+    total_bytes: int
+    available_bytes: int
+    used_bytes: int
+    total_inodes: int = 0
+    available_inodes: int = 0
+    used_inodes: int = 0
+    abnormal: bool = False
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportHost:
+    """What every kind shares: the daemon and the per-volume directories under the state dir."""
+
+    daemon: QSDDaemon
+    exports_dir: Path
+    failpoints: Failpoints = NO_FAILPOINTS
+
+    @property
+    def client(self) -> QSDClient:
+        return self.daemon.client
+
+    def volume_dir(self, volume_id: str) -> Path:
+        return self.exports_dir / volume_id
+
+
+def top_image(volume: VolumeRecord) -> attach.TopImage:
+    """What QSD must have open as the volume's top node."""
+    return attach.TopImage(volume.id, volume.generation, volume.image, volume.params)
+
+
+class ExportPath(abc.ABC):
+    """One way of exporting a volume; idempotent steps, each safe to repeat after a crash."""
+
+    kind: ClassVar[ExportKind]
+
+    def __init__(self, host: ExportHost) -> None:
+        self.host = host
+
+    def check_access(self, volume: VolumeRecord, block: bool) -> None:
+        """Refuse an access type this kind cannot serve. Raises InvalidArgument."""
+
+    def fs_type(self, block: bool, requested: str) -> str:
+        """The filesystem the stage records ('' when the kind makes none)."""
+        return ""
+
+    def export_broken(self, volume_id: str) -> bool:
+        """True if the host side of the volume's export reports QSD gone (ENOTCONN and the like)."""
+        return False
+
+    @abc.abstractmethod
+    async def bring_up(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], client: QSDClient,
+    ) -> StageRecord:
+        """Ensure the export and everything staged on it; return the stage as it now is."""
+
+    @abc.abstractmethod
+    async def tear_down(self, volume: VolumeRecord, stage: StageRecord, client: QSDClient, *, thorough: bool) -> None:
+        """Undo staging in reverse; safe on a partly staged volume."""
+
+    @abc.abstractmethod
+    async def publish(
+        self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord, others: list[PublishRecord],
+    ) -> PublishRecord:
+        """Ensure `record`'s target carries the volume; return the record as it now is."""
+
+    @abc.abstractmethod
+    async def unpublish(self, volume: VolumeRecord, stage: StageRecord | None, record: PublishRecord) -> None:
+        """Take the volume away from `record`'s target; an unpublished target is fine."""
+
+    @abc.abstractmethod
+    async def condition(self, volume: VolumeRecord) -> tuple[bool, str]:
+        """(abnormal, message) as NodeGetVolumeStats reports it."""
+
+    @abc.abstractmethod
+    async def stats(self, volume: VolumeRecord, stage: StageRecord, path: Path) -> VolumeStats:
+        """Usage at a staging or target path. Raises NotFound."""
+
+    @abc.abstractmethod
+    async def expand(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
+    ) -> None:
+        """Grow the staged volume to `size` bytes (its image and whatever sits on it); idempotent."""
+
+    @contextlib.asynccontextmanager
+    async def quiesced(self, volume: VolumeRecord, stage: StageRecord) -> AsyncIterator[None]:
+        """Hold the consumer still while QSD switches the volume to a new top image."""
+        yield
+
+
+def refuse_block(volume: VolumeRecord, kind: str) -> None:
+    raise InvalidArgument(f"volume {volume.id} is a {kind} volume: stage it with the mount access type")

@@ -1,0 +1,243 @@
+"""Containers: QSD FUSE export → loop device → a filesystem (mounted, bind-mounted) or the raw device.
+
+The loop device is direct-I/O where QSD's FUSE export keeps parallel writes
+intact and buffered elsewhere (`csi_qsd.datapath`, decided by the daemon);
+a volume keeps the mode it was staged with until its next stage. When QSD
+dies, its FUSE file answers ENOTCONN and every loop device and mount on it is
+dead: `bring_up` notices a fresh export and lazily drops them first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
+from csi_qsd.errors import FailedPrecondition, NotFound
+from csi_qsd.exports.base import ExportPath, VolumeStats, top_image
+from csi_qsd.params import ExportKind
+from csi_qsd.publish import block, filesystem
+from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd.client import QSDClient
+from csi_qsd.sys import caps, filesystems, loop, mounts
+
+log = logging.getLogger(__name__)
+
+
+def export_file(exports_dir: Path, volume_id: str) -> Path:
+    """The regular file QSD's FUSE export of a volume is mounted on."""
+    return exports_dir / volume_id / "disk"
+
+
+class FuseLoopExport(ExportPath):
+    kind = ExportKind.FILESYSTEM
+
+    def export_file(self, volume_id: str) -> Path:
+        return export_file(self.host.exports_dir, volume_id)
+
+    def fs_type(self, block: bool, requested: str) -> str:
+        return "" if block else filesystems.check_fs_type(requested)
+
+    def export_broken(self, volume_id: str) -> bool:
+        """True if the volume's FUSE file answers ENOTCONN: the QSD behind it is gone."""
+        try:
+            os.stat(self.export_file(volume_id))
+        except OSError as exc:
+            return exc.errno == errno.ENOTCONN
+        return False
+
+    async def bring_up(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], client: QSDClient,
+    ) -> StageRecord:
+        top = top_image(volume)
+        export = self.export_file(volume.id)
+        fresh_export = not await attach.has_export(client, top.nodes.fuse_export)
+        if fresh_export:
+            await self._drop_stale_host_state(volume, stage, publishes)
+        await attach.ensure_top(client, top)
+        if fresh_export:
+            await attach.add_fuse_export(client, top, export, writable=True)
+        self.host.failpoints.hit("stage.after_export")
+        device = await self._loop_for(export, stage.loop_device, fresh_export)
+        self.host.failpoints.hit("stage.after_loop")
+        stage = dataclasses.replace(stage, loop_device=str(device))
+        if stage.access_type is AccessType.MOUNT:
+            try:
+                fs_type = await filesystem.ensure_staged(
+                    device, stage.staging_path, stage.fs_type, list(stage.mount_flags))
+            except FailedPrecondition as exc:
+                raise FailedPrecondition(f"volume {volume.id}: {exc}") from exc
+            self.host.failpoints.hit("stage.after_mount")
+            if stage.mount_group:
+                await asyncio.to_thread(_apply_group, stage.staging_path, stage.mount_group)
+            stage = dataclasses.replace(stage, fs_type=fs_type)
+        return stage
+
+    async def tear_down(self, volume: VolumeRecord, stage: StageRecord, client: QSDClient, *, thorough: bool) -> None:
+        """`thorough` also finds loop devices the catalog never recorded (a crash between attach and commit)."""
+        export = self.export_file(volume.id)
+        if stage.access_type is AccessType.MOUNT:
+            entry = mounts.mounted_at(stage.staging_path)
+            if entry is not None and _is_loop_over(entry.source, export):
+                await filesystem.unstage(stage.staging_path)
+        self.host.failpoints.hit("unstage.after_unmount")
+        devices = {Path(stage.loop_device)} if stage.loop_device else set()
+        if thorough:
+            devices |= {lp.device for lp in loop.find_loop(export)}
+        for device in sorted(devices):
+            if loop.backing_of(device) == export:
+                await loop.detach(device)
+        self.host.failpoints.hit("unstage.after_detach")
+        await attach.remove_volume(client, volume.id)
+        if mounts.mounted_at(export) is not None:
+            await mounts.unmount(export, lazy=True)
+        await asyncio.to_thread(shutil.rmtree, self.host.volume_dir(volume.id), True)
+
+    async def publish(
+        self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord, others: list[PublishRecord],
+    ) -> PublishRecord:
+        if stage.access_type is AccessType.MOUNT:
+            await filesystem.ensure_published(
+                stage.staging_path, record.target_path, readonly=record.readonly, flags=list(record.mount_flags)
+            )
+            return record
+        device = Path(stage.loop_device)
+        if record.readonly:
+            # A read-only bind of a writable device still lets the pod write: give it a read-only loop device.
+            export = self.export_file(volume.id)
+            mine = Path(record.loop_device) if record.loop_device else None
+            if mine is None or mine not in {lp.device for lp in loop.find_loop(export, readonly=True)}:
+                mine = await loop.attach(export, readonly=True, direct_io=loop.uses_direct_io(device))
+                record = dataclasses.replace(record, loop_device=str(mine))
+            device = mine
+        await block.ensure_published(device, record.target_path, readonly=record.readonly)
+        return record
+
+    async def unpublish(self, volume: VolumeRecord, stage: StageRecord | None, record: PublishRecord) -> None:
+        if stage is not None and stage.access_type is AccessType.BLOCK:
+            await block.unpublish(record.target_path)
+        elif stage is not None:
+            await filesystem.unpublish(record.target_path)
+        elif record.target_path.is_dir():  # the stage row is gone (a crash): the target's own kind decides
+            await filesystem.unpublish(record.target_path)
+        else:
+            await block.unpublish(record.target_path)
+        self.host.failpoints.hit("unpublish.after_unmount")
+        if record.loop_device:
+            await loop.detach(Path(record.loop_device))
+
+    async def condition(self, volume: VolumeRecord) -> tuple[bool, str]:
+        export_id = graph.nodes_for(volume.id).fuse_export
+        if not await attach.has_export(self.host.client, export_id):
+            return True, f"export {export_id} is missing from qemu-storage-daemon"
+        if self.export_broken(volume.id):
+            return True, f"the FUSE export of volume {volume.id} is not connected to qemu-storage-daemon"
+        return False, "volume is healthy"
+
+    async def stats(self, volume: VolumeRecord, stage: StageRecord, path: Path) -> VolumeStats:
+        abnormal, message = await self.condition(volume)
+        if stage.access_type is AccessType.BLOCK:
+            return VolumeStats(block=True, total_bytes=volume.capacity, available_bytes=0, used_bytes=0,
+                               abnormal=abnormal, message=message)
+        if mounts.mounted_at(path) is None:
+            raise NotFound(f"volume {volume.id} has no filesystem mounted at {path}")
+        st = await asyncio.to_thread(os.statvfs, path)
+        return VolumeStats(
+            block=False, total_bytes=st.f_blocks * st.f_frsize, available_bytes=st.f_bavail * st.f_frsize,
+            used_bytes=(st.f_blocks - st.f_bfree) * st.f_frsize, total_inodes=st.f_files,
+            available_inodes=st.f_favail, used_inodes=st.f_files - st.f_ffree, abnormal=abnormal, message=message,
+        )
+
+    async def expand(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
+    ) -> None:
+        """Grow the image live, then every loop device on the export, then the filesystem.
+
+        xfs grows online. ext4 grows online only with CAP_SYS_RESOURCE (the
+        kernel refuses root without it); lacking it, an ext4 volume no pod
+        uses is grown offline (unmounted for a moment), and one in use is
+        refused before anything changes. Raises FailedPrecondition.
+        """
+        mounted = stage.access_type is AccessType.MOUNT
+        offline_ext4 = mounted and stage.fs_type == "ext4" and not caps.has(caps.CAP_SYS_RESOURCE)
+        if offline_ext4 and publishes:
+            raise FailedPrecondition(
+                f"volume {volume.id} holds ext4, which grows while in use only if the plugin has the "
+                "CAP_SYS_RESOURCE capability, and this one lacks it: give the plugin container that capability "
+                f"(or run it privileged), or unpublish the volume from {publishes[0].target_path} and retry"
+            )
+        if size > volume.capacity:
+            await attach.resize(self.host.client, top_image(volume), size)
+        for device in [stage.loop_device, *(p.loop_device for p in publishes)]:
+            if device:
+                await loop.refresh_capacity(Path(device), size)
+        if offline_ext4:
+            await filesystem.unstage(stage.staging_path)
+            await filesystem.ensure_staged(
+                Path(stage.loop_device), stage.staging_path, stage.fs_type, list(stage.mount_flags))
+        elif mounted:
+            await filesystems.grow(stage.staging_path, stage.fs_type, Path(stage.loop_device))
+
+    @contextlib.asynccontextmanager
+    async def quiesced(self, volume: VolumeRecord, stage: StageRecord) -> AsyncIterator[None]:
+        """A mounted filesystem is frozen (fsfreeze) so the image left behind is consistent."""
+        if stage.access_type is not AccessType.MOUNT:
+            yield
+            return
+        await filesystems.freeze(stage.staging_path)
+        try:
+            yield
+        finally:
+            await filesystems.thaw(stage.staging_path)
+
+    async def _loop_for(self, export: Path, recorded: str, fresh_export: bool) -> Path:
+        """The volume's read-write loop device: the recorded one, a found one (after a crash), or a new one."""
+        if recorded and loop.backing_of(Path(recorded)) == export:
+            return Path(recorded)
+        if not fresh_export:
+            found = loop.find_loop(export, readonly=False)
+            if found:
+                return found[0].device
+        return await loop.attach(export, direct_io=self.host.daemon.loop_direct_io)
+
+    async def _drop_stale_host_state(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord]
+    ) -> None:
+        """After QSD lost the export: lazily drop the mounts and loop devices on the dead FUSE file."""
+        export = self.export_file(volume.id)
+        if not os.path.lexists(export.parent):
+            return  # never exported on this node: nothing can be stale
+        stale = loop.find_loop(export)
+        if not stale and mounts.mounted_at(export) is None:
+            return
+        log.warning("event=drop_stale volume_id=%s loops=%s", volume.id, [str(s.device) for s in stale])
+        for publish in publishes:
+            await mounts.unmount(publish.target_path, lazy=True)
+        if stage.access_type is AccessType.MOUNT:
+            entry = mounts.mounted_at(stage.staging_path)
+            if entry is not None and _is_loop_over(entry.source, export):
+                await mounts.unmount(stage.staging_path, lazy=True)
+        for lp in stale:
+            await loop.detach(lp.device)
+        await mounts.unmount(export, lazy=True)
+
+
+def _is_loop_over(source: str, export: Path) -> bool:
+    """True if mount source `source` is a loop device whose backing file is `export`."""
+    return source.startswith("/dev/loop") and loop.backing_of(Path(source)) == export
+
+
+def _apply_group(root: Path, group: str) -> None:
+    """Give the filesystem's root to the pod's group (setgid, group-writable): VOLUME_MOUNT_GROUP."""
+    gid = int(group)
+    st = os.stat(root)
+    if st.st_gid != gid:
+        os.chown(root, -1, gid)
+    os.chmod(root, (st.st_mode & 0o7777) | 0o2070)

@@ -1,0 +1,107 @@
+"""VM pods: a vhost-user-blk export whose socket directory is bind-mounted at the target.
+
+A socket serves one VM at a time (a second client's QEMU hangs at start-up on
+QSD 7.2), so a second publish is refused, and a publish re-adds the export in
+its own mode: a readonly publish gives the guest a read-only disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+
+from csi_qsd import datapath
+from csi_qsd.catalog import PublishRecord, PublishState, StageRecord, VolumeRecord
+from csi_qsd.errors import FailedPrecondition
+from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block, top_image
+from csi_qsd.params import ExportKind
+from csi_qsd.publish import vhost_user
+from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd.client import QSDClient
+
+log = logging.getLogger(__name__)
+
+
+class VhostUserExport(ExportPath):
+    kind = ExportKind.VHOST_USER_BLK
+
+    def socket_dir(self, volume_id: str) -> Path:
+        return self.host.volume_dir(volume_id) / "vhost"
+
+    def check_access(self, volume: VolumeRecord, block: bool) -> None:
+        if block:
+            refuse_block(volume, "vhost-user-blk")
+
+    async def bring_up(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], client: QSDClient,
+    ) -> StageRecord:
+        top = top_image(volume)
+        await attach.ensure_top(client, top)
+        socket_dir = self.socket_dir(volume.id)
+        vhost_user.prepare_dir(socket_dir, stage.mount_group)
+        socket = socket_dir / vhost_user.SOCKET_NAME
+        writable = not any(p.readonly for p in publishes)  # the one publish's mode
+        await attach.ensure_vhost_export(client, top, socket, writable=writable)
+        vhost_user.restrict_socket(socket, stage.mount_group)
+        return stage
+
+    async def tear_down(self, volume: VolumeRecord, stage: StageRecord, client: QSDClient, *, thorough: bool) -> None:
+        await attach.remove_volume(client, volume.id)
+        await asyncio.to_thread(shutil.rmtree, self.host.volume_dir(volume.id), True)
+
+    async def publish(
+        self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord, others: list[PublishRecord],
+    ) -> PublishRecord:
+        """Raises FailedPrecondition when another target already has the socket."""
+        if others:
+            raise FailedPrecondition(
+                f"volume {volume.id} is already published at {others[0].target_path}; a vhost-user-blk "
+                "volume serves one VM at a time: unpublish it there first"
+            )
+        socket_dir = self.socket_dir(volume.id)
+        if record.state is PublishState.PUBLISHING:
+            # No VM can be connected (no other publish): re-add the export in this publish's mode.
+            top = top_image(volume)
+            socket = socket_dir / vhost_user.SOCKET_NAME
+            await self.host.client.export_del(top.nodes.vhost_export)
+            await attach.ensure_vhost_export(self.host.client, top, socket, writable=not record.readonly)
+            vhost_user.restrict_socket(socket, stage.mount_group)
+        await vhost_user.ensure_published(socket_dir, record.target_path)
+        return record
+
+    async def unpublish(self, volume: VolumeRecord, stage: StageRecord | None, record: PublishRecord) -> None:
+        await vhost_user.unpublish(record.target_path)
+
+    async def condition(self, volume: VolumeRecord) -> tuple[bool, str]:
+        export_id = graph.nodes_for(volume.id).vhost_export
+        if not await attach.has_export(self.host.client, export_id):
+            return True, f"export {export_id} is missing from qemu-storage-daemon"
+        return False, "volume is healthy"
+
+    async def stats(self, volume: VolumeRecord, stage: StageRecord, path: Path) -> VolumeStats:
+        abnormal, message = await self.condition(volume)
+        return VolumeStats(block=True, total_bytes=volume.capacity, available_bytes=0, used_bytes=0,
+                           abnormal=abnormal, message=message)
+
+    async def expand(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
+    ) -> None:
+        """Grow the image under the export; the running guest sees it where QSD tells it (QEMU >= 10).
+
+        QSD 7.2 stalls the export's iothread on block_resize and never tells
+        the guest, so there the export goes away around the resize and only a
+        VM that connects afterwards sees the new size. Nothing happens when
+        the size does not grow: a retry must not disconnect the guest.
+        """
+        if size <= volume.capacity:
+            return
+        top = top_image(volume)
+        client = self.host.client
+        if datapath.live_resize_reaches_guest(self.host.daemon.version):
+            await attach.resize(client, top, size)
+            return
+        await client.export_del(top.nodes.vhost_export)
+        await attach.resize(client, top, size)
+        await self.bring_up(volume, stage, publishes, client)

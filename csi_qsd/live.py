@@ -1,0 +1,80 @@
+"""Live changes to staged volumes' images in QSD, for the snapshot side of the domain.
+
+A snapshot moves volumes onto new top images and a flatten streams a chain
+into one image; where a volume is staged, both happen inside the running
+QSD, with its consumer held still by its export path. Volumes that are not
+staged need nothing here. No gRPC types here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from csi_qsd.catalog import Catalog, StageRecord, StageState, VolumeRecord
+from csi_qsd.errors import FailedPrecondition, QSDError, Unavailable
+from csi_qsd.exports.base import top_image
+from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.qsd import attach
+
+
+class LiveImages:
+    """Switch and stream the images of staged volumes in QSD."""
+
+    def __init__(self, catalog: Catalog, exports: ExportPaths) -> None:
+        self._catalog = catalog
+        self._exports = exports
+        self._daemon = exports.host.daemon
+
+    async def switch_tops(self, switches: list[tuple[VolumeRecord, VolumeRecord]]) -> None:
+        """Move staged volumes (before, after) onto their new top images live, at one instant.
+
+        Each export path quiesces its consumer around the switch (a mounted
+        filesystem is frozen, so the image left behind is consistent; a VM is
+        cut crash-consistent). One that cannot be quiesced aborts the switch
+        with nothing changed. Raises FailedPrecondition, Unavailable.
+        """
+        live: list[tuple[VolumeRecord, VolumeRecord, StageRecord]] = []
+        for before, after in switches:
+            stage = await self._catalog.stage(before.id)
+            if stage is not None and stage.state is StageState.STAGED:
+                live.append((before, after, stage))
+        if not live:
+            return
+        self._require_qsd()
+        async with contextlib.AsyncExitStack() as stack:
+            for before, _after, stage in live:
+                await stack.enter_async_context(self._exports.of(before).quiesced(before, stage))
+            await attach.switch_tops(
+                self._daemon.client, [(before.generation, top_image(after)) for before, after, _ in live]
+            )
+
+    async def any_switched(self, moved: list[VolumeRecord]) -> bool:
+        """True if QSD already has any of `moved`'s new tops open (a switch whose answer was lost)."""
+        if not moved or not self._daemon.ready:
+            return False
+        try:
+            return await attach.any_open(self._daemon.client, [top_image(v) for v in moved])
+        except QSDError:
+            return False
+
+    async def stream_backing_if_staged(self, volume: VolumeRecord) -> bool:
+        """Flatten a staged volume's chain live; False if it is not staged here.
+
+        QSD's block-stream copies everything below the volume's backing image
+        (its newest snapshot) into that image, which then stands alone: the
+        volume reads through two images again. Streaming keeps every image's
+        content, so snapshots and clones standing on it see no change.
+        Raises FailedPrecondition if QSD does not have the backing image open.
+        """
+        stage = await self._catalog.stage(volume.id)
+        if stage is None or stage.state is not StageState.STAGED or not volume.backing:
+            return False
+        self._require_qsd()
+        if not await attach.stream_into_backing(self._daemon.client, volume.id, Path(volume.backing)):
+            raise FailedPrecondition(f"the backing image of volume {volume.id} is not open in qemu-storage-daemon")
+        return True
+
+    def _require_qsd(self) -> None:
+        if not self._daemon.ready:
+            raise Unavailable("qemu-storage-daemon is not ready (starting or restarting); retry shortly")

@@ -1,0 +1,62 @@
+"""The pool interface: where a volume's bytes live and how QSD opens them.
+
+A pool hands out storage references (today: an image path; a device pool's
+would name an extent), creates, grows, layers and deletes what they name,
+and reports capacity. The domain never looks inside a reference. Pools never touch the catalog or QSD.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from pathlib import Path
+
+from csi_qsd.params import ImageFormat, VolumeParameters
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolUsage:
+    total: int
+    available: int
+
+
+class Pool(abc.ABC):
+    """One place volumes live; `id` is what the catalog records on every volume."""
+
+    id: str
+
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """Make the pool usable (directories, device checks); safe to repeat."""
+
+    @abc.abstractmethod
+    def usage(self) -> PoolUsage: ...
+
+    @abc.abstractmethod
+    def image_path(self, volume_id: str, fmt: ImageFormat, generation: int = 0) -> Path:
+        """The storage reference of a volume's image of `generation` (0: as created, later: overlays)."""
+
+    @abc.abstractmethod
+    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
+        """Raises ResourceExhausted when the pool cannot hold `size` bytes."""
+
+    @abc.abstractmethod
+    async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
+        """A thin qcow2 over `backing`, O(1): snapshots, restores and clones."""
+
+    @abc.abstractmethod
+    async def backing_of(self, image: Path) -> str: ...
+
+    @abc.abstractmethod
+    async def flatten(self, image: Path) -> None:
+        """Copy the whole backing chain into `image` and drop its backing, offline."""
+
+    @abc.abstractmethod
+    async def delete(self, image: Path) -> None: ...
+
+    @abc.abstractmethod
+    def leftovers(self) -> list[Path]:
+        """What a crash left half-made (never user data): the start-up reconcile removes it."""
+
+    @abc.abstractmethod
+    def images(self) -> list[Path]: ...
