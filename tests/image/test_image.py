@@ -159,19 +159,23 @@ class Namespace:
         )
 
     def __enter__(self) -> Namespace:
-        assert self.holder.stdout is not None
-        # Printed after unshare made every mount private: nothing bound from here on reaches the host.
-        assert self.holder.stdout.readline().strip() == "ready"
-        self.holder.stdout.close()
-        root = str(self.rootfs)
-        script = [
-            f"mount --rbind /dev {root}/dev",
-            f"mount -t proc proc {root}/proc",
-            f"mount --rbind /sys {root}/sys",
-        ]
-        for inside, outside in self.binds.items():
-            script += [f"mkdir -p {root}{inside}", f"mount --bind {outside} {root}{inside}"]
-        self.host(" && ".join(script))
+        try:
+            assert self.holder.stdout is not None
+            # Printed after unshare made every mount private: nothing bound from here on reaches the host.
+            assert self.holder.stdout.readline().strip() == "ready"
+            self.holder.stdout.close()
+            root = str(self.rootfs)
+            script = [
+                f"mount --rbind /dev {root}/dev",
+                f"mount -t proc proc {root}/proc",
+                f"mount --rbind /sys {root}/sys",
+            ]
+            for inside, outside in self.binds.items():
+                script += [f"mkdir -p {root}{inside}", f"mount --bind {outside} {root}{inside}"]
+            self.host(" && ".join(script))
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def host(self, script: str) -> str:
@@ -254,8 +258,9 @@ def test_volume_lifecycle_in_the_image(image: Image, container: Container, tmp_p
     binds = {"/var/lib/csi-qsd": state, "/var/lib/kubelet": kubelet}
     with Namespace(container.rootfs, image.env, binds) as ns, open(log, "wb") as stderr:
         csi_qsd = image.entrypoint
-        with subprocess.Popen(ns.argv(*csi_qsd, "serve", "--node-id", "image-test"), env=ns.env,
-                              stdout=subprocess.PIPE, stderr=stderr) as serve:
+        serve = subprocess.Popen(ns.argv(*csi_qsd, "serve", "--node-id", "image-test"), env=ns.env,
+                                 stdout=subprocess.PIPE, stderr=stderr)
+        try:
             assert serve.stdout is not None
             ready, _, _ = select.select([serve.stdout], [], [], 60)
             line = serve.stdout.readline().decode() if ready else ""
@@ -294,3 +299,10 @@ def test_volume_lifecycle_in_the_image(image: Image, container: Container, tmp_p
             assert not ns.loop_devices()
             serve.send_signal(signal.SIGTERM)
             assert serve.wait(timeout=30) == 0, log.read_text()[-4000:]
+        finally:
+            # On failure the namespace kills QSD and whatever else runs in it, then detaches the loop devices.
+            if serve.poll() is None:
+                serve.kill()
+                serve.wait()
+            if serve.stdout is not None:
+                serve.stdout.close()
