@@ -28,6 +28,9 @@ CA="${CSI_QSD_BUILD_CA:-/etc/ssl/certs/ca-certificates.crt}"
 for tool in podman mmdebstrap; do
   command -v "$tool" >/dev/null || { echo "build-image: $tool is missing (scripts/install.sh installs it)" >&2; exit 1; }
 done
+work="$(mktemp -d)"
+partial="$BASE_TAR.$$.tmp"  # per process: two builds may make the base at once
+trap 'rm -rf "$work" "$partial"' EXIT
 
 if [ -z "${CSI_QSD_BASE_IMAGE:-}" ] && ! podman image exists "$BASE"; then
   if [ ! -s "$BASE_TAR" ]; then
@@ -35,8 +38,8 @@ if [ -z "${CSI_QSD_BASE_IMAGE:-}" ] && ! podman image exists "$BASE"; then
     mkdir -p "$CACHE"
     # minbase: the essential packages and apt, as in debian:trixie-slim; the
     # sources list mmdebstrap writes includes trixie-updates and -security.
-    mmdebstrap --quiet --variant=minbase --format=tar trixie "$BASE_TAR.tmp"
-    mv "$BASE_TAR.tmp" "$BASE_TAR"
+    mmdebstrap --quiet --variant=minbase --format=tar trixie "$partial"
+    mv "$partial" "$BASE_TAR"
   fi
   echo "build-image: importing $BASE_TAR as $BASE"
   podman import --quiet "$BASE_TAR" "$BASE" >/dev/null
@@ -46,10 +49,9 @@ args=(--isolation chroot --build-arg "BASE_IMAGE=$BASE" --tag "$TAG" --file Dock
 if [ "$CA" != none ] && [ -s "$CA" ]; then
   # Mounted during RUN steps only, on /mnt (an empty directory in every
   # Debian image): a file mount would leave an empty mount point in a layer.
-  ca_dir="$(mktemp -d)"
-  trap 'rm -rf "$ca_dir"' EXIT
-  cp "$CA" "$ca_dir/ca.crt"
-  args+=(--volume "$ca_dir:/mnt:ro" --build-arg PIP_CERT=/mnt/ca.crt)
+  mkdir "$work/ca"
+  cp "$CA" "$work/ca/ca.crt"
+  args+=(--volume "$work/ca:/mnt:ro" --build-arg PIP_CERT=/mnt/ca.crt)
 fi
 echo "build-image: building $TAG on $BASE"
 podman build "${args[@]}" .
