@@ -13,7 +13,6 @@ from pathlib import Path
 
 from csi_qsd.catalog import Catalog, StageRecord, StageState, VolumeRecord
 from csi_qsd.errors import FailedPrecondition, QSDError, Unavailable
-from csi_qsd.exports.base import top_image
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.qsd import attach
 
@@ -46,7 +45,7 @@ class LiveImages:
             for before, _after, stage in live:
                 await stack.enter_async_context(self._exports.of(before).quiesced(before, stage))
             await attach.switch_tops(
-                self._daemon.client, [(before.generation, top_image(after)) for before, after, _ in live]
+                self._daemon.client, [(before.generation, self._exports.host.top_image(after)) for before, after, _ in live]
             )
 
     async def any_switched(self, moved: list[VolumeRecord]) -> bool:
@@ -54,7 +53,7 @@ class LiveImages:
         if not moved or not self._daemon.ready:
             return False
         try:
-            return await attach.any_open(self._daemon.client, [top_image(v) for v in moved])
+            return await attach.any_open(self._daemon.client, [self._exports.host.top_image(v) for v in moved])
         except QSDError:
             return False
 

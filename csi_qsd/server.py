@@ -73,7 +73,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         volumes = Volumes(catalog, pool, locks, failpoints)
         await volumes.reconcile()
         daemon = QSDDaemon(config)
-        exports = ExportPaths(ExportHost(daemon, config.exports_dir, failpoints))
+        exports = ExportPaths(ExportHost(daemon, config.exports_dir, {pool.id: pool}, failpoints))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         await snapshots.reconcile()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -20,6 +20,7 @@ from csi_qsd.catalog import PublishRecord, StageRecord, VolumeRecord
 from csi_qsd.errors import InvalidArgument
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ExportKind
+from csi_qsd.pools.base import Pool
 from csi_qsd.qsd import attach
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import QSDDaemon
@@ -44,6 +45,7 @@ class ExportHost:
 
     daemon: QSDDaemon
     exports_dir: Path
+    pools: Mapping[str, Pool]
     failpoints: Failpoints = NO_FAILPOINTS
 
     @property
@@ -53,10 +55,10 @@ class ExportHost:
     def volume_dir(self, volume_id: str) -> Path:
         return self.exports_dir / volume_id
 
-
-def top_image(volume: VolumeRecord) -> attach.TopImage:
-    """What QSD must have open as the volume's top node."""
-    return attach.TopImage(volume.id, volume.generation, volume.image, volume.params)
+    def top_image(self, volume: VolumeRecord) -> attach.TopImage:
+        """What QSD must have open as the volume's top node, in the terms of the volume's pool."""
+        storage = self.pools[volume.pool].storage(volume.image)
+        return attach.TopImage(volume.id, volume.generation, storage, volume.params)
 
 
 class ExportPath(abc.ABC):

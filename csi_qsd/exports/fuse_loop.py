@@ -21,7 +21,7 @@ from pathlib import Path
 
 from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
 from csi_qsd.errors import FailedPrecondition, NotFound
-from csi_qsd.exports.base import ExportPath, VolumeStats, top_image
+from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem
 from csi_qsd.qsd import attach, graph
@@ -56,7 +56,7 @@ class FuseLoopExport(ExportPath):
     async def bring_up(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], client: QSDClient,
     ) -> StageRecord:
-        top = top_image(volume)
+        top = self.host.top_image(volume)
         export = self.export_file(volume.id)
         fresh_export = not await attach.has_export(client, top.nodes.fuse_export)
         if fresh_export:
@@ -174,7 +174,7 @@ class FuseLoopExport(ExportPath):
                 f"(or run it privileged), or unpublish the volume from {publishes[0].target_path} and retry"
             )
         if size > volume.capacity:
-            await attach.resize(self.host.client, top_image(volume), size)
+            await attach.resize(self.host.client, self.host.top_image(volume), size)
         for device in [stage.loop_device, *(p.loop_device for p in publishes)]:
             if device:
                 await loop.refresh_capacity(Path(device), size)

@@ -15,7 +15,7 @@ from pathlib import Path
 from csi_qsd import datapath
 from csi_qsd.catalog import PublishRecord, PublishState, StageRecord, VolumeRecord
 from csi_qsd.errors import FailedPrecondition
-from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block, top_image
+from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import vhost_user
 from csi_qsd.qsd import attach, graph
@@ -37,7 +37,7 @@ class VhostUserExport(ExportPath):
     async def bring_up(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], client: QSDClient,
     ) -> StageRecord:
-        top = top_image(volume)
+        top = self.host.top_image(volume)
         await attach.ensure_top(client, top)
         socket_dir = self.socket_dir(volume.id)
         vhost_user.prepare_dir(socket_dir, stage.mount_group)
@@ -63,7 +63,7 @@ class VhostUserExport(ExportPath):
         socket_dir = self.socket_dir(volume.id)
         if record.state is PublishState.PUBLISHING:
             # No VM can be connected (no other publish): re-add the export in this publish's mode.
-            top = top_image(volume)
+            top = self.host.top_image(volume)
             socket = socket_dir / vhost_user.SOCKET_NAME
             await self.host.client.export_del(top.nodes.vhost_export)
             await attach.ensure_vhost_export(self.host.client, top, socket, writable=not record.readonly)
@@ -97,7 +97,7 @@ class VhostUserExport(ExportPath):
         """
         if size <= volume.capacity:
             return
-        top = top_image(volume)
+        top = self.host.top_image(volume)
         client = self.host.client
         if datapath.live_resize_reaches_guest(self.host.daemon.version):
             await attach.resize(client, top, size)

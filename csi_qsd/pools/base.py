@@ -2,7 +2,8 @@
 
 A pool hands out storage references (today: an image path; a device pool's
 would name an extent), creates, grows, layers and deletes what they name,
-and reports capacity. The domain never looks inside a reference. Pools never touch the catalog or QSD.
+reports capacity, and names what QSD opens for a reference
+(`csi_qsd.qsd.storage`). The domain never looks inside a reference. Pools never touch the catalog or QSD.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from csi_qsd.params import ImageFormat, VolumeParameters
+from csi_qsd.qsd.storage import Storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,3 +62,7 @@ class Pool(abc.ABC):
 
     @abc.abstractmethod
     def images(self) -> list[Path]: ...
+
+    @abc.abstractmethod
+    def storage(self, image: Path) -> Storage:
+        """What QSD opens for the storage reference `image`."""

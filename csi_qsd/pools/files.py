@@ -16,6 +16,7 @@ from csi_qsd.catalog import DEFAULT_POOL
 from csi_qsd.errors import ResourceExhausted
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.pools.base import Pool, PoolUsage
+from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys.run import run
 
 __all__ = ["FilePool", "PoolUsage"]
@@ -102,6 +103,9 @@ class FilePool(Pool):
 
     def images(self) -> list[Path]:
         return sorted(p for p in self.directory.glob("vol-*") if not p.name.endswith(TMP_SUFFIX))
+
+    def storage(self, image: Path) -> ImageFile:
+        return ImageFile(image)
 
 
 def _fsync_and_rename(tmp: Path, image: Path) -> None:

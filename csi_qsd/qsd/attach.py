@@ -16,6 +16,7 @@ from csi_qsd.errors import QSDError
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.client import BlockNodeInfo, QSDClient
+from csi_qsd.qsd.storage import Storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +25,7 @@ class TopImage:
 
     volume_id: str
     generation: int
-    image: Path
+    storage: Storage
     params: VolumeParameters
 
     @property
@@ -43,7 +44,7 @@ async def ensure_top(client: QSDClient, top: TopImage, *, read_only: bool = Fals
         await switch_tops(client, [(older[0], top)])
         return
     if nodes.file not in present:
-        await client.blockdev_add(graph.file_blockdev(nodes, top.image, top.params, read_only=read_only))
+        await client.blockdev_add(top.storage.protocol_blockdev(nodes, top.params, read_only=read_only))
     try:
         await client.blockdev_add(graph.format_blockdev(nodes, top.params, read_only=read_only))
     except Exception:
@@ -62,7 +63,7 @@ async def switch_tops(client: QSDClient, switches: list[tuple[int, TopImage]]) -
     try:
         for _old, top in switches:
             nodes = top.nodes
-            await client.blockdev_add(graph.file_blockdev(nodes, top.image, top.params, read_only=False))
+            await client.blockdev_add(top.storage.protocol_blockdev(nodes, top.params, read_only=False))
             added.append(nodes.file)
             await client.blockdev_add(graph.overlay_blockdev(nodes, top.params))
             added.append(nodes.format)
