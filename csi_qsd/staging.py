@@ -86,13 +86,7 @@ class NodeVolumes:
             access = AccessType.BLOCK if spec.block else AccessType.MOUNT
             existing = await self._catalog.stage(spec.volume_id)
             if existing is not None and existing.state is StageState.STAGED:
-                if existing.staging_path != spec.staging_path:
-                    raise FailedPrecondition(f"volume {spec.volume_id} is already staged at {existing.staging_path}")
-                if existing.access_type is not access or existing.fs_type != fs_type:
-                    raise AlreadyExists(
-                        f"volume {spec.volume_id} is staged as {existing.access_type.value}"
-                        f"{'/' + existing.fs_type if existing.fs_type else ''}; requested otherwise"
-                    )
+                _check_restage(spec, existing, access, fs_type)
                 await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id), self._daemon.client)
                 return
             if existing is not None:
@@ -214,8 +208,7 @@ class NodeVolumes:
         volume = await self._volume(volume_id)
         stage = await self._stage_at(volume_id, path)
         if not self._daemon.ready:
-            return VolumeStats(block=True, total_bytes=volume.capacity, available_bytes=0, used_bytes=0, abnormal=True,
-                               message="qemu-storage-daemon is restarting; I/O will resume when it is back")
+            return VolumeStats.restarting(volume.capacity)
         return await self._exports.of(volume).stats(volume, stage, path)
 
     async def rebuild(self, client: QSDClient) -> None:
@@ -316,6 +309,17 @@ class NodeVolumes:
     def _require_qsd(self) -> None:
         if not self._daemon.ready:
             raise Unavailable("qemu-storage-daemon is not ready (starting or restarting); retry shortly")
+
+
+def _check_restage(spec: StageSpec, existing: StageRecord, access: AccessType, fs_type: str) -> None:
+    """A stage of a staged volume: the same arguments are a retry. Raises FailedPrecondition, AlreadyExists."""
+    if existing.staging_path != spec.staging_path:
+        raise FailedPrecondition(f"volume {spec.volume_id} is already staged at {existing.staging_path}")
+    if existing.access_type is not access or existing.fs_type != fs_type:
+        raise AlreadyExists(
+            f"volume {spec.volume_id} is staged as {existing.access_type.value}"
+            f"{'/' + existing.fs_type if existing.fs_type else ''}; requested otherwise"
+        )
 
 
 def _check_republish(spec: PublishSpec, existing: PublishRecord) -> None:

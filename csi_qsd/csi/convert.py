@@ -46,10 +46,6 @@ def mount_group(value: str) -> str:
     return value
 
 
-def node_topology(config: Config) -> pb.Topology:
-    return pb.Topology(segments={TOPOLOGY_KEY_NODE: config.node_id})
-
-
 def topology_allows(config: Config, topologies: list[pb.Topology]) -> bool:
     """True if any of `topologies` names this node (or names no node at all)."""
     for topology in topologies:

@@ -38,6 +38,12 @@ class VolumeStats:
     abnormal: bool = False
     message: str = ""
 
+    @classmethod
+    def restarting(cls, capacity: int) -> "VolumeStats":
+        """What a volume reports while QSD is away: its size, and that I/O waits."""
+        return cls(block=True, total_bytes=capacity, available_bytes=0, used_bytes=0, abnormal=True,
+                   message="qemu-storage-daemon is restarting; I/O will resume when it is back")
+
 
 @dataclasses.dataclass(frozen=True)
 class ExportHost:
@@ -58,7 +64,7 @@ class ExportHost:
     def top_image(self, volume: VolumeRecord) -> attach.TopImage:
         """What QSD must have open as the volume's top node, in the terms of the volume's pool."""
         storage = self.pools[volume.pool].storage(volume.image)
-        return attach.TopImage(volume.id, volume.generation, storage, volume.params)
+        return attach.TopImage(volume.id, volume.generation, storage, volume.params, volume.qos)
 
 
 class ExportPath(abc.ABC):

@@ -1,4 +1,4 @@
-"""Loop devices over export files: attach, find (via udev's view of sysfs), detach.
+"""Loop devices over export files: attach, find (through sysfs), detach.
 
 Direct or buffered I/O is the caller's choice (see `csi_qsd.datapath`): a
 direct-I/O loop device over the FUSE export of a QSD older than 10.0.8
@@ -12,8 +12,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-import pyudev
-
 from csi_qsd.errors import HostCommandError
 from csi_qsd.sys.run import run
 
@@ -26,39 +24,28 @@ class LoopDevice:
 
 
 def loop_devices() -> list[LoopDevice]:
-    """Every attached loop device with its backing file, read through pyudev."""
+    """Every attached loop device with its backing file, read straight from sysfs.
+
+    Only attached loop devices have a `loop/backing_file`, so a glob over
+    those is enough: enumerating every block device (udev) costs tens of
+    milliseconds on a node with hundreds of devices.
+    """
     found = []
-    for dev in pyudev.Context().list_devices(subsystem="block"):
-        if not dev.sys_name.startswith("loop") or dev.device_node is None:
-            continue
-        backing = dev.attributes.get("loop/backing_file")
-        if not backing:
-            continue
-        # The kernel appends " (deleted)" when the file was unlinked.
-        path = backing.decode(errors="replace").strip().removesuffix(" (deleted)")
-        readonly = dev.attributes.get("ro") == b"1"
-        found.append(LoopDevice(Path(dev.device_node), Path(path), readonly))
+    for attribute in Path("/sys/block").glob("loop*/loop/backing_file"):
+        device = Path("/dev") / attribute.parent.parent.name
+        try:
+            backing = _backing_path(attribute.read_text())
+            ro = (attribute.parent.parent / "ro").read_text().strip() == "1"
+        except OSError:
+            continue  # detached meanwhile
+        found.append(LoopDevice(device, backing, ro))
     return found
 
 
 def find_loop(backing_file: Path, *, readonly: bool | None = None) -> list[LoopDevice]:
-    """Loop devices over `backing_file`, read straight from sysfs.
-
-    Enumerating every block device through udev costs tens of milliseconds on
-    a node with hundreds of devices; only attached loop devices have a
-    `loop/backing_file`, so a glob over those is enough here.
-    """
-    found = []
-    for attribute in Path("/sys/block").glob("loop*/loop/backing_file"):
-        try:
-            path = attribute.read_text().strip().removesuffix(" (deleted)")
-            ro = (attribute.parent.parent / "ro").read_text().strip() == "1"
-        except OSError:
-            continue  # detached meanwhile
-        if Path(path) != backing_file or (readonly is not None and ro != readonly):
-            continue
-        found.append(LoopDevice(Path("/dev") / attribute.parent.parent.name, Path(path), ro))
-    return found
+    """Loop devices over `backing_file`, optionally only read-only or read-write ones."""
+    return [lp for lp in loop_devices()
+            if lp.backing_file == backing_file and (readonly is None or lp.readonly == readonly)]
 
 
 async def attach(backing_file: Path, *, readonly: bool = False, direct_io: bool = False) -> Path:
@@ -94,7 +81,12 @@ def backing_of(device: Path) -> Path | None:
     if not device.name.startswith("loop"):
         return None
     raw = _backing(device)
-    return Path(raw.removesuffix(" (deleted)")) if raw else None
+    return _backing_path(raw) if raw else None
+
+
+def _backing_path(raw: str) -> Path:
+    """A sysfs backing_file value as a path: the kernel appends " (deleted)" once the file is unlinked."""
+    return Path(raw.strip().removesuffix(" (deleted)"))
 
 
 def _backing(device: Path) -> str | None:
