@@ -37,6 +37,7 @@ class CSIClient:
         self.controller = pb_grpc.ControllerStub(self._channel)
         self.node = pb_grpc.NodeStub(self._channel)
         self.group = pb_grpc.GroupControllerStub(self._channel)
+        self.metadata = pb_grpc.SnapshotMetadataStub(self._channel)
         self.timeout = timeout
 
     async def close(self) -> None:
@@ -157,6 +158,19 @@ class CSIClient:
         )
         return int(response.capacity_bytes)
 
+    async def metadata_allocated(self, snapshot_id: str, *, starting_offset: int = 0,
+                                 max_results: int = 0) -> tuple[int, list[tuple[int, int]]]:
+        """GetMetadataAllocated, every message read: (volume capacity, [(offset, length), ...])."""
+        return await _ranges(self.metadata.GetMetadataAllocated(pb.GetMetadataAllocatedRequest(
+            snapshot_id=snapshot_id, starting_offset=starting_offset, max_results=max_results), timeout=self.timeout))
+
+    async def metadata_delta(self, base_snapshot_id: str, target_snapshot_id: str, *, starting_offset: int = 0,
+                             max_results: int = 0) -> tuple[int, list[tuple[int, int]]]:
+        """GetMetadataDelta, every message read: (volume capacity, [(offset, length), ...])."""
+        return await _ranges(self.metadata.GetMetadataDelta(pb.GetMetadataDeltaRequest(
+            base_snapshot_id=base_snapshot_id, target_snapshot_id=target_snapshot_id,
+            starting_offset=starting_offset, max_results=max_results), timeout=self.timeout))
+
     async def capacity(self) -> int:
         response = await self.controller.GetCapacity(pb.GetCapacityRequest(), timeout=self.timeout)
         return int(response.available_capacity)
@@ -169,3 +183,12 @@ class CSIClient:
         response = await self.identity.Probe(pb.ProbeRequest(), timeout=self.timeout)
         return bool(response.ready.value)
 
+
+
+async def _ranges(call: Any) -> tuple[int, list[tuple[int, int]]]:
+    capacity = 0
+    ranges: list[tuple[int, int]] = []
+    async for message in call:
+        capacity = int(message.volume_capacity_bytes)
+        ranges.extend((int(m.byte_offset), int(m.size_bytes)) for m in message.block_metadata)
+    return capacity, ranges

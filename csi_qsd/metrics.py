@@ -234,6 +234,10 @@ class DriverCollector(Collector):
         yield CounterMetricFamily("csi_qsd_qsd_wedges",
                                   "Times qemu-storage-daemon stopped answering over QMP and was killed and replaced",
                                   value=daemon.wedges)
+        yield CounterMetricFamily("csi_qsd_snapshot_metadata_fallbacks",
+                                  "GetMetadataDelta answers that were a superset (everything allocated in either "
+                                  "snapshot) because a flatten had merged the images between base and target",
+                                  value=self._driver.changed_blocks.fallbacks)
         data_path = GaugeMetricFamily(
             "csi_qsd_data_path_info",
             "1, labelled with QSD's version and the loop-device I/O mode new container volumes get "

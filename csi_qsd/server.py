@@ -17,11 +17,13 @@ import grpc
 
 from csi_qsd import datapath
 from csi_qsd.catalog import Catalog
+from csi_qsd.changed_blocks import ChangedBlocks
 from csi_qsd.config import Config
 from csi_qsd.csi.controller import ControllerService
 from csi_qsd.csi.group_controller import GroupControllerService
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.node import NodeService
+from csi_qsd.csi.snapshot_metadata import SnapshotMetadataService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
@@ -50,6 +52,7 @@ class Driver:
         self.daemon = daemon
         self.volumes = volumes
         self.node = node
+        self.changed_blocks = ChangedBlocks(catalog, config.qemu_img)
 
     def ready(self) -> bool:
         return self.daemon.ready and self.catalog.usable()
@@ -95,6 +98,7 @@ async def serving(config: Config) -> AsyncIterator[Driver]:
         pb_grpc.add_ControllerServicer_to_server(ControllerService(config, driver.volumes, driver.snapshots), server)
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features()), server)
+        pb_grpc.add_SnapshotMetadataServicer_to_server(SnapshotMetadataService(driver.changed_blocks), server)
         socket = config.socket_path
         socket.parent.mkdir(parents=True, exist_ok=True)
         socket.unlink(missing_ok=True)

@@ -45,7 +45,7 @@ def remove_observer(observer: Observer) -> None:
 
 
 def _object_id(request: Any) -> str:
-    for field in ("volume_id", "snapshot_id", "source_volume_id", "name"):
+    for field in ("volume_id", "snapshot_id", "target_snapshot_id", "source_volume_id", "name"):
         value = getattr(request, field, "")
         if isinstance(value, str) and value:
             return f"{field}={value}"

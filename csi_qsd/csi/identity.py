@@ -36,6 +36,7 @@ class IdentityService(pb_grpc.IdentityServicer):
     ) -> pb.GetPluginCapabilitiesResponse:
         services = (
             _Service.CONTROLLER_SERVICE, _Service.VOLUME_ACCESSIBILITY_CONSTRAINTS, _Service.GROUP_CONTROLLER_SERVICE,
+            _Service.SNAPSHOT_METADATA_SERVICE,
         )
         # ONLINE where a running VM sees its vhost-user-blk disk grow (QSD >= 10); QSD 7.2 never tells
         # the guest, so there Kubernetes expands only volumes no pod uses. NodeExpandVolume does the work.
