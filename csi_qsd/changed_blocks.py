@@ -1,0 +1,160 @@
+"""Changed-block tracking: allocated and changed extents of snapshots, from their qcow2 chains.
+
+A snapshot freezes its volume's top image and the volume moves on to a new
+overlay, so every write made after snapshot B and before snapshot T landed in
+one of the images of T's chain that are newer than B's image. The clusters
+those images hold (data or zero clusters: a discard in an overlay writes a
+zero cluster) are therefore exactly what changed between B and T, at the
+cluster size (64 KiB), and survive a crash of QSD or the driver: no bitmap
+has to have been flushed, the images are the record.
+
+That boundary is lost where images were merged: a live flatten streams the
+older layers into the newest snapshot's image, an offline flatten rewrites
+the volume's top without a backing file. Then B's image is no longer a layer
+of T's chain, and the answer falls back to everything allocated in T's chain
+or in B's chain: a superset (an offset allocated in neither reads as zeros in
+both), never less. Each fallback is logged (`event=cbt_fallback`) and
+counted (`fallbacks`, exported as a Prometheus counter).
+
+Snapshots of one volume are compared only with each other; the catalog's
+`backing` column is the chain. No gRPC types and no QMP here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+from csi_qsd import extents, imagemap, validate
+from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState
+from csi_qsd.errors import HostCommandError, InvalidArgument, NotFound, OutOfRange
+from csi_qsd.extents import Extent
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_CHAIN = 4096  # a longer chain in the catalog is a loop, not a chain
+PARALLEL_MAPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMap:
+    """An answer: ranges at or after the requested offset, within `capacity`."""
+
+    capacity: int
+    extents: list[Extent]
+    exact: bool  # False: a superset, because the chain between base and target was merged
+
+
+class ChangedBlocks:
+    """Answers GetMetadataAllocated and GetMetadataDelta from the catalog and the image files."""
+
+    def __init__(self, catalog: Catalog, qemu_img: str) -> None:
+        self._catalog = catalog
+        self._qemu_img = qemu_img
+        self.fallbacks = 0  # deltas answered with a superset; read by metrics
+
+    async def allocated(self, snapshot_id: str, starting_offset: int) -> BlockMap:
+        """Every range allocated in the snapshot's chain, from `starting_offset` on.
+
+        Raises NotFound, OutOfRange, HostCommandError.
+        """
+        start = time.monotonic()
+        snapshot = await self._visible(snapshot_id, "snapshot_id")
+        _check_offset(starting_offset, snapshot.size)
+        found = await self._reading([snapshot], imagemap.chain_allocation(self._qemu_img, snapshot.image))
+        answer = extents.clip(found, starting_offset, snapshot.size)
+        log.info("event=cbt_allocated snapshot_id=%s extents=%d bytes=%d seconds=%.3f",
+                 snapshot.id, len(answer), extents.total(answer), time.monotonic() - start)
+        return BlockMap(snapshot.size, answer, exact=True)
+
+    async def delta(self, base_id: str, target_id: str, starting_offset: int) -> BlockMap:
+        """The ranges that changed from snapshot `base_id` to the newer `target_id` of the same volume.
+
+        Raises NotFound, InvalidArgument (other volume, same or newer base),
+        OutOfRange, HostCommandError.
+        """
+        start = time.monotonic()
+        base = await self._visible(base_id, "base_snapshot_id")
+        target = await self._visible(target_id, "target_snapshot_id")
+        if base.source_volume_id != target.source_volume_id:
+            raise InvalidArgument(
+                f"base snapshot {base.id} is of volume {base.source_volume_id}, target snapshot {target.id} "
+                f"of volume {target.source_volume_id}: deltas are between snapshots of one volume"
+            )
+        if base.id == target.id or base.created_at >= target.created_at:
+            raise InvalidArgument(f"base snapshot {base.id} must be older than target snapshot {target.id}")
+        _check_offset(starting_offset, target.size)
+        chain = await self._chain(target)
+        if base.image in chain[1:]:
+            layers = chain[:chain.index(base.image)]
+            found = await self._reading([base, target], self._layers(layers))
+            exact = True
+        else:
+            self.fallbacks += 1
+            log.warning(
+                "event=cbt_fallback base=%s target=%s reason=%r", base.id, target.id,
+                "the base's image is no longer a layer of the target's chain (merged by a flatten); "
+                "answering with everything allocated in either snapshot",
+            )
+            both = await self._reading([base, target], asyncio.gather(
+                imagemap.chain_allocation(self._qemu_img, target.image),
+                imagemap.chain_allocation(self._qemu_img, base.image),
+            ))
+            found = extents.union(*both)
+            exact = False
+        answer = extents.clip(found, starting_offset, target.size)
+        log.info("event=cbt_delta base=%s target=%s exact=%s layers=%d extents=%d bytes=%d seconds=%.3f",
+                 base.id, target.id, exact, len(chain), len(answer), extents.total(answer),
+                 time.monotonic() - start)
+        return BlockMap(target.size, answer, exact)
+
+    async def image_of(self, snapshot_id: str) -> Path:
+        """The frozen image holding a snapshot's data (with its backing chain), for readers on this node."""
+        return (await self._visible(snapshot_id, "snapshot_id")).image
+
+    # ------------------------------------------------------------------
+
+    async def _visible(self, snapshot_id: str, field: str) -> SnapshotRecord:
+        validate.snapshot_id(snapshot_id, field)
+        snapshot = await self._catalog.snapshot(snapshot_id)
+        if snapshot is None or snapshot.hidden or snapshot.state is not SnapshotState.READY:
+            raise NotFound(f"snapshot {snapshot_id} does not exist")
+        return snapshot
+
+    async def _chain(self, snapshot: SnapshotRecord) -> list[Path]:
+        """The images a snapshot reads through, newest first, as the catalog records them."""
+        images, backing = [snapshot.image], snapshot.backing
+        while backing and len(images) < MAX_CHAIN:
+            images.append(Path(backing))
+            below = await self._catalog.snapshot_by_image(backing)
+            backing = below.backing if below is not None else ""
+        return images
+
+    async def _layers(self, layers: list[Path]) -> list[Extent]:
+        limit = asyncio.Semaphore(PARALLEL_MAPS)
+
+        async def one(image: Path) -> list[Extent]:
+            async with limit:
+                return await imagemap.layer_allocation(self._qemu_img, image)
+
+        return extents.union(*await asyncio.gather(*(one(image) for image in layers)))
+
+    async def _reading(self, snapshots: list[SnapshotRecord], work: Awaitable[T]) -> T:
+        """Await a read of image files; one that fails because a snapshot went meanwhile is NotFound."""
+        try:
+            return await work
+        except HostCommandError:
+            for snapshot in snapshots:
+                await self._visible(snapshot.id, "snapshot_id")
+            raise
+
+
+def _check_offset(starting_offset: int, capacity: int) -> None:
+    if starting_offset < 0 or starting_offset > capacity:
+        raise OutOfRange(f"starting_offset {starting_offset} is outside the snapshot (0 to {capacity} bytes)")

@@ -1,0 +1,236 @@
+"""Changed-block tracking against the truth: known writes between snapshots of a real block volume.
+
+Writes go through the published block device with O_DIRECT and fsync. The
+truth at 64 KiB granularity is twofold: the clusters the test touched, and
+the clusters whose content differs between the two snapshots (read from
+their frozen images). GetMetadataDelta must report every cluster whose
+content changed, and nothing the test did not touch unless it said it fell
+back to a superset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import mmap
+import os
+import signal
+import struct
+from pathlib import Path
+
+import grpc
+import pytest
+
+from csi_qsd import extents, imagemap
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.server import Driver
+from csi_qsd.sys.run import run
+from tests.harness import Sandbox, qsd_pid, wait_restored
+
+KIB, MIB = 1 << 10, 1 << 20
+CLUSTER = 64 * KIB
+SIZE = 64 * MIB
+BLKDISCARD = 0x1277
+
+
+class BlockDevice:
+    """The volume's published block device file, written the way a database would: O_DIRECT, then fsync."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.touched: set[int] = set()  # 64 KiB clusters written or discarded since the last `cut`
+
+    def write(self, offset: int, length: int, seed: int) -> None:
+        buf = mmap.mmap(-1, length)  # page-aligned, as O_DIRECT needs
+        buf.write(bytes([seed % 251 + 1]) * length)
+        fd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+        try:
+            assert os.pwrite(fd, buf, offset) == length
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.touched |= extents.blocks([(offset, length)], CLUSTER)
+
+    def discard(self, offset: int, length: int) -> None:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.ioctl(fd, BLKDISCARD, struct.pack("QQ", offset, length))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.touched |= extents.blocks([(offset, length)], CLUSTER)
+
+    def cut(self) -> set[int]:
+        touched, self.touched = self.touched, set()
+        return touched
+
+
+async def new_qsd(box: Sandbox, old: int, timeout: float = 60.0) -> None:
+    """Until the supervisor has started a QSD other than `old`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while qsd_pid(box) in (None, old):
+        assert asyncio.get_running_loop().time() < deadline, "QSD was not restarted"
+        await asyncio.sleep(0.1)
+
+
+async def snapshot_content(drv: Driver, snapshot_id: str, out: Path) -> bytes:
+    """A snapshot's data, read from its frozen image chain."""
+    image = await drv.changed_blocks.image_of(snapshot_id)
+    await run(drv.config.qemu_img, "convert", "-U", "-f", "qcow2", "-O", "raw", str(image), str(out))
+    data = out.read_bytes()
+    out.unlink()
+    return data
+
+
+def changed_clusters(old: bytes, new: bytes) -> set[int]:
+    return {i for i in range(len(new) // CLUSTER) if old[i * CLUSTER:(i + 1) * CLUSTER] != new[i * CLUSTER:(i + 1) * CLUSTER]}
+
+
+async def check_delta(drv: Driver, csi: CSIClient, box: Sandbox, base: str, target: str, touched: set[int],
+                      *, exact: bool = True) -> set[int]:
+    capacity, ranges = await csi.metadata_delta(base, target)
+    assert capacity == SIZE
+    assert ranges == sorted(ranges) and extents.coalesce(ranges) == ranges
+    reported = extents.blocks(ranges, CLUSTER)
+    truth = changed_clusters(await snapshot_content(drv, base, box.root / "b.raw"),
+                             await snapshot_content(drv, target, box.root / "t.raw"))
+    assert truth <= reported, f"changed clusters not reported: {sorted(truth - reported)[:10]}"
+    if exact:
+        # Every write and discard of whole clusters leaves a cluster in the overlay: exactly the touched ones.
+        assert reported == touched, f"reported-touched {sorted(reported - touched)[:10]}, missing {sorted(touched - reported)[:10]}"
+    return reported
+
+
+@pytest.fixture
+async def block_volume(box: Sandbox, driver: tuple[Driver, CSIClient]) -> tuple[str, BlockDevice]:
+    _, csi = driver
+    vid = (await csi.create_volume("pvc-cbt", SIZE, block=True)).volume_id
+    staging, target = box.staging("cbt"), box.target("cbt")
+    await csi.stage(vid, str(staging), block=True)
+    await csi.publish(vid, str(staging), str(target), block=True)
+    return vid, BlockDevice(target)
+
+
+async def test_delta_matches_the_truth_through_deletes_crashes_and_flattens(
+    box: Sandbox, driver: tuple[Driver, CSIClient], block_volume: tuple[str, BlockDevice],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    drv, csi = driver
+    vid, dev = block_volume
+    dev.write(0, 1 * MIB, 1)
+    dev.write(10 * MIB, 256 * KIB, 2)
+    dev.cut()
+    s0 = (await csi.create_snapshot("cbt-0", vid)).snapshot_id
+
+    # Overwrites, a write straddling a cluster boundary, a discard, new extents.
+    dev.write(128 * KIB, 64 * KIB, 3)
+    dev.write(5 * MIB - 4 * KIB, 8 * KIB, 4)
+    dev.write(20 * MIB + 60 * KIB, 12 * KIB, 5)
+    dev.discard(10 * MIB, 128 * KIB)
+    dev.write(SIZE - 4 * KIB, 4 * KIB, 6)
+    w1 = dev.cut()
+    s1 = (await csi.create_snapshot("cbt-1", vid)).snapshot_id
+    await check_delta(drv, csi, box, s0, s1, w1)
+
+    # Allocated matches qemu-img map of the snapshot's chain, and covers every non-zero cluster.
+    capacity, allocated = await csi.metadata_allocated(s1)
+    assert capacity == SIZE
+    assert allocated == extents.clip(
+        await imagemap.chain_allocation(drv.config.qemu_img, await drv.changed_blocks.image_of(s1)), 0, SIZE)
+    content = await snapshot_content(drv, s1, box.root / "a.raw")
+    nonzero = {i for i in range(SIZE // CLUSTER) if content[i * CLUSTER:(i + 1) * CLUSTER].count(0) != CLUSTER}
+    assert nonzero <= extents.blocks(allocated, CLUSTER)
+
+    # A snapshot deleted between base and target (hidden: newer images stand on it) keeps the delta exact.
+    dev.write(30 * MIB, 64 * KIB, 7)
+    w2 = dev.cut()
+    s2 = (await csi.create_snapshot("cbt-2", vid)).snapshot_id
+    await csi.delete_snapshot(s1)
+    dev.write(30 * MIB + 32 * KIB, 4 * KIB, 8)
+    dev.write(40 * MIB, 4 * KIB, 9)
+    w3 = dev.cut()
+    s3 = (await csi.create_snapshot("cbt-3", vid)).snapshot_id
+    await check_delta(drv, csi, box, s0, s3, w1 | w2 | w3)
+    await check_delta(drv, csi, box, s2, s3, w3)
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await csi.metadata_delta(s1, s3)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND and s1 in (gone.value.details() or "")
+
+    # QSD killed between two snapshots: the images are the record, nothing is lost from the answer.
+    dev.write(50 * MIB, 64 * KIB, 10)
+    old = qsd_pid(box)
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    await new_qsd(box, old)
+    await wait_restored(csi, vid, dev.path)
+    dev.write(51 * MIB + 4 * KIB, 4 * KIB, 11)
+    w4 = dev.cut()
+    s4 = (await csi.create_snapshot("cbt-4", vid)).snapshot_id
+    await check_delta(drv, csi, box, s3, s4, w4)
+
+    # A live flatten streams everything below s4 into s4's image: s4 stays a boundary, older ones do not.
+    await drv.snapshots.flatten(vid)
+    dev.write(60 * MIB, 64 * KIB, 12)
+    w5 = dev.cut()
+    s5 = (await csi.create_snapshot("cbt-5", vid)).snapshot_id
+    await check_delta(drv, csi, box, s4, s5, w5)
+    assert drv.changed_blocks.fallbacks == 0
+    with caplog.at_level(logging.WARNING, logger="csi_qsd.changed_blocks"):
+        superset = await check_delta(drv, csi, box, s3, s5, w4 | w5, exact=False)
+    assert drv.changed_blocks.fallbacks == 1 and "event=cbt_fallback" in caplog.text
+    assert w4 | w5 <= superset
+
+    # Resuming mid-volume and small messages give the same ranges.
+    _, whole = await csi.metadata_delta(s0, s3)
+    middle = 30 * MIB + 16 * KIB
+    _, rest = await csi.metadata_delta(s0, s3, starting_offset=middle, max_results=1)
+    assert rest == extents.clip(whole, middle, SIZE)
+    call = csi.metadata.GetMetadataDelta(pb.GetMetadataDeltaRequest(
+        base_snapshot_id=s0, target_snapshot_id=s3, max_results=2))
+    messages = [m async for m in call]
+    assert all(len(m.block_metadata) <= 2 and m.block_metadata_type == pb.VARIABLE_LENGTH for m in messages)
+    assert len(messages) == (len(whole) + 1) // 2
+
+
+async def test_errors_name_the_snapshot(box: Sandbox, driver: tuple[Driver, CSIClient],
+                                        block_volume: tuple[str, BlockDevice]) -> None:
+    _, csi = driver
+    vid, dev = block_volume
+    s0 = (await csi.create_snapshot("err-0", vid)).snapshot_id
+    dev.write(0, 4 * KIB, 1)
+    s1 = (await csi.create_snapshot("err-1", vid)).snapshot_id
+    other = (await csi.create_volume("pvc-other", SIZE)).volume_id
+    o0 = (await csi.create_snapshot("err-o", other)).snapshot_id
+    unknown = "snap-" + "0" * 24
+
+    async def code(call: object) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call  # type: ignore[misc]
+        return error.value.code(), error.value.details() or ""
+
+    assert await code(csi.metadata_allocated(unknown)) == (grpc.StatusCode.NOT_FOUND, f"snapshot {unknown} does not exist")
+    c, m = await code(csi.metadata_delta(s0, unknown))
+    assert c == grpc.StatusCode.NOT_FOUND and unknown in m
+    c, m = await code(csi.metadata_delta(s0, o0))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and s0 in m and o0 in m
+    for base, target in ((s1, s0), (s0, s0)):
+        c, m = await code(csi.metadata_delta(base, target))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT and "older" in m
+    c, m = await code(csi.metadata_delta(s0, s1, starting_offset=SIZE + 1))
+    assert c == grpc.StatusCode.OUT_OF_RANGE and "starting_offset" in m
+    c, _ = await code(csi.metadata_allocated(s0, starting_offset=-1))
+    assert c == grpc.StatusCode.OUT_OF_RANGE
+    c, m = await code(csi.metadata_delta(s0, s1, max_results=-1))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "max_results" in m
+    c, m = await code(csi.metadata_delta("", s1))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and "base_snapshot_id" in m
+    # An empty answer still tells the capacity; an unchanged volume has an empty delta.
+    s2 = (await csi.create_snapshot("err-2", vid)).snapshot_id
+    assert await csi.metadata_delta(s1, s2) == (SIZE, [])
+    assert await csi.metadata_delta(s1, s2, starting_offset=SIZE) == (SIZE, [])
+    caps = await csi.identity.GetPluginCapabilities(pb.GetPluginCapabilitiesRequest())
+    services = {c.service.type for c in caps.capabilities if c.HasField("service")}
+    assert pb.PluginCapability.Service.SNAPSHOT_METADATA_SERVICE in services
+    await asyncio.sleep(0)
