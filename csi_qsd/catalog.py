@@ -20,11 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from csi_qsd.params import VolumeParameters
+from csi_qsd.params import QoS, VolumeParameters
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DEFAULT_POOL = "default"
 # The whole schema as this release creates it; older catalogs reach it through _MIGRATIONS.
 _SCHEMA = """
@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS volumes (
     backing     TEXT NOT NULL DEFAULT '',
     generation  INTEGER NOT NULL DEFAULT 0,
     source      TEXT NOT NULL DEFAULT '',
-    pool        TEXT NOT NULL DEFAULT 'default'
+    pool        TEXT NOT NULL DEFAULT 'default',
+    qos         TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     id               TEXT PRIMARY KEY,
@@ -89,6 +90,10 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE volumes ADD COLUMN pool TEXT NOT NULL DEFAULT 'default'",
         "ALTER TABLE publishes ADD COLUMN single_writer INTEGER NOT NULL DEFAULT 0",
     ),
+    3: (
+        # I/O limits (mutable parameters); volumes of earlier releases have none.
+        "ALTER TABLE volumes ADD COLUMN qos TEXT NOT NULL DEFAULT '{}'",
+    ),
 }
 
 
@@ -134,6 +139,7 @@ class VolumeRecord:
     generation: int = 0  # how many times the top image was replaced by a new overlay
     source: str = ""  # "snapshot:<id>" or "volume:<id>" it was made from
     pool: str = DEFAULT_POOL  # the pool the volume's images live in
+    qos: QoS = QoS()  # I/O limits, the mutable parameters (ControllerModifyVolume changes them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,18 +428,20 @@ def _migrate(db: sqlite3.Connection, target: int) -> None:
 def _insert_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     db.execute(
         "INSERT INTO volumes (id, name, capacity, params, image, state, created_at, backing, generation, source,"
-        " pool) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        " pool, qos) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
         (record.id, record.name, record.capacity, record.params.to_json(), str(record.image),
-         record.state.value, record.created_at, record.backing, record.generation, record.source, record.pool),
+         record.state.value, record.created_at, record.backing, record.generation, record.source, record.pool,
+         record.qos.to_json()),
     )
 
 
 def _update_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     db.execute(
         "UPDATE volumes SET name=?, capacity=?, params=?, image=?, state=?, created_at=?, backing=?,"
-        " generation=?, source=?, pool=? WHERE id=?",
+        " generation=?, source=?, pool=?, qos=? WHERE id=?",
         (record.name, record.capacity, record.params.to_json(), str(record.image), record.state.value,
-         record.created_at, record.backing, record.generation, record.source, record.pool, record.id),
+         record.created_at, record.backing, record.generation, record.source, record.pool, record.qos.to_json(),
+         record.id),
     )
 
 
@@ -442,7 +450,7 @@ def _volume(row: sqlite3.Row) -> VolumeRecord:
         id=row["id"], name=row["name"], capacity=row["capacity"],
         params=VolumeParameters.from_json(row["params"]), image=Path(row["image"]),
         state=VolumeState(row["state"]), created_at=row["created_at"], backing=row["backing"],
-        generation=row["generation"], source=row["source"], pool=row["pool"],
+        generation=row["generation"], source=row["source"], pool=row["pool"], qos=QoS.from_json(row["qos"]),
     )
 
 

@@ -135,6 +135,11 @@ def parse_parameters(parameters: Mapping[str, str]) -> VolumeParameters:
     for key in sorted(parameters):
         if key.startswith(PROVISIONER_PREFIX):
             continue
+        if key in QOS_KEYS:
+            raise InvalidArgument(
+                f"parameter {key!r} is a mutable parameter: set I/O limits in a VolumeAttributesClass "
+                "(CreateVolume's or ControllerModifyVolume's mutable_parameters), not in the StorageClass"
+            )
         if key not in _PARSERS:
             known = ", ".join(sorted(_PARSERS))
             raise InvalidArgument(f"unknown StorageClass parameter {key!r}; supported: {known}")
@@ -150,3 +155,128 @@ def parse_parameters(parameters: Mapping[str, str]) -> VolumeParameters:
     if params.format is ImageFormat.RAW and params.preallocation is Preallocation.METADATA:
         raise InvalidArgument("parameter 'preallocation' 'metadata' applies only to format 'qcow2'")
     return params
+
+
+# ---------------------------------------------------------------- mutable parameters: QoS
+
+# QEMU refuses a throttle value above this (THROTTLE_VALUE_MAX), and a burst whose rate x length exceeds it.
+QOS_VALUE_MAX = 10**15
+MAX_BURST_SECONDS = 86400
+
+
+@dataclasses.dataclass(frozen=True)
+class QoS:
+    """A volume's I/O limits: per second, 0 for none; changed live by ControllerModifyVolume.
+
+    `*_max` is the burst rate a volume may reach for `burst_seconds` after it
+    stayed below its limit; QEMU's throttle filter enforces all of them in
+    QSD, above the image, so every export of the volume is held to them.
+    Stored in the catalog's `qos` column, apart from the fixed parameters.
+    """
+
+    iops_total: int = 0
+    iops_read: int = 0
+    iops_write: int = 0
+    bps_total: int = 0
+    bps_read: int = 0
+    bps_write: int = 0
+    iops_total_max: int = 0
+    iops_read_max: int = 0
+    iops_write_max: int = 0
+    bps_total_max: int = 0
+    bps_read_max: int = 0
+    bps_write_max: int = 0
+    burst_seconds: int = 1
+
+    @property
+    def limited(self) -> bool:
+        return any(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "burst_seconds")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "QoS":
+        raw = json.loads(text) if text else {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: int(v) for k, v in raw.items() if k in names})
+
+
+# mutable parameter key -> QoS field; the keys a VolumeAttributesClass may carry.
+QOS_KEYS: dict[str, str] = {
+    "iopsTotal": "iops_total", "iopsRead": "iops_read", "iopsWrite": "iops_write",
+    "bpsTotal": "bps_total", "bpsRead": "bps_read", "bpsWrite": "bps_write",
+    "iopsTotalMax": "iops_total_max", "iopsReadMax": "iops_read_max", "iopsWriteMax": "iops_write_max",
+    "bpsTotalMax": "bps_total_max", "bpsReadMax": "bps_read_max", "bpsWriteMax": "bps_write_max",
+    "burstSeconds": "burst_seconds",
+}
+_QOS_KEY_OF = {field: key for key, field in QOS_KEYS.items()}
+
+
+def parse_mutable_parameters(mutable: Mapping[str, str], current: QoS = QoS()) -> QoS:
+    """Apply a CreateVolume's or ControllerModifyVolume's `mutable_parameters` to `current`.
+
+    Only the keys given change (the CSI spec: nothing is modified for an
+    absent key), so lifting a limit takes an explicit "0". The result must
+    make sense as a whole, as QEMU would refuse it otherwise: a total limit
+    excludes read/write limits of the same kind, and a burst rate needs a
+    limit no higher than itself. Raises InvalidArgument naming the key.
+    """
+    changes = check_mutable_keys(mutable)
+    qos = dataclasses.replace(current, **changes)
+    _check_qos(qos, set(changes))
+    return qos
+
+
+def check_mutable_keys(mutable: Mapping[str, str]) -> dict[str, int]:
+    """Each key known and each value well-formed, on its own (QoS field -> value); raises InvalidArgument.
+
+    What the keys mean together depends on the volume's current limits, so
+    that is checked only once they are merged (`parse_mutable_parameters`).
+    """
+    changes: dict[str, int] = {}
+    for key in sorted(mutable):
+        if key.startswith(PROVISIONER_PREFIX):
+            continue
+        if key not in QOS_KEYS:
+            known = ", ".join(sorted(QOS_KEYS))
+            raise InvalidArgument(f"unknown mutable parameter {key!r}; supported: {known}")
+        allowed = range(1, MAX_BURST_SECONDS + 1) if key == "burstSeconds" else range(0, QOS_VALUE_MAX + 1)
+        changes[QOS_KEYS[key]] = _integer(key, mutable[key], allowed)
+    return changes
+
+
+def _check_qos(qos: QoS, given: set[str]) -> None:
+    def key(field: str) -> str:
+        return _QOS_KEY_OF[field]
+
+    def blame(*fields: str) -> str:
+        """The key to name: one the request gave, if any did."""
+        return key(next((f for f in fields if f in given), fields[0]))
+
+    for kind in ("iops", "bps"):
+        total = f"{kind}_total"
+        for side in ("read", "write"):
+            part = f"{kind}_{side}"
+            for a, b in ((total, part), (f"{total}_max", f"{part}_max")):
+                if getattr(qos, a) and getattr(qos, b):
+                    named = blame(b, a)
+                    other = key(a) if named == key(b) else key(b)
+                    raise InvalidArgument(
+                        f"mutable parameter {named!r} cannot be combined with {other!r}: limit either {kind} "
+                        "in total or reads and writes apart (set the other to \"0\")"
+                    )
+        for scope in ("total", "read", "write"):
+            rate, burst = f"{kind}_{scope}", f"{kind}_{scope}_max"
+            if not getattr(qos, burst):
+                continue
+            if not getattr(qos, rate):
+                raise InvalidArgument(f"mutable parameter {blame(burst, rate)!r}: a burst rate {key(burst)!r} "
+                                      f"needs a limit {key(rate)!r}")
+            if getattr(qos, burst) < getattr(qos, rate):
+                raise InvalidArgument(f"mutable parameter {blame(burst, rate)!r}: burst rate {key(burst)!r} "
+                                      f"({getattr(qos, burst)}) must be at least the limit {key(rate)!r} "
+                                      f"({getattr(qos, rate)})")
+            if getattr(qos, burst) * qos.burst_seconds > QOS_VALUE_MAX:
+                raise InvalidArgument(f"mutable parameter {blame('burst_seconds', burst)!r}: {key(burst)!r} x "
+                                      f"'burstSeconds' must not exceed {QOS_VALUE_MAX}")

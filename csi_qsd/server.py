@@ -28,6 +28,8 @@ from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.failpoints import Failpoints
+from csi_qsd.health import HealthView
+from csi_qsd.limits import VolumeLimits
 from csi_qsd.live import LiveImages
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.pools.files import FilePool
@@ -44,8 +46,10 @@ class Driver:
 
     def __init__(
         self, config: Config, catalog: Catalog, daemon: QSDDaemon, volumes: Volumes, node: NodeVolumes,
-        snapshots: Snapshots,
+        snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
     ) -> None:
+        self.health = health
+        self.limits = limits
         self.snapshots = snapshots
         self.config = config
         self.catalog = catalog
@@ -82,7 +86,8 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         await snapshots.reconcile()
         await daemon.start(node.rebuild)
         try:
-            yield Driver(config, catalog, daemon, volumes, node, snapshots)
+            yield Driver(config, catalog, daemon, volumes, node, snapshots, HealthView(catalog, exports),
+                         VolumeLimits(catalog, daemon, locks))
         finally:
             await snapshots.close()
             await daemon.close()
@@ -95,7 +100,8 @@ async def serving(config: Config) -> AsyncIterator[Driver]:
         server = grpc.aio.server()
         pb_grpc.add_IdentityServicer_to_server(IdentityService(
             config.driver_name, driver.ready, lambda: datapath.live_resize_reaches_guest(driver.daemon.version)), server)
-        pb_grpc.add_ControllerServicer_to_server(ControllerService(config, driver.volumes, driver.snapshots), server)
+        pb_grpc.add_ControllerServicer_to_server(ControllerService(
+            config, driver.volumes, driver.snapshots, driver.health, driver.limits), server)
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features()), server)
         pb_grpc.add_SnapshotMetadataServicer_to_server(SnapshotMetadataService(driver.changed_blocks), server)

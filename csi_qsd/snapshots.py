@@ -23,7 +23,7 @@ from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState, VolumeRecord
 from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
-from csi_qsd.params import ImageFormat, VolumeParameters
+from csi_qsd.params import ImageFormat, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
 from csi_qsd.live import LiveImages
 from csi_qsd.volumes import Capability, Volumes
@@ -170,7 +170,7 @@ class Snapshots:
 
     async def volume_from(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
-        *, snapshot_id: str = "", volume_id: str = "",
+        *, snapshot_id: str = "", volume_id: str = "", qos: QoS = QoS(),
     ) -> VolumeRecord:
         """A new volume over a snapshot, or over a fresh hidden snapshot of a volume (a clone): O(1)."""
         if params.format is not ImageFormat.QCOW2:
@@ -178,7 +178,7 @@ class Snapshots:
         source = f"snapshot:{snapshot_id}" if snapshot_id else f"volume:{volume_id}"
         existing = await self._catalog.volume_by_name(name)
         if existing is not None and existing.state is VolumeState.READY:
-            return await self._volumes.create(name, required, limit, params, caps, source=source)
+            return await self._volumes.create(name, required, limit, params, caps, source=source, qos=qos)
         if snapshot_id:
             async with self._snapshot_locks.hold(snapshot_id):
                 snapshot = await self.get(snapshot_id)
@@ -186,6 +186,7 @@ class Snapshots:
                     raise NotFound(f"snapshot {snapshot_id} does not exist")
                 volume = await self._volumes.create(
                     name, required, limit, params, caps, base=snapshot.image, base_size=snapshot.size, source=source,
+                    qos=qos,
                 )
         else:
             origin = await self._catalog.volume(volume_id)
@@ -202,6 +203,7 @@ class Snapshots:
 
             volume = await self._volumes.create(
                 name, required, limit, params, caps, base_size=origin.capacity, source=source, make_base=cut_origin,
+                qos=qos,
             )
         self._maybe_flatten(volume)
         return volume

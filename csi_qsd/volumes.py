@@ -18,7 +18,7 @@ from csi_qsd.errors import (
 )
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.locks import KeyedLocks
-from csi_qsd.params import ExportKind, VolumeParameters
+from csi_qsd.params import ExportKind, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
 from csi_qsd import chains, validate
 
@@ -107,14 +107,15 @@ class Volumes:
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
         *, base: Path | None = None, base_size: int = 0, source: str = "",
-        make_base: Callable[[], Awaitable[Path]] | None = None,
+        make_base: Callable[[], Awaitable[Path]] | None = None, qos: QoS = QoS(),
     ) -> VolumeRecord:
         """Create (or return the existing identical) volume called `name`.
 
         With `base`, the volume is a thin overlay on that image (a restore or a
         clone, O(1)) of at least `base_size` bytes; `source` says where it
         came from. `make_base` produces the base only after every check has
-        passed (a clone cuts its source then). Raises InvalidArgument,
+        passed (a clone cuts its source then). `qos` are the I/O limits from
+        the request's mutable parameters. Raises InvalidArgument,
         OutOfRange, AlreadyExists, ResourceExhausted, Aborted.
         """
         for cap in caps:
@@ -125,7 +126,8 @@ class Volumes:
             existing = await self._catalog.volume_by_name(name)
             if existing is not None:
                 if existing.state is VolumeState.READY:
-                    if existing.params != params or not _fits(existing, required, limit) or existing.source != source:
+                    if (existing.params != params or not _fits(existing, required, limit) or existing.source != source
+                            or existing.qos != qos):
                         raise AlreadyExists(
                             f"volume named {name!r} exists ({existing.id}, {existing.capacity} bytes) "
                             "with other parameters or capacity"
@@ -143,7 +145,7 @@ class Volumes:
             record = VolumeRecord(
                 id=volume_id, name=name, capacity=size, params=params,
                 image=self._pool.image_path(volume_id, params.format), state=VolumeState.CREATING,
-                created_at=now(), backing=str(base) if base is not None else "", source=source,
+                created_at=now(), backing=str(base) if base is not None else "", source=source, qos=qos,
             )
             async with self._volume_locks.hold(volume_id):
                 await self._catalog.add_volume(record)

@@ -19,7 +19,9 @@ from csi_qsd.csi.errors import not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
-from csi_qsd.params import PROVISIONER_PREFIX, parse_parameters
+from csi_qsd.health import HealthView, VolumeHealth
+from csi_qsd.limits import VolumeLimits
+from csi_qsd.params import PROVISIONER_PREFIX, check_mutable_keys, parse_mutable_parameters, parse_parameters
 from csi_qsd.snapshots import Snapshots
 from csi_qsd.volumes import MIB, Volumes, unsupported_capability
 
@@ -28,6 +30,7 @@ CAPABILITIES = (
     _RPC.CREATE_DELETE_VOLUME, _RPC.LIST_VOLUMES, _RPC.GET_CAPACITY, _RPC.GET_VOLUME,
     _RPC.SINGLE_NODE_MULTI_WRITER,
     _RPC.CREATE_DELETE_SNAPSHOT, _RPC.LIST_SNAPSHOTS, _RPC.GET_SNAPSHOT, _RPC.CLONE_VOLUME,
+    _RPC.LIST_VOLUMES_PUBLISHED_NODES, _RPC.VOLUME_CONDITION, _RPC.MODIFY_VOLUME,
 )
 
 
@@ -47,10 +50,18 @@ def check_snapshot_parameters(parameters: dict[str, str]) -> None:
 
 
 class ControllerService(pb_grpc.ControllerServicer):
-    def __init__(self, config: Config, volumes: Volumes, snapshots: Snapshots) -> None:
+    def __init__(
+        self, config: Config, volumes: Volumes, snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
+    ) -> None:
         self._config = config
         self._volumes = volumes
         self._snapshots = snapshots
+        self._health = health
+        self._limits = limits
+
+    def _published_nodes(self, health: VolumeHealth) -> list[str]:
+        """Volumes are node-local: published anywhere means published on this node."""
+        return [self._config.node_id] if health.published else []
 
     def _volume_message(self, record: VolumeRecord) -> pb.Volume:
         kind, _, source_id = record.source.partition(":")
@@ -73,6 +84,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         name = validate.name(request.name)
         caps = convert.capabilities(list(request.volume_capabilities))
         params = parse_parameters(dict(request.parameters))
+        qos = parse_mutable_parameters(dict(request.mutable_parameters))
         source = request.volume_content_source if request.HasField("volume_content_source") else None
         if request.HasField("accessibility_requirements"):
             requisite = list(request.accessibility_requirements.requisite)
@@ -82,13 +94,14 @@ class ControllerService(pb_grpc.ControllerServicer):
                 )
         required, limit = request.capacity_range.required_bytes, request.capacity_range.limit_bytes
         if source is None:
-            record = await self._volumes.create(name, required, limit, params, caps)
+            record = await self._volumes.create(name, required, limit, params, caps, qos=qos)
         elif source.WhichOneof("type") == "snapshot":
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
-            record = await self._snapshots.volume_from(name, required, limit, params, caps, snapshot_id=snapshot_id)
+            record = await self._snapshots.volume_from(
+                name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos)
         else:
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
-            record = await self._snapshots.volume_from(name, required, limit, params, caps, volume_id=volume_id)
+            record = await self._snapshots.volume_from(name, required, limit, params, caps, volume_id=volume_id, qos=qos)
         return pb.CreateVolumeResponse(volume=self._volume_message(record))
 
     @rpc
@@ -128,8 +141,19 @@ class ControllerService(pb_grpc.ControllerServicer):
         self, request: pb.ListVolumesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListVolumesResponse:
         records, next_token = await self._volumes.page(request.starting_token, request.max_entries)
+        health = await self._health.of(records)
         return pb.ListVolumesResponse(
-            entries=[pb.ListVolumesResponse.Entry(volume=self._volume_message(r)) for r in records],
+            entries=[
+                pb.ListVolumesResponse.Entry(
+                    volume=self._volume_message(r),
+                    status=pb.ListVolumesResponse.VolumeStatus(
+                        published_node_ids=self._published_nodes(health[r.id]),
+                        volume_condition=pb.VolumeCondition(
+                            abnormal=health[r.id].abnormal, message=health[r.id].message),
+                    ),
+                )
+                for r in records
+            ],
             next_token=next_token,
         )
 
@@ -161,11 +185,25 @@ class ControllerService(pb_grpc.ControllerServicer):
         record = await self._volumes.get(volume_id)
         if record is None:
             raise NotFound(f"volume {volume_id} does not exist")
-        # The spec makes `status` REQUIRED; its fields stay empty, as neither
-        # LIST_VOLUMES_PUBLISHED_NODES nor VOLUME_CONDITION is advertised.
+        health = (await self._health.of([record]))[record.id]
         return pb.ControllerGetVolumeResponse(
-            volume=self._volume_message(record), status=pb.ControllerGetVolumeResponse.VolumeStatus()
+            volume=self._volume_message(record),
+            status=pb.ControllerGetVolumeResponse.VolumeStatus(
+                published_node_ids=self._published_nodes(health),
+                volume_condition=pb.VolumeCondition(abnormal=health.abnormal, message=health.message),
+            ),
         )
+
+    @rpc
+    async def ControllerModifyVolume(
+        self, request: pb.ControllerModifyVolumeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ControllerModifyVolumeResponse:
+        """Change a volume's I/O limits (a VolumeAttributesClass), live where it is staged."""
+        mutable = dict(request.mutable_parameters)
+        check_mutable_keys(mutable)
+        volume_id = validate.volume_id(request.volume_id)
+        await self._limits.modify(volume_id, mutable)
+        return pb.ControllerModifyVolumeResponse()
 
     @rpc
     async def ControllerGetCapabilities(
@@ -231,7 +269,3 @@ class ControllerService(pb_grpc.ControllerServicer):
     @not_offered
     async def ControllerExpandVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
         raise Unimplemented("volume expansion is not supported by this driver version")
-
-    @not_offered
-    async def ControllerModifyVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
-        raise Unimplemented("volume modification is not supported by this driver version")

@@ -66,3 +66,12 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     def storage(self, image: Path) -> Storage:
         """What QSD opens for the storage reference `image`."""
+
+    async def check(self, image: Path, *, in_use: bool) -> str:
+        """Why what `image` names cannot serve its volume ('' if nothing is known to be wrong).
+
+        For the controller's volume condition. `in_use`: QSD has it open and
+        writing, so only checks its cached metadata cannot fool. The cost must
+        stay bounded (a pool caches what it learnt). The default knows nothing.
+        """
+        return ""

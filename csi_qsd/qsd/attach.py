@@ -4,7 +4,10 @@ Each function first looks at the live graph, so it is safe to call again after
 a crash at any point: it finishes what is missing and leaves what is there.
 A volume's top image has a generation; its older images are opened by QEMU
 itself from the backing-file chain, or stay as our named nodes under the top
-after a live snapshot.
+after a live snapshot. Over the top sits the volume's throttle filter, bound
+to its own throttle group: every export stands on the filter, so the limits
+hold for every consumer and change live, and a snapshot's switch of the top
+below it leaves filter and exports in place.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from csi_qsd.errors import QSDError
-from csi_qsd.params import VolumeParameters
+from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.client import BlockNodeInfo, QSDClient
 from csi_qsd.qsd.storage import Storage
@@ -27,6 +30,7 @@ class TopImage:
     generation: int
     storage: Storage
     params: VolumeParameters
+    qos: QoS = QoS()
 
     @property
     def nodes(self) -> graph.VolumeNodes:
@@ -34,8 +38,13 @@ class TopImage:
 
 
 async def ensure_top(client: QSDClient, top: TopImage, *, read_only: bool = False) -> None:
-    """Make `top` the volume's top node: open it fresh, or switch to it live from an older top."""
+    """Make `top` the volume's top node (open it fresh, or switch to it live from an older top) under its throttle."""
     present = await client.node_names()
+    await _ensure_format(client, top, present, read_only)
+    await _ensure_throttle(client, top, present)
+
+
+async def _ensure_format(client: QSDClient, top: TopImage, present: set[str], read_only: bool) -> None:
     nodes = top.nodes
     if nodes.format in present:
         return
@@ -51,6 +60,38 @@ async def ensure_top(client: QSDClient, top: TopImage, *, read_only: bool = Fals
         if nodes.file not in present:
             await client.blockdev_del(nodes.file)
         raise
+
+
+async def _ensure_throttle(client: QSDClient, top: TopImage, present: set[str]) -> None:
+    """The throttle group with the catalog's limits, and the filter over the top format node.
+
+    A group QSD already has gets the catalog's limits again if they differ
+    (a ControllerModifyVolume whose live change a crash cut off).
+    """
+    nodes = top.nodes
+    limits = graph.throttle_limits(top.qos)
+    if nodes.throttle_group not in await client.throttle_groups():
+        await client.execute("object-add", graph.throttle_group_object(nodes, top.qos))
+    elif not _same_limits(await client.throttle_limits(nodes.throttle_group), limits):
+        await client.set_throttle_limits(nodes.throttle_group, limits)
+    if nodes.throttle not in present:
+        await client.blockdev_add(graph.throttle_blockdev(nodes))
+
+
+def _same_limits(live: graph.QMPArgs, wanted: graph.QMPArgs) -> bool:
+    return all(live.get(key) == value for key, value in wanted.items())
+
+
+async def set_limits(client: QSDClient, volume_id: str, qos: QoS) -> bool:
+    """Change a volume's I/O limits live; False if QSD has no throttle group for it (not staged here).
+
+    The export and its consumers stay connected: only the group's buckets change.
+    """
+    group = graph.nodes_for(volume_id).throttle_group
+    if group not in await client.throttle_groups():
+        return False
+    await client.set_throttle_limits(group, graph.throttle_limits(qos))
+    return True
 
 
 async def switch_tops(client: QSDClient, switches: list[tuple[int, TopImage]]) -> None:
@@ -83,9 +124,13 @@ async def switch_tops(client: QSDClient, switches: list[tuple[int, TopImage]]) -
 
 
 async def resize(client: QSDClient, top: TopImage, size: int) -> None:
-    """Grow the volume's top image to `size` bytes, live; exports on it see the new size."""
+    """Grow the volume's top image to `size` bytes, live; exports on it see the new size.
+
+    Resized through the throttle filter, which passes it down and tells its
+    own parents (the exports) that the size changed.
+    """
     await ensure_top(client, top)
-    await client.block_resize(top.nodes.format, size)
+    await client.block_resize(top.nodes.throttle, size)
 
 
 async def has_export(client: QSDClient, export_id: str) -> bool:
@@ -122,6 +167,10 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     if own_iothread in await client.iothreads():
         await client.execute("object-del", {"id": own_iothread})
     present = await client.node_names()
+    if nodes.throttle in present:
+        await client.blockdev_del(nodes.throttle)
+    if nodes.throttle_group in await client.throttle_groups():
+        await client.execute("object-del", {"id": nodes.throttle_group})
     for generation in graph.format_generations(present, volume_id):
         layer = graph.nodes_for(volume_id, generation)
         for node in (layer.format, layer.file):
@@ -169,6 +218,6 @@ async def any_open(client: QSDClient, tops: list[TopImage]) -> bool:
 
 
 async def volumes_in_graph(client: QSDClient) -> set[str]:
-    """IDs of every volume that has a node or export of ours in QSD."""
-    names = await client.node_names() | set(await client.exports())
+    """IDs of every volume that has a node, export or throttle group of ours in QSD."""
+    names = await client.node_names() | set(await client.exports()) | await client.throttle_groups()
     return {vid for vid in map(graph.volume_of, names) if vid is not None}

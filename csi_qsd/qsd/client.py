@@ -256,6 +256,16 @@ class QSDClient:
             )
         return nodes
 
+    async def corrupt_nodes(self) -> set[str]:
+        """Names of the qcow2 nodes QSD has found corrupt (it marks them so and stops writing to them)."""
+        raw = await self.execute("query-named-block-nodes", {"flat": True})
+        found = set()
+        for item in raw:
+            specific = item.get("image", {}).get("format-specific", {})
+            if specific.get("type") == "qcow2" and specific.get("data", {}).get("corrupt"):
+                found.add(item["node-name"])
+        return found
+
     async def exports(self) -> dict[str, BlockExportInfo]:
         raw = await self.execute("query-block-exports")
         return {
@@ -270,6 +280,19 @@ class QSDClient:
         """IDs of the iothread objects (QSD has no query-iothreads; the QOM tree lists them)."""
         items = await self.execute("qom-list", {"path": "/objects"})
         return {item["name"] for item in items if item.get("type") == "child<iothread>"}
+
+    async def throttle_groups(self) -> set[str]:
+        """IDs of the throttle-group objects (from the QOM tree, like iothreads)."""
+        items = await self.execute("qom-list", {"path": "/objects"})
+        return {item["name"] for item in items if item.get("type") == "child<throttle-group>"}
+
+    async def throttle_limits(self, group: str) -> QMPArgs:
+        """A throttle group's limits as QEMU holds them (ThrottleLimits, every field)."""
+        return cast(QMPArgs, await self.execute("qom-get", {"path": f"/objects/{group}", "property": "limits"}))
+
+    async def set_throttle_limits(self, group: str, limits: QMPArgs) -> None:
+        """Change a throttle group's limits live; QEMU changes only the fields given and refuses bad ones."""
+        await self.execute("qom-set", {"path": f"/objects/{group}", "property": "limits", "value": limits})
 
     async def blockdev_add(self, spec: QMPArgs) -> None:
         await self.execute("blockdev-add", spec)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from csi_qsd.validate import VOLUME_ID_RE
-from csi_qsd.params import CacheMode, ImageFormat, VolumeParameters
+from csi_qsd.params import CacheMode, ImageFormat, QoS, VolumeParameters
 
 IOTHREAD_ID = "iothread0"
 # Per-volume qcow2 metadata cache: bounded on purpose (default would grow to 32 MiB each).
@@ -35,6 +35,8 @@ class VolumeNodes:
     format: str
     fuse_export: str
     vhost_export: str
+    throttle: str  # the filter every export sits on; outlives generations (blockdev-snapshot swaps its child)
+    throttle_group: str  # the object holding the volume's limits
 
     @property
     def all_nodes(self) -> tuple[str, str]:
@@ -65,6 +67,8 @@ def nodes_for(volume_id: str, generation: int = 0) -> VolumeNodes:
         format=f"{NODE_PREFIX}{suffix}-q{gen}",
         fuse_export=f"{NODE_PREFIX}{suffix}-fuse",
         vhost_export=f"{NODE_PREFIX}{suffix}-vhost",
+        throttle=f"{NODE_PREFIX}{suffix}-t",
+        throttle_group=f"{NODE_PREFIX}{suffix}-tg",
     )
 
 
@@ -76,6 +80,8 @@ class NameKind(enum.Enum):
     FUSE_EXPORT = "fuse"
     VHOST_EXPORT = "vhost"
     IOTHREAD = "io"
+    THROTTLE = "t"
+    THROTTLE_GROUP = "tg"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +104,8 @@ def parse_name(name: str) -> ParsedName | None:
     if volume_id is None:
         return None
     tail = name.rpartition("-")[2]
-    for kind in (NameKind.FUSE_EXPORT, NameKind.VHOST_EXPORT, NameKind.IOTHREAD):
+    for kind in (NameKind.FUSE_EXPORT, NameKind.VHOST_EXPORT, NameKind.IOTHREAD, NameKind.THROTTLE,
+                 NameKind.THROTTLE_GROUP):
         if tail == kind.value:
             return ParsedName(volume_id, kind)
     layers = {NameKind.FILE.value: NameKind.FILE, NameKind.FORMAT.value: NameKind.FORMAT}
@@ -186,12 +193,37 @@ def fuse_export(nodes: VolumeNodes, mountpoint: Path, *, writable: bool) -> QMPA
     return {
         "type": "fuse",
         "id": nodes.fuse_export,
-        "node-name": nodes.format,
+        "node-name": nodes.throttle,
         "mountpoint": str(mountpoint),
         "writable": writable,
         "growable": False,
         "allow-other": "off",
     }
+
+
+def throttle_limits(qos: QoS) -> QMPArgs:
+    """QEMU's ThrottleLimits for `qos`, every field given: a `qom-set` changes only the fields it names."""
+    limits: QMPArgs = {}
+    for kind in ("iops", "bps"):
+        for scope in ("total", "read", "write"):
+            rate = getattr(qos, f"{kind}_{scope}")
+            burst = getattr(qos, f"{kind}_{scope}_max")
+            limits[f"{kind}-{scope}"] = rate
+            limits[f"{kind}-{scope}-max"] = burst
+            # QEMU refuses a burst length without a burst rate.
+            limits[f"{kind}-{scope}-max-length"] = qos.burst_seconds if burst else 1
+    return limits
+
+
+def throttle_group_object(nodes: VolumeNodes, qos: QoS) -> QMPArgs:
+    """`object-add` arguments for the volume's throttle group, holding its limits."""
+    return {"qom-type": "throttle-group", "id": nodes.throttle_group, "limits": throttle_limits(qos)}
+
+
+def throttle_blockdev(nodes: VolumeNodes) -> QMPArgs:
+    """The throttle filter over the volume's top format node; exports sit on it, so limits hold for all of them."""
+    return {"driver": "throttle", "node-name": nodes.throttle, "throttle-group": nodes.throttle_group,
+            "file": nodes.format}
 
 
 def iothread_for(nodes: VolumeNodes, params: VolumeParameters) -> str:
@@ -218,7 +250,7 @@ def vhost_user_blk_export(
     return {
         "type": "vhost-user-blk",
         "id": nodes.vhost_export,
-        "node-name": nodes.format,
+        "node-name": nodes.throttle,
         "addr": {"type": "unix", "path": str(socket)},
         "writable": writable,
         # The guest sees a write-through cache and never flushes; only this keeps

@@ -94,8 +94,7 @@ ROWS = [
     Row("ControllerGetVolume", "controller", lambda o, b: pb.ControllerGetVolumeRequest(volume_id=o.volume),
         ("volume_id",)),
     Row("ControllerModifyVolume", "controller", lambda o, b: pb.ControllerModifyVolumeRequest(
-        volume_id=o.volume, mutable_parameters={"k": "v"}), ("volume_id", "mutable_parameters"),
-        unknown_answer=Code.UNIMPLEMENTED, offered=False),
+        volume_id=o.volume, mutable_parameters={"iopsTotal": "100"}), ("volume_id", "mutable_parameters")),
     Row("GetCapacity", "controller", lambda o, b: pb.GetCapacityRequest(volume_capabilities=[cap()]),
         ("volume_capabilities[0].access_type", "volume_capabilities[0].access_mode"), unknown_answer=None,
         id_kinds=()),

@@ -77,7 +77,7 @@ ALLOWED: dict[str, set[Code]] = {
     "ValidateVolumeCapabilities": _GENERAL | {Code.NOT_FOUND},
     "ListVolumes": _GENERAL,
     "ControllerGetVolume": _GENERAL | {Code.NOT_FOUND},
-    "ControllerModifyVolume": _NOT_OFFERED,
+    "ControllerModifyVolume": _GENERAL | {Code.NOT_FOUND},
     "GetCapacity": _GENERAL,
     "ControllerGetCapabilities": {Code.OK},
     # Driver additions: an unknown source volume is NOT_FOUND; a raw volume cannot be snapshotted

@@ -114,7 +114,7 @@ def test_format_blockdev_raw_has_no_qcow2_options() -> None:
 def test_fuse_export() -> None:
     spec = graph.fuse_export(NODES, Path("/state/exports/v/disk"), writable=True)
     assert spec == {
-        "type": "fuse", "id": NODES.fuse_export, "node-name": NODES.format, "mountpoint": "/state/exports/v/disk",
+        "type": "fuse", "id": NODES.fuse_export, "node-name": NODES.throttle, "mountpoint": "/state/exports/v/disk",
         "writable": True, "growable": False, "allow-other": "off",
     }
 
@@ -124,7 +124,7 @@ def test_vhost_export_is_writethrough_by_default() -> None:
     spec = graph.vhost_user_blk_export(NODES, Path("/s/vhost.sock"), VolumeParameters(), writable=True)
     assert spec["writethrough"] is True
     assert spec["type"] == "vhost-user-blk" and spec["id"] == NODES.vhost_export
-    assert spec["node-name"] == NODES.format and spec["addr"] == {"type": "unix", "path": "/s/vhost.sock"}
+    assert spec["node-name"] == NODES.throttle and spec["addr"] == {"type": "unix", "path": "/s/vhost.sock"}
     assert spec["num-queues"] == 64 and spec["logical-block-size"] == 512
     assert spec["iothread"] == graph.IOTHREAD_ID and spec["writable"] is True
 
@@ -134,3 +134,31 @@ def test_vhost_export_follows_the_parameters() -> None:
     spec = graph.vhost_user_blk_export(NODES, Path("/s"), params, writable=False)
     assert spec["writethrough"] is False
     assert spec["num-queues"] == 8 and spec["logical-block-size"] == 4096 and spec["writable"] is False
+
+
+def test_throttle_names_are_ours_and_shared_by_every_generation() -> None:
+    volume_id = VOLUME_IDS[0]
+    nodes = graph.nodes_for(volume_id, 7)
+    assert nodes.throttle == graph.nodes_for(volume_id).throttle
+    assert graph.parse_name(nodes.throttle) == graph.ParsedName(volume_id, graph.NameKind.THROTTLE)
+    assert graph.parse_name(nodes.throttle_group) == graph.ParsedName(volume_id, graph.NameKind.THROTTLE_GROUP)
+    assert len(nodes.throttle) <= QEMU_NODE_NAME_MAX and QEMU_ID.match(nodes.throttle_group)
+    assert graph.format_generations([nodes.throttle, nodes.throttle_group, nodes.format], volume_id) == [7]
+
+
+def test_throttle_filter_sits_on_the_top_format_node() -> None:
+    spec = graph.throttle_blockdev(NODES)
+    assert spec == {"driver": "throttle", "node-name": NODES.throttle, "throttle-group": NODES.throttle_group,
+                    "file": NODES.format}
+
+
+def test_throttle_limits_name_every_field_so_a_change_lifts_what_it_omits() -> None:
+    """qom-set of `limits` changes only the fields given: lifting a limit must send its 0."""
+    from csi_qsd.params import QoS
+    limits = graph.throttle_limits(QoS(iops_total=200, iops_total_max=400, burst_seconds=5, bps_read=1 << 20))
+    assert len(limits) == 18
+    assert limits["iops-total"] == 200 and limits["iops-total-max"] == 400 and limits["iops-total-max-length"] == 5
+    assert limits["bps-read"] == 1 << 20 and limits["bps-read-max"] == 0 and limits["bps-read-max-length"] == 1
+    assert all(v == 0 for k, v in graph.throttle_limits(QoS()).items() if not k.endswith("-length"))
+    obj = graph.throttle_group_object(NODES, QoS())
+    assert obj["qom-type"] == "throttle-group" and obj["id"] == NODES.throttle_group

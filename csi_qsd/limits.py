@@ -1,0 +1,59 @@
+"""I/O limits of volumes: the mutable parameters, stored in the catalog and applied live in QSD.
+
+ControllerModifyVolume lands here. The catalog is written first, so a
+restarted QSD (or a restarted driver) rebuilds each staged volume's throttle
+group with the limits the last answered call asked for; then a staged
+volume's group is changed in the running QSD, with its export and consumer
+(mount, loop device, VM) left connected. No gRPC types here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+from csi_qsd.catalog import Catalog, StageState, VolumeRecord, VolumeState
+from csi_qsd.errors import NotFound, Unavailable
+from csi_qsd.locks import KeyedLocks
+from csi_qsd.params import parse_mutable_parameters
+from csi_qsd.qsd import attach
+from csi_qsd.qsd.daemon import QSDDaemon
+
+log = logging.getLogger(__name__)
+
+
+class VolumeLimits:
+    """Change volumes' I/O limits; one call per volume at a time (the volume's lock)."""
+
+    def __init__(self, catalog: Catalog, daemon: QSDDaemon, locks: KeyedLocks) -> None:
+        self._catalog = catalog
+        self._daemon = daemon
+        self._locks = locks
+
+    async def modify(self, volume_id: str, mutable: Mapping[str, str]) -> VolumeRecord:
+        """Apply `mutable` (only the keys given change) and return the volume as it now is.
+
+        A retry is harmless: the limits are set again to the same values.
+        Raises NotFound, InvalidArgument (naming the key), Aborted (another
+        call holds the volume), Unavailable (QSD is restarting: the catalog
+        holds the new limits, and the retry applies them live).
+        """
+        async with self._locks.hold(volume_id):
+            volume = await self._catalog.volume(volume_id)
+            if volume is None or volume.state is not VolumeState.READY:
+                raise NotFound(f"volume {volume_id} does not exist")
+            qos = parse_mutable_parameters(mutable, volume.qos)
+            if qos != volume.qos:
+                volume = dataclasses.replace(volume, qos=qos)
+                await self._catalog.update_volume(volume)
+            stage = await self._catalog.stage(volume_id)
+            live = False
+            if stage is not None and stage.state is StageState.STAGED:
+                if not self._daemon.ready:
+                    raise Unavailable(
+                        f"volume {volume_id} is staged and qemu-storage-daemon is restarting; retry shortly"
+                    )
+                live = await attach.set_limits(self._daemon.client, volume_id, qos)
+            log.info("event=volume_modified volume_id=%s live=%s qos=%s", volume_id, live, qos.to_json())
+            return volume
