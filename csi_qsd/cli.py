@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -130,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("volume_id")
     stats.add_argument("path")
     actions.add_parser("info", help="GetPluginInfo, Probe and GetCapacity")
+    backup = actions.add_parser("backup", help="qcow2 backup of a snapshot: the ranges GetMetadataAllocated "
+                                "(full) or GetMetadataDelta (--since) lists, read from its frozen images on this node")
+    backup.add_argument("snapshot_id")
+    backup.add_argument("--since", default="", metavar="BASE_SNAPSHOT_ID", help="incremental since this snapshot")
+    backup.add_argument("-o", "--output", required=True, help="the qcow2 file to write (and FILE.json beside it)")
+    _option(backup, "--state-dir", str(DEFAULT_STATE_DIR), "the driver's state dir, whose catalog names the images")
+    _option(backup, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
+    _option(backup, "--qemu-nbd", bundled("qemu-nbd"), "qemu-nbd executable")
+    restore = actions.add_parser("restore", help="one image from a full backup and its incrementals, oldest first")
+    restore.add_argument("backups", nargs="+")
+    restore.add_argument("-o", "--output", required=True)
+    restore.add_argument("--format", default="qcow2", choices=["qcow2", "raw"])
+    _option(restore, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
     return parser
 
 
@@ -228,6 +242,17 @@ async def _client(args: argparse.Namespace) -> int:
             info = await client.plugin_info()
             print(json.dumps({"name": info.name, "version": info.vendor_version,
                               "ready": await client.probe(), "available_bytes": await client.capacity()}))
+        elif action in ("backup", "restore"):
+            from csi_qsd import backup
+
+            if action == "backup":
+                report = await backup.backup_snapshot(
+                    client, Config(state_dir=Path(args.state_dir)).catalog_path, args.snapshot_id, Path(args.output),
+                    since=args.since, qemu_img=args.qemu_img, qemu_nbd=args.qemu_nbd)
+            else:
+                report = await backup.restore([Path(b) for b in args.backups], Path(args.output),
+                                              qemu_img=args.qemu_img, fmt=args.format)
+            print(json.dumps(dataclasses.asdict(report)))
     return 0
 
 
@@ -242,6 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_client(args))
         except grpc.aio.AioRpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except DriverError as exc:
+            print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
             return 1
     config = config_from(args)
     setup_logging(config.log_level)

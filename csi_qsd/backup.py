@@ -1,0 +1,278 @@
+"""Full and incremental backups of snapshots as qcow2 files, and restores from a full plus incrementals.
+
+A backup asks the driver over CSI which ranges to copy (GetMetadataAllocated
+for a full backup, GetMetadataDelta since an older snapshot for an
+incremental) and reads exactly those ranges from the snapshot's frozen image
+chain on this node, served read-only by `qemu-nbd` on a private UNIX socket;
+they are written into a new qcow2 of the volume's capacity through a second,
+writable `qemu-nbd`. A range that reads as zeros is written as zero clusters
+(NBD WRITE_ZEROES), so it still overrides older data when the files are
+layered. Only the listed ranges are ever read, so an incremental costs what
+changed, not what the volume holds.
+
+Each backup gets a sidecar `FILE.json` naming its snapshot and base, so a
+restore can check it is given a full backup and then an unbroken sequence of
+incrementals. A restore layers the files in a `json:` backing chain (the
+backups themselves are never modified) and lets `qemu-img convert` write one
+standalone image. Frozen images are read beside the running QSD with
+`force-share`, as `qemu-img map -U` does. No gRPC types here: the caller
+passes in the ranges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import struct
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from csi_qsd.catalog import Catalog
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.errors import HostCommandError, InvalidArgument
+from csi_qsd.extents import Extent
+from csi_qsd.sys.run import run
+
+CHUNK = 4 << 20  # bytes per NBD request; qemu-nbd accepts up to 32 MiB
+SERVER_EXIT_SECONDS = 30.0
+
+# NBD protocol constants (the NBD protocol document, "fixed newstyle" negotiation).
+_NBDMAGIC = b"NBDMAGIC"
+_IHAVEOPT = 0x49484156454F5054
+_OPT_EXPORT_NAME = 1
+_FLAG_FIXED_NEWSTYLE, _FLAG_NO_ZEROES = 1, 2
+_REQUEST_MAGIC, _REPLY_MAGIC = 0x25609513, 0x67446698
+_CMD_READ, _CMD_WRITE, _CMD_DISC, _CMD_FLUSH, _CMD_WRITE_ZEROES = 0, 1, 2, 3, 6
+
+
+class NBDError(HostCommandError):
+    """The NBD server refused a request or broke the protocol."""
+
+
+class NBDClient:
+    """A minimal NBD client: one export, one request at a time, simple replies."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int) -> None:
+        self._reader, self._writer, self.size = reader, writer, size
+        self._cookie = 0
+
+    @classmethod
+    async def connect(cls, socket: Path) -> "NBDClient":
+        reader, writer = await asyncio.open_unix_connection(str(socket))
+        head = await reader.readexactly(18)
+        if head[:8] != _NBDMAGIC or struct.unpack(">Q", head[8:16])[0] != _IHAVEOPT:
+            raise NBDError(f"{socket} is not a newstyle NBD server")
+        (server_flags,) = struct.unpack(">H", head[16:18])
+        flags = _FLAG_FIXED_NEWSTYLE | (_FLAG_NO_ZEROES if server_flags & _FLAG_NO_ZEROES else 0)
+        writer.write(struct.pack(">I", flags) + struct.pack(">QII", _IHAVEOPT, _OPT_EXPORT_NAME, 0))
+        await writer.drain()
+        size, _transmission = struct.unpack(">QH", await reader.readexactly(10))
+        if not flags & _FLAG_NO_ZEROES:
+            await reader.readexactly(124)
+        return cls(reader, writer, size)
+
+    async def _request(self, command: int, offset: int, length: int, payload: bytes = b"") -> None:
+        self._cookie += 1
+        self._writer.write(struct.pack(">IHHQQI", _REQUEST_MAGIC, 0, command, self._cookie, offset, length) + payload)
+        await self._writer.drain()
+        if command == _CMD_DISC:
+            return
+        magic, error, cookie = struct.unpack(">IIQ", await self._reader.readexactly(16))
+        if magic != _REPLY_MAGIC or cookie != self._cookie:
+            raise NBDError("NBD reply out of sequence")
+        if error:
+            raise NBDError(f"NBD command {command} at {offset}+{length} failed: errno {error}")
+
+    async def read(self, offset: int, length: int) -> bytes:
+        await self._request(_CMD_READ, offset, length)
+        return await self._reader.readexactly(length)
+
+    async def write(self, offset: int, data: bytes) -> None:
+        await self._request(_CMD_WRITE, offset, len(data), data)
+
+    async def write_zeroes(self, offset: int, length: int) -> None:
+        await self._request(_CMD_WRITE_ZEROES, offset, length)
+
+    async def flush(self) -> None:
+        await self._request(_CMD_FLUSH, 0, 0)
+
+    async def close(self) -> None:
+        with contextlib.suppress(ConnectionError):
+            await self._request(_CMD_DISC, 0, 0)
+        self._writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.wait_closed()
+
+
+def qcow2_spec(image: Path, *, read_only: bool) -> str:
+    """A `json:` filename for qemu-nbd: a frozen image is opened read-only beside QSD (force-share)."""
+    spec: dict[str, Any] = {"driver": "qcow2", "file": {"driver": "file", "filename": str(image)}}
+    if read_only:
+        spec.update({"read-only": True, "force-share": True})
+    return "json:" + json.dumps(spec)
+
+
+@contextlib.asynccontextmanager
+async def nbd_export(qemu_nbd: str, spec: str, socket: Path, *, read_only: bool) -> AsyncIterator[NBDClient]:
+    """Serve `spec` with qemu-nbd on `socket` for one client; the server is gone when this exits.
+
+    `--fork` returns once the socket listens, so no polling for it; the
+    server exits when its one client disconnects, and that exit is awaited
+    (bounded), so a written image is closed before the caller uses it.
+    """
+    pid_file = socket.with_suffix(".pid")
+    argv = [qemu_nbd, "--fork", "--pid-file", str(pid_file), "--socket", str(socket)]
+    if read_only:
+        argv.append("--read-only")
+    await run(*argv, spec)
+    pid = int(pid_file.read_text().strip())
+    client = await NBDClient.connect(socket)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await _wait_gone(pid)
+
+
+async def _wait_gone(pid: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SERVER_EXIT_SECONDS
+    while Path(f"/proc/{pid}").exists():
+        if loop.time() > deadline:
+            os.kill(pid, 9)
+            raise NBDError(f"qemu-nbd {pid} did not exit after its client left")
+        await asyncio.sleep(0.01)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupReport:
+    snapshot_id: str
+    base_snapshot_id: str  # '' for a full backup
+    capacity: int
+    extents: int
+    bytes_read: int
+    zero_bytes: int  # of bytes_read, written as zero clusters
+
+
+async def backup(
+    image: Path, ranges: list[Extent], capacity: int, out: Path, *, snapshot_id: str, base_snapshot_id: str = "",
+    qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd",
+) -> BackupReport:
+    """Copy `ranges` of the snapshot whose frozen image is `image` into a new qcow2 `out` (and `out`.json).
+
+    Raises HostCommandError (NBDError) if an image cannot be read or written.
+    """
+    out = out.absolute()
+    tmp = out.with_name(f".{out.name}.tmp")
+    read = zeros = 0
+    with tempfile.TemporaryDirectory(prefix="csi-qsd-backup-") as work:
+        await run(qemu_img, "create", "-q", "-f", "qcow2", str(tmp), str(capacity))
+        try:
+            async with (
+                nbd_export(qemu_nbd, qcow2_spec(image, read_only=True), Path(work) / "src.sock", read_only=True) as src,
+                nbd_export(qemu_nbd, qcow2_spec(tmp, read_only=False), Path(work) / "dst.sock", read_only=False) as dst,
+            ):
+                for offset, length in ranges:
+                    for at in range(offset, offset + length, CHUNK):
+                        size = min(CHUNK, offset + length - at)
+                        data = await src.read(at, size)
+                        read += size
+                        if data.count(0) == size:
+                            zeros += size
+                            await dst.write_zeroes(at, size)
+                        else:
+                            await dst.write(at, data)
+                await dst.flush()
+            report = BackupReport(snapshot_id, base_snapshot_id, capacity, len(ranges), read, zeros)
+            sidecar = Path(f"{out}.json")
+            sidecar.write_text(json.dumps(dataclasses.asdict(report)) + "\n")
+            await asyncio.to_thread(_durable_rename, tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return report
+
+
+def _durable_rename(tmp: Path, out: Path) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, out)
+
+
+def describe(backup_file: Path) -> BackupReport:
+    """A backup's sidecar; InvalidArgument if it is missing or not one of ours."""
+    try:
+        return BackupReport(**json.loads(Path(f"{backup_file}.json").read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise InvalidArgument(f"{backup_file} has no readable backup description ({backup_file}.json): {exc}") from exc
+
+
+def check_sequence(reports: list[BackupReport]) -> None:
+    """A full backup first, then incrementals each based on the previous one's snapshot."""
+    if not reports:
+        raise InvalidArgument("give at least a full backup")
+    if reports[0].base_snapshot_id:
+        raise InvalidArgument(f"the first backup must be a full one; it is incremental since {reports[0].base_snapshot_id}")
+    for before, after in zip(reports, reports[1:]):
+        if after.base_snapshot_id != before.snapshot_id:
+            raise InvalidArgument(
+                f"backup of {after.snapshot_id} is incremental since {after.base_snapshot_id or 'nothing (full)'}, "
+                f"not since the previous backup's snapshot {before.snapshot_id}"
+            )
+
+
+def layered_spec(files: list[Path]) -> dict[str, Any]:
+    """A blockdev tree reading `files[-1]` over `files[-2]` … over `files[0]`, which has no backing."""
+    spec: dict[str, Any] | None = None
+    for path in files:
+        spec = {"driver": "qcow2", "read-only": True,
+                "file": {"driver": "file", "filename": str(path.absolute())}, "backing": spec}
+    assert spec is not None
+    return spec
+
+
+async def restore(files: list[Path], out: Path, *, qemu_img: str = "qemu-img", fmt: str = "qcow2") -> BackupReport:
+    """Write one standalone image `out` holding the newest backup's snapshot, from a full plus incrementals.
+
+    Raises InvalidArgument for a broken sequence, HostCommandError if qemu-img fails.
+    """
+    reports = [describe(f) for f in files]
+    check_sequence(reports)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        await run(qemu_img, "convert", "-O", fmt, "json:" + json.dumps(layered_spec(files)), str(tmp),
+                  timeout=24 * 3600)
+        await asyncio.to_thread(_durable_rename, tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return reports[-1]
+
+
+
+async def backup_snapshot(
+    client: CSIClient, catalog_path: Path, snapshot_id: str, out: Path, *, since: str = "",
+    qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd",
+) -> BackupReport:
+    """Ask the driver which ranges to copy, find the snapshot's frozen image in its catalog, copy them.
+
+    Raises grpc errors from the driver, InvalidArgument, HostCommandError.
+    """
+    if since:
+        capacity, ranges = await client.metadata_delta(since, snapshot_id)
+    else:
+        capacity, ranges = await client.metadata_allocated(snapshot_id)
+    if not catalog_path.exists():
+        raise InvalidArgument(f"no driver catalog at {catalog_path}: run the backup on the snapshot's node")
+    async with Catalog(catalog_path) as catalog:
+        record = await catalog.snapshot(snapshot_id)
+    if record is None:
+        raise InvalidArgument(f"snapshot {snapshot_id} is not in the catalog at {catalog_path}")
+    return await backup(record.image, ranges, capacity, out, snapshot_id=snapshot_id, base_snapshot_id=since,
+                        qemu_img=qemu_img, qemu_nbd=qemu_nbd)
