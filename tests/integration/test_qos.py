@@ -27,7 +27,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.params import QoS
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
-from tests.harness import Sandbox, qsd_pid, wait_new_qsd, wait_restored
+from tests.harness import Sandbox, qsd_pid, wait_restored
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
 
@@ -181,6 +181,14 @@ async def test_block_volume_bandwidth_limit_from_creation_then_lifted(
     assert statistics.mean(limited) == pytest.approx(limit, rel=TOLERANCE)
     assert max(limited) <= limit * (1 + TOLERANCE)
     assert statistics.mean(after) > 3 * limit
+
+
+async def wait_new_qsd(box: Sandbox, old: int, timeout: float = 60.0) -> None:
+    """Until the supervisor has started a QSD other than `old`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while qsd_pid(box) in (None, old):
+        assert asyncio.get_running_loop().time() < deadline, f"no new QSD replaced pid {old}"
+        await asyncio.sleep(0.1)
 
 
 async def iops(box: Sandbox, path: Path, name: str, seconds: float = 5.0) -> float:
