@@ -64,7 +64,7 @@ class ExportHost:
     def top_image(self, volume: VolumeRecord) -> attach.TopImage:
         """What QSD must have open as the volume's top node, in the terms of the volume's pool."""
         storage = self.pools[volume.pool].storage(volume.image)
-        return attach.TopImage(volume.id, volume.generation, storage, volume.params)
+        return attach.TopImage(volume.id, volume.generation, storage, volume.params, volume.qos)
 
 
 class ExportPath(abc.ABC):
