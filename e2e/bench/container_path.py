@@ -1,0 +1,377 @@
+"""Container path speed: a csi-qsd volume as a pod sees it, beside a loop device on a raw file, in one run.
+
+Runs `csi-qsd serve` as a separate process and drives it over its UNIX socket
+the way the external-provisioner and kubelet do (CreateVolume, NodeStage,
+NodePublish). Two pairs, each measured in the same run:
+
+  filesystem  fio inside the published target of a csi-qsd filesystem volume
+              (ext4 on the driver's loop device over QSD's FUSE export) vs ext4
+              made the same way on a direct-I/O loop device over a raw file in
+              the same pool directory;
+  block       fio on the published block device of a csi-qsd block volume vs a
+              direct-I/O loop device over a raw file.
+
+Jobs (fio, O_DIRECT, libaio, over a region written once beforehand, so the
+figures are of overwrites and reads of allocated data, never of allocation):
+4k random read and write at QD1 and QD32, 1 MiB sequential read and write at
+QD8. Each job runs in rounds, the volume and its baseline back to back in
+each, alternating which goes first (ABBA), so load from other processes hits
+both alike; a figure is the mean over its rounds. The machines this runs on
+are shared: read the ratios, and rerun before trusting a small change.
+
+Prints QSD's version and the loop device mode the driver chose (and the
+modes actually in effect, from sysfs). It prints figures, never pass/fail.
+Needs root, /dev/fuse, loop devices and fio. About 5 minutes with the default
+2 rounds of 5 s per job, 1.5 with --quick. Usage:
+
+    .venv/bin/python -m e2e.bench.container_path [--runtime 5] [--rounds 2] [--quick]
+        [--param format=raw --param preallocation=full] [--loop-io auto|direct|buffered]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.sys import filesystems
+from e2e.bench.common import GIB, MIB, kill_driver, ratio, retrying, sh, stop_driver_and_qsd, table
+from tests.harness import DriverProcess, Sandbox, sandbox
+
+VOLUME_SIZE = 1 * GIB
+REGION = 512 * MIB  # what the jobs touch: half the volume, leaving ext4 its metadata
+QUICK_RUNTIME = 3
+QUICK_ROUNDS = 1
+QUICK_REGION = 256 * MIB
+REQUIRED_TOOLS = ("fio", "losetup", "mkfs.ext4", "qemu-storage-daemon")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str
+    rw: str
+    bs: str
+    iodepth: int
+
+    @property
+    def sequential(self) -> bool:
+        return self.rw in ("read", "write")
+
+    @property
+    def writes(self) -> bool:
+        return "write" in self.rw
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({'MiB/s' if self.sequential else 'IOPS'})"
+
+
+JOBS = (
+    Job("4k randread QD1", "randread", "4k", 1),
+    Job("4k randread QD32", "randread", "4k", 32),
+    Job("4k randwrite QD1", "randwrite", "4k", 1),
+    Job("4k randwrite QD32", "randwrite", "4k", 32),
+    Job("1M read QD8", "read", "1M", 8),
+    Job("1M write QD8", "write", "1M", 8),
+)
+
+
+@dataclasses.dataclass
+class Pair:
+    """One kind of volume and its baseline: each job's figure (IOPS or MiB/s) for both."""
+
+    title: str
+    volume: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    baseline: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    volume_loop: str = "?"
+    baseline_loop: str = "?"
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+async def run(*argv: str, timeout: float = 600) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=dict(os.environ, LC_ALL="C"),
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+    return out.decode(errors="replace")
+
+
+async def fio(filename: Path, region: int, *args: str) -> dict[str, object]:
+    """One fio job on `filename` (O_DIRECT, libaio, the first `region` bytes); its JSON report."""
+    argv = [
+        "fio", "--name=bench", f"--filename={filename}", f"--size={region}", "--direct=1", "--ioengine=libaio",
+        "--randrepeat=0", "--norandommap", "--output-format=json", *args,
+    ]
+    report = json.loads(await run(*argv))
+    job: dict[str, object] = report["jobs"][0]
+    if job.get("error"):
+        raise RuntimeError(f"fio on {filename} failed with error {job['error']}")
+    return job
+
+
+async def lay_out(filename: Path, region: int) -> None:
+    """Write the region once, 1 MiB at a time, and flush: later jobs measure allocated data."""
+    await fio(filename, region, "--rw=write", "--bs=1M", "--iodepth=8", "--end_fsync=1")
+
+
+async def measure(filename: Path, region: int, job: Job, runtime: int) -> float:
+    report = await fio(
+        filename, region, f"--rw={job.rw}", f"--bs={job.bs}", f"--iodepth={job.iodepth}",
+        "--time_based", f"--runtime={runtime}",
+    )
+    side = report["write" if job.writes else "read"]
+    assert isinstance(side, dict)
+    return float(side["bw"]) / 1024 if job.sequential else float(side["iops"])
+
+
+def loop_mode_of(path: Path) -> str:
+    """'direct' or 'buffered': the loop device a block device file or a mounted directory sits on."""
+    st = os.stat(path)
+    dev = st.st_rdev if path.is_block_device() or not path.is_dir() else st.st_dev
+    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    try:
+        dio = (sysfs / "loop" / "dio").read_text().strip()
+        name = sysfs.resolve().name
+    except OSError:
+        return "not a loop device"
+    return f"{'direct' if dio == '1' else 'buffered'} ({name})"
+
+
+@contextlib.asynccontextmanager
+async def loop_on_raw(raw: Path) -> AsyncIterator[Path]:
+    """A direct-I/O loop device over `raw`, detached on exit."""
+    device = Path((await run("losetup", "--find", "--show", "--direct-io=on", str(raw))).strip())
+    try:
+        yield device
+    finally:
+        await run("losetup", "--detach", str(device))
+
+
+@contextlib.asynccontextmanager
+async def ext4_on(device: Path, mountpoint: Path) -> AsyncIterator[Path]:
+    """ext4 made as the driver makes it, mounted at `mountpoint`, unmounted on exit."""
+    await filesystems.make(device, "ext4")
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    await run("mount", str(device), str(mountpoint))
+    try:
+        yield mountpoint
+    finally:
+        await run("umount", str(mountpoint))
+
+
+class Bench:
+    """A sandbox, a served driver, the volumes it made, and the two pairs' figures."""
+
+    def __init__(self, box: Sandbox, parameters: dict[str, str], loop_io: str, runtime: int, rounds: int,
+                 region: int) -> None:
+        self.box = box
+        self.parameters = parameters
+        self.runtime = runtime
+        self.rounds = rounds
+        self.region = region
+        extra = ["--log-level", "info"] + (["--loop-io", loop_io] if loop_io else [])
+        self.driver = DriverProcess(box, *extra)
+        self.pool = box.state_dir / "pool"
+        self.pairs: list[Pair] = []
+        self.qsd: str = "?"
+        self.published: dict[str, tuple[Path, Path]] = {}  # volume ID -> (staging, target), for cleanup
+        self.staged: dict[str, Path] = {}
+
+    async def run(self) -> None:
+        await self.driver.start(timeout=60)
+        try:
+            self.qsd = self._qsd_from_log()
+            async with CSIClient(self.box.endpoint, timeout=600) as csi:
+                try:
+                    await self._filesystem(csi)
+                    await self._block(csi)
+                finally:
+                    await self._undo(csi)
+        finally:
+            await stop_driver_and_qsd(self.driver)
+
+    def _qsd_from_log(self) -> str:
+        found = re.findall(r"event=qsd_version version=(\S+) loop_io=(\S+) setting=(\S+)", self.driver.log())
+        if not found:
+            return "? (the driver logged no version)"
+        version, mode, setting = found[-1]
+        return f"QSD {version}, loop devices {mode} (--loop-io {setting})"
+
+    async def _volume(self, csi: CSIClient, name: str, *, block: bool) -> tuple[str, Path]:
+        vid = (await csi.create_volume(name, VOLUME_SIZE, self.parameters, block=block)).volume_id
+        staging, target = self.box.staging(name), self.box.target(name)
+        self.staged[vid] = staging
+        await csi.stage(vid, str(staging), block=block)
+        self.published[vid] = (staging, target)
+        await csi.publish(vid, str(staging), str(target), block=block)
+        return vid, target
+
+    async def _raw_file(self, name: str) -> Path:
+        raw = self.pool / name
+        await run("fallocate", "-l", str(VOLUME_SIZE), str(raw))
+        return raw
+
+    async def _compare(self, pair: Pair, volume: Path, baseline: Path) -> None:
+        progress(f"{pair.title}: laying out {self.region // MIB} MiB on each")
+        await lay_out(volume, self.region)
+        await lay_out(baseline, self.region)
+        self.pairs.append(pair)
+        turn = 0
+        for job in JOBS:
+            progress(f"{pair.title}: {job.name}, {self.rounds} x {self.runtime} s each")
+            for _ in range(self.rounds):
+                order = [(pair.volume, volume), (pair.baseline, baseline)]
+                for results, path in order if turn % 2 == 0 else reversed(order):
+                    results.setdefault(job.name, []).append(await measure(path, self.region, job, self.runtime))
+                turn += 1
+
+    async def _filesystem(self, csi: CSIClient) -> None:
+        pair = Pair("filesystem")
+        _, target = await self._volume(csi, "bench-fs", block=False)
+        pair.volume_loop = loop_mode_of(target)
+        raw = await self._raw_file("bench-fs.raw")
+        try:
+            async with loop_on_raw(raw) as device, ext4_on(device, self.box.root / "ext4-raw") as mountpoint:
+                pair.baseline_loop = loop_mode_of(mountpoint)
+                await self._compare(pair, target / "fio.dat", mountpoint / "fio.dat")
+        finally:
+            raw.unlink()
+
+    async def _block(self, csi: CSIClient) -> None:
+        pair = Pair("block")
+        _, target = await self._volume(csi, "bench-blk", block=True)
+        pair.volume_loop = loop_mode_of(target)
+        raw = await self._raw_file("bench-blk.raw")
+        try:
+            async with loop_on_raw(raw) as device:
+                pair.baseline_loop = loop_mode_of(device)
+                await self._compare(pair, target, device)
+        finally:
+            raw.unlink()
+
+    async def _undo(self, csi: CSIClient) -> None:
+        """Unpublish, unstage and delete every volume the run made, through the driver."""
+        for vid, (_, target) in list(self.published.items()):
+            await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(target)))
+        for vid, staging in list(self.staged.items()):
+            await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(staging)))
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            for volume in await csi.list_volumes():
+                await retrying(f"delete {volume.volume_id}", lambda: csi.delete_volume(volume.volume_id))
+
+
+def figure(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def report(bench: Bench, parameters: dict[str, str], runtime: int, rounds: int, region: int) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in sorted(parameters.items())) or "defaults (qcow2, preallocation=off)"
+    lines = [
+        f"{bench.qsd}; volume class: {params}",
+        f"fio O_DIRECT libaio, {rounds} x {runtime} s per job, {region // MIB} MiB region written beforehand; "
+        f"{VOLUME_SIZE // GIB} GiB volumes; load average {os.getloadavg()[0]:.2f} at the end",
+    ]
+    for pair in bench.pairs:
+        done = [job for job in JOBS if job.name in pair.volume and job.name in pair.baseline]
+        rows = []
+        for job in done:
+            volume, baseline = mean(pair.volume[job.name]), mean(pair.baseline[job.name])
+            rows.append([job.label, figure(volume), figure(baseline), ratio(volume, baseline)])
+        what = "ext4 in the published volume" if pair.title == "filesystem" else "the published block device"
+        base = "ext4 on a loop device on a raw file" if pair.title == "filesystem" else "a loop device on a raw file"
+        lines += [
+            "",
+            f"{pair.title}: {what} (loop {pair.volume_loop}) vs {base} (loop {pair.baseline_loop})",
+            table(["job", "csi-qsd", "baseline", "ratio"], rows),
+        ]
+    return "\n".join(lines)
+
+
+def parse_params(values: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        key, eq, val = value.partition("=")
+        if not eq or not key:
+            raise argparse.ArgumentTypeError(f"--param takes KEY=VALUE, not {value!r}")
+        out[key] = val
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.container_path", description=__doc__.split("\n")[0])
+    parser.add_argument("--runtime", type=int, default=5, help="seconds per fio run (default 5)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each job on each side (default 2)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_ROUNDS} x {QUICK_RUNTIME} s per job over {QUICK_REGION // MIB} MiB")
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="StorageClass parameter of the volumes (repeatable), e.g. format=raw")
+    parser.add_argument("--loop-io", default="", choices=["", "auto", "direct", "buffered"],
+                        help="passed to `csi-qsd serve` (default: the driver's own default)")
+    args = parser.parse_args(argv)
+    try:
+        parameters = parse_params(args.param)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    if args.runtime < 1 or args.rounds < 1:
+        parser.error("--runtime and --rounds must be at least 1")
+    runtime, rounds, region = (
+        (QUICK_RUNTIME, QUICK_ROUNDS, QUICK_REGION) if args.quick else (args.runtime, args.rounds, REGION)
+    )
+    if os.geteuid() != 0:
+        print("needs root (mounts, loop devices, FUSE)", file=sys.stderr)
+        return 2
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        print(f"missing tools: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    progress(sh("qemu-storage-daemon", "--version").splitlines()[0])
+    status = 0
+    started = time.monotonic()
+    with sandbox() as box:
+        bench = Bench(box, parameters, args.loop_io, runtime, rounds, region)
+        try:
+            asyncio.run(bench.run())
+        except KeyboardInterrupt:
+            print("interrupted: cleaned up; partial results follow", file=sys.stderr)
+            status = 130
+        except Exception as exc:
+            print(f"benchmark failed: {exc!r}\n--- driver log (tail) ---\n{bench.driver.log()[-4000:]}",
+                  file=sys.stderr)
+            status = 1
+        finally:
+            kill_driver(bench.driver)
+    print(report(bench, parameters, runtime, rounds, region), flush=True)
+    print(f"wall time {time.monotonic() - started:.0f} s", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
