@@ -4,21 +4,28 @@ Every driver under test gets a short private directory under /tmp (UNIX
 socket paths are limited to 107 bytes) holding its state dir and a fake
 kubelet root. Cleanup is generic and forceful, so a failed test never leaves
 mounts, loop devices or daemons behind for the next one.
+
+Tests wait for what they can observe (a pid, a mount, a log line, Probe, a
+counter) with `until`, never with a fixed sleep that hopes it happened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
+import select
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar, overload
 
 from csi_qsd.config import Config
 from csi_qsd.csi_client import CSIClient
@@ -26,6 +33,54 @@ from csi_qsd.qsd.daemon import running_pid
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys import loop, mounts
 from csi_qsd.tools import bundled
+
+T = TypeVar("T")
+POLL_INTERVAL = 0.05
+
+
+@overload
+async def until(
+    predicate: Callable[[], Awaitable[T]], what: str | Callable[[], str], timeout: float = ..., interval: float = ...
+) -> T: ...
+
+
+@overload
+async def until(
+    predicate: Callable[[], T], what: str | Callable[[], str], timeout: float = ..., interval: float = ...
+) -> T: ...
+
+
+async def until(
+    predicate: Callable[[], object], what: str | Callable[[], str], timeout: float = 60.0,
+    interval: float = POLL_INTERVAL,
+) -> object:
+    """Poll `predicate` (sync or async) until it returns something truthy, and return that.
+
+    For events that nothing notifies (a pid file, a mount, a log line): a short
+    poll inside a bound. Raises AssertionError naming `what` (a string, or a
+    callable for a message built at the deadline, e.g. with the last log lines)
+    after `timeout` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() >= deadline:
+            message = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
+        await asyncio.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -75,27 +130,40 @@ def sandbox() -> Iterator[Sandbox]:
         force_cleanup(root)
 
 
+def _quietly(*argv: str) -> None:
+    """Run a cleanup tool whose failure is expected (the object may be gone already); output is captured."""
+    subprocess.run(argv, capture_output=True, check=False, env=dict(os.environ, LC_ALL="C"))
+
+
+def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
+    """SIGKILL `pid` and wait (bounded) until it has exited, so its FUSE exports are gone."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        select.select([pidfd], [], [], timeout)  # readable once the process has exited
+    finally:
+        os.close(pidfd)
+
+
 def force_cleanup(root: Path) -> None:
     """Unmount everything under `root`, detach its loop devices, kill its QSD, remove it."""
     state = root / "state"
     for entry in sorted(mounts.mount_table(), key=lambda e: len(str(e.mount_point)), reverse=True):
         if root in entry.mount_point.parents and entry.fs_type != "fuse":
-            os.system(f"umount -l '{entry.mount_point}' 2>/dev/null")
+            _quietly("umount", "-l", str(entry.mount_point))
     for lp in loop.loop_devices():
         if root in lp.backing_file.parents:
-            os.system(f"losetup -d {lp.device} 2>/dev/null")
+            _quietly("losetup", "-d", str(lp.device))
     pid = running_pid(Config(state_dir=state))
     if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        for _ in range(100):
-            if not Path(f"/proc/{pid}").exists():
-                break
-
-            time.sleep(0.05)
+        _kill_and_wait(pid)
     for entry in mounts.mount_table():
         if root in entry.mount_point.parents:
-            os.system(f"umount -l '{entry.mount_point}' 2>/dev/null")
+            _quietly("umount", "-l", str(entry.mount_point))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -131,19 +199,18 @@ class DriverProcess:
             *argv, stdout=log, stderr=log, start_new_session=True, env=env
         )
         log.close()
+        proc = self.proc
         async with CSIClient(self.box.endpoint, timeout=5) as client:
-            deadline = asyncio.get_running_loop().time() + timeout
-            while True:
-                if self.proc.returncode is not None:
-                    raise RuntimeError(f"driver exited {self.proc.returncode}: {self.log()[-4000:]}")
+
+            async def ready() -> bool:
+                if proc.returncode is not None:
+                    raise RuntimeError(f"driver exited {proc.returncode}: {self.log()[-4000:]}")
                 try:
-                    if await client.probe():
-                        return
-                except Exception:
-                    pass
-                if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError(f"driver not ready in {timeout}s: {self.log()[-4000:]}")
-                await asyncio.sleep(0.1)
+                    return bool(await client.probe())
+                except Exception:  # no socket yet, or not serving yet
+                    return False
+
+            await until(ready, lambda: f"Probe ready; driver log:\n{self.log()[-4000:]}", timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -167,8 +234,31 @@ class DriverProcess:
                 await self.proc.wait()
 
 
+@contextlib.asynccontextmanager
+async def running_driver(box: Sandbox, *extra: str) -> AsyncIterator[DriverProcess]:
+    """`csi-qsd serve` for `box` (with `extra` flags), ready; stopped on the way out."""
+    driver = DriverProcess(box, *extra)
+    try:
+        await driver.start()
+        yield driver
+    finally:
+        await driver.stop()
+
+
 def qsd_pid(box: Sandbox) -> int | None:
     return running_pid(Config(state_dir=box.state_dir))
+
+
+async def wait_new_qsd(box: Sandbox, old: int, timeout: float = 60.0) -> int:
+    """Until a QSD other than `old` runs for `box` (the supervisor restarted it); its pid."""
+
+    def new_pid() -> int | None:
+        pid = qsd_pid(box)
+        return pid if pid != old else None
+
+    pid = await until(new_pid, f"a new QSD to replace pid {old}", timeout)
+    assert pid is not None
+    return pid
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -179,16 +269,14 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-async def wait_restored(csi: CSIClient, vid: str, path: Path, timeout: float = 30) -> None:
+async def wait_restored(csi: CSIClient, vid: str, path: Path, timeout: float = 60) -> None:
     """Until NodeGetVolumeStats reports the volume healthy again (after a QSD restart)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
+
+    async def healthy() -> bool:
         try:
             stats = await csi.stats(vid, str(path))
-            if not stats.volume_condition.abnormal:
-                return
-        except Exception:
-            pass
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"volume {vid} not restored within {timeout}s")
-        await asyncio.sleep(0.2)
+        except Exception:  # UNAVAILABLE while QSD is down
+            return False
+        return not stats.volume_condition.abnormal
+
+    await until(healthy, f"volume {vid} healthy again at {path}", timeout, interval=0.2)

@@ -10,7 +10,7 @@ import pytest
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.server import Driver
-from tests.harness import Sandbox, in_process_driver, sandbox
+from tests.harness import DriverProcess, Sandbox, in_process_driver, running_driver, sandbox
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mkfs.xfs", "blkid")
 
@@ -43,3 +43,10 @@ async def driver(box: Sandbox) -> AsyncIterator[tuple[Driver, CSIClient]]:
 @pytest.fixture
 async def csi(driver: tuple[Driver, CSIClient]) -> CSIClient:
     return driver[1]
+
+
+@pytest.fixture
+async def process(box: Sandbox) -> AsyncIterator[DriverProcess]:
+    """The driver as a separate `csi-qsd serve` process, as in a pod."""
+    async with running_driver(box) as driver:
+        yield driver

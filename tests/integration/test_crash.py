@@ -8,28 +8,16 @@ After a QSD crash the driver must restore the export, loop device and mounts.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
 
 import pytest
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import mounts
-from tests.harness import DriverProcess, Sandbox, qsd_pid, wait_restored, write_synced
+from tests.harness import DriverProcess, Sandbox, qsd_pid, until, wait_new_qsd, wait_restored, write_synced
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-async def process(box: Sandbox) -> AsyncIterator[DriverProcess]:
-    driver = DriverProcess(box)
-    await driver.start()
-    try:
-        yield driver
-    finally:
-        await driver.stop()
 
 
 async def crash_and_restart(driver: DriverProcess) -> None:
@@ -37,7 +25,6 @@ async def crash_and_restart(driver: DriverProcess) -> None:
     await driver.kill9()
     await driver.start()
     assert qsd_pid(driver.box) == pid, "a restarted driver must adopt the running QSD, not replace it"
-
 
 
 async def test_driver_sigkill_between_every_step(box: Sandbox, process: DriverProcess) -> None:
@@ -110,12 +97,12 @@ async def test_qsd_sigkill_under_published_volume(box: Sandbox, process: DriverP
         old_pid = qsd_pid(box)
         assert old_pid is not None
         os.kill(old_pid, signal.SIGKILL)
-        await asyncio.sleep(0.5)
+        new_pid = await wait_new_qsd(box, old_pid)
+        await until(lambda: "event=qsd_recovered" in process.log(), "event=qsd_recovered in the driver log")
         await wait_restored(csi, vid, target)
-        new_pid = qsd_pid(box)
-        assert new_pid is not None and new_pid != old_pid
+        assert qsd_pid(box) == new_pid
         log = process.log()
-        assert "event=qsd_lost" in log and "event=drop_stale" in log and "event=qsd_recovered" in log
+        assert "event=qsd_lost" in log and "event=drop_stale" in log
 
         # The same target path works again and holds every synced byte.
         if block:

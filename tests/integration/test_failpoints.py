@@ -9,7 +9,6 @@ intact.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -63,16 +62,6 @@ STEPS = {
 }
 ORDER = list(STEPS)
 CASES = [(step, point) for step, points in STEPS.items() for point in points]
-
-
-@pytest.fixture
-async def process(box: Sandbox) -> AsyncIterator[DriverProcess]:
-    driver = DriverProcess(box)
-    await driver.start()
-    try:
-        yield driver
-    finally:
-        await driver.stop()
 
 
 @pytest.mark.parametrize(("step", "point"), CASES, ids=[point for _, point in CASES])

@@ -21,9 +21,10 @@ The cases (CSI spec and DESIGN.md, decision 5):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -32,10 +33,11 @@ from csi_qsd.csi_client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys import loop, mounts
-from tests.harness import Sandbox
+from tests.harness import Sandbox, in_process_driver, until
 
 MIB = 1 << 20
 Code = grpc.StatusCode
+T = TypeVar("T")
 
 
 async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
@@ -259,15 +261,68 @@ async def test_unstage_while_published_is_failed_precondition(
 # calls in flight ---------------------------------------------------------------
 
 
+class HeldQemuImg:
+    """A qemu-img that holds one `create` mid-way until the test lets it go: a call in flight, for as long as needed.
+
+    The driver is given it through its public setting (`Config.qemu_img`), so the held call keeps exactly
+    the locks a slow CreateVolume or CreateSnapshot keeps, and the test needs none of the driver's internals.
+    """
+
+    def __init__(self, box: Sandbox) -> None:
+        self.armed, self.held = box.root / "qemu-img.armed", box.root / "qemu-img.held"
+        self.path = box.root / "qemu-img"
+        # The first `create` after arming takes the gate (mv is atomic), then waits, bounded, for its release.
+        self.path.write_text(
+            "#!/bin/sh\n"
+            f'if [ "$1" = create ] && mv "{self.armed}" "{self.held}" 2>/dev/null; then\n'
+            "    i=0\n"
+            f'    while [ -e "{self.held}" ] && [ "$i" -lt 1200 ]; do sleep 0.05; i=$((i + 1)); done\n'
+            "fi\n"
+            f'exec "{box.config().qemu_img}" "$@"\n'
+        )
+        self.path.chmod(0o755)
+
+    def _release(self) -> None:
+        self.armed.unlink(missing_ok=True)
+        self.held.unlink(missing_ok=True)
+
+    @contextlib.asynccontextmanager
+    async def holding(self, call: Coroutine[Any, Any, T]) -> AsyncIterator[asyncio.Task[T]]:
+        """Run `call` until its qemu-img create is held; release it on the way out and wait for the call."""
+        self.armed.touch()
+        task = asyncio.create_task(call)
+        try:
+            await until(lambda: self.held.exists() or task.done(), "the call to reach qemu-img create")
+            assert not task.done(), f"the call ended without running qemu-img create: {task}"
+            yield task
+        except BaseException:
+            self._release()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        self._release()
+        await task
+
+
+@pytest.fixture
+async def held(box: Sandbox) -> AsyncIterator[tuple[CSIClient, HeldQemuImg]]:
+    """An in-process driver whose qemu-img the test can hold mid-call."""
+    gate = HeldQemuImg(box)
+    async with in_process_driver(box, qemu_img=str(gate.path)) as (_, csi):
+        yield csi, gate
+
+
 async def test_a_call_on_a_busy_volume_is_aborted_then_the_retry_succeeds(
-    box: Sandbox, driver: tuple[Driver, CSIClient]
+    box: Sandbox, held: tuple[CSIClient, HeldQemuImg]
 ) -> None:
-    """Deterministic: the test holds the volume's lock, as a slow call in flight would."""
-    drv, csi = driver
+    """Deterministic: a CreateSnapshot of the volume is held inside qemu-img, as a slow call in flight would be.
+
+    One lock per volume, shared by controller and node: while the controller's call runs, every node call
+    and DeleteVolume on the volume is ABORTED.
+    """
+    csi, gate = held
     volume = await csi.create_volume("pvc-busy", 64 * MIB)
     volume_id, staging, target = volume.volume_id, box.staging("busy"), box.target("busy")
-    locks = drv.node._locks
-    assert locks is drv.volumes._volume_locks  # one lock per volume, shared by controller and node
 
     calls = {
         "NodeStageVolume": lambda: csi.stage(volume_id, str(staging)),
@@ -276,34 +331,36 @@ async def test_a_call_on_a_busy_volume_is_aborted_then_the_retry_succeeds(
         "NodeUnpublishVolume": lambda: csi.unpublish(volume_id, str(target)),
         "DeleteVolume": lambda: csi.delete_volume(volume_id),
     }
-    async with locks.hold(volume_id):
+    async with gate.holding(csi.create_snapshot("snap-busy", volume_id)) as snapshot:
         for method, call in calls.items():
             error = await rpc_error(call())
             assert error.code() == Code.ABORTED, method
             assert volume_id in (error.details() or ""), method
+    assert snapshot.result().source_volume_id == volume_id, "the held call completes once released"
     assert mounts_at(staging) == 0 and [v.volume_id for v in await csi.list_volumes()] == [volume_id]
     for method in ("NodeStageVolume", "NodePublishVolume", "NodeUnpublishVolume", "NodeUnstageVolume", "DeleteVolume"):
         await calls[method]()  # the lock is free again: every retry goes through
     assert await csi.list_volumes() == []
+    await csi.delete_snapshot(snapshot.result().snapshot_id)
 
 
-async def test_other_volumes_are_not_blocked(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
-    drv, csi = driver
+async def test_other_volumes_are_not_blocked(box: Sandbox, held: tuple[CSIClient, HeldQemuImg]) -> None:
+    csi, gate = held
     busy = await csi.create_volume("pvc-busy", 16 * MIB)
     free = await csi.create_volume("pvc-free", 64 * MIB)
-    async with drv.node._locks.hold(busy.volume_id):
+    async with gate.holding(csi.create_snapshot("snap-busy", busy.volume_id)):
         await csi.stage(free.volume_id, str(box.staging("free")))
         await csi.unstage(free.volume_id, str(box.staging("free")))
 
 
-async def test_create_with_a_name_in_flight_is_aborted(driver: tuple[Driver, CSIClient]) -> None:
-    drv, csi = driver
-    async with drv.volumes._name_locks.hold("pvc-racing"):
+async def test_create_with_a_name_in_flight_is_aborted(held: tuple[CSIClient, HeldQemuImg]) -> None:
+    csi, gate = held
+    async with gate.holding(csi.create_volume("pvc-racing", 16 * MIB)) as first:
         error = await rpc_error(csi.create_volume("pvc-racing", 16 * MIB))
         assert error.code() == Code.ABORTED and "'pvc-racing'" in (error.details() or "")
         await csi.create_volume("pvc-other", 16 * MIB)  # another name is not blocked
     volume = await csi.create_volume("pvc-racing", 16 * MIB)
-    assert volume.volume_id
+    assert volume.volume_id == first.result().volume_id, "the retry finds the volume the held call made"
 
 
 async def test_concurrent_identical_stages_agree(box: Sandbox, csi: CSIClient) -> None:

@@ -14,8 +14,7 @@ import asyncio
 import os
 import re
 import signal
-import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -23,19 +22,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi_qsd.csi_client import CSIClient
-from tests.harness import DriverProcess, Sandbox, qsd_pid
+from tests.harness import DriverProcess, Sandbox, free_port, qsd_pid, running_driver, until
 
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTED_IN = (REPO / "deploy" / "README.md", REPO / "README.md")
 Labels = frozenset[tuple[str, str]]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Scrape:
@@ -99,25 +91,21 @@ def port() -> int:
 
 @pytest.fixture
 async def process(box: Sandbox, port: int) -> AsyncIterator[DriverProcess]:
-    driver = DriverProcess(box, "--metrics-address", f"127.0.0.1:{port}")
-    await driver.start()
-    try:
+    async with running_driver(box, "--metrics-address", f"127.0.0.1:{port}") as driver:
         yield driver
-    finally:
-        await driver.stop()
 
 
-async def wait_for(port: int, check: str, predicate: object, timeout: float = 60.0) -> Scrape:
+async def wait_for(port: int, check: str, predicate: Callable[[Scrape], bool], timeout: float = 60.0) -> Scrape:
     """Scrape until `predicate(scrape)` holds; fail with the last scrape after `timeout`."""
-    assert callable(predicate)
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        current = await scrape(port)
-        if predicate(current):
-            return current
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{check} not reached in {timeout}s; last scrape:\n{current.text}")
-        await asyncio.sleep(0.2)
+    last: list[Scrape] = []
+
+    async def reached() -> Scrape | None:
+        last[:] = [await scrape(port)]
+        return last[0] if predicate(last[0]) else None
+
+    found = await until(reached, lambda: f"{check}; last scrape:\n{last[0].text if last else ''}", timeout, 0.2)
+    assert found is not None
+    return found
 
 
 async def test_metrics_during_io_and_a_qsd_restart(box: Sandbox, process: DriverProcess, port: int) -> None:

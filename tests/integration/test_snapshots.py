@@ -16,7 +16,7 @@ from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.snapshots import MAX_CHAIN_DEPTH
-from tests.harness import DriverProcess, Sandbox, write_synced
+from tests.harness import DriverProcess, Sandbox, until, write_synced
 
 MIB = 1 << 20
 
@@ -174,15 +174,17 @@ async def test_deep_chains_are_flattened_live(box: Sandbox, driver: tuple[Driver
         for i in range(MAX_CHAIN_DEPTH + 1):
             write_synced(mount / f"file{i}", f"generation {i}".encode() * 1000)
             snaps.append((await csi.create_snapshot(f"deep-{i}", vid)).snapshot_id)
-        depth = MAX_CHAIN_DEPTH + 2
-        for _ in range(300):
+        depths: list[int] = []
+
+        async def flattened() -> bool:
             record = await drv.catalog.volume(vid)
             assert record is not None
-            depth = await chains.depth(drv.catalog, record)
-            if depth <= 2:
-                break
-            await asyncio.sleep(0.1)
-        assert depth == 2, "block-stream must have flattened the chain under the mounted volume"
+            depths.append(await chains.depth(drv.catalog, record))
+            return depths[-1] <= 2
+
+        await until(flattened, lambda: f"block-stream to flatten the chain under the mounted volume "
+                    f"(depth {depths[-1] if depths else '?'})", timeout=60, interval=0.1)
+        assert depths[-1] == 2, "block-stream must have flattened the chain under the mounted volume"
         write_synced(mount / "during", b"the volume stayed writable")
         for i in range(MAX_CHAIN_DEPTH + 1):
             assert (mount / f"file{i}").read_bytes() == f"generation {i}".encode() * 1000
@@ -236,11 +238,15 @@ async def test_group_snapshot_cuts_all_members_at_one_instant(box: Sandbox, driv
 
     thread = threading.Thread(target=writer)
     thread.start()
-    await asyncio.sleep(0.5)
-    group = await csi.create_group_snapshot("group-1", vids)
-    await asyncio.sleep(0.3)
-    stop.set()
-    await asyncio.to_thread(thread.join)
+    try:
+        # Cut while the writer is well under way, and let it write on after the cut.
+        await until(lambda: len(written) >= 60 or not thread.is_alive(), "the writer's first 60 writes")
+        group = await csi.create_group_snapshot("group-1", vids)
+        at_cut = len(written)
+        await until(lambda: len(written) >= at_cut + 60 or not thread.is_alive(), "60 writes after the cut")
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join)
     assert len(group.snapshots) == 3 and {s.group_snapshot_id for s in group.snapshots} == {group.group_snapshot_id}
     assert len(written) > 20
     for vid, (staging, target) in zip(vids, targets):
@@ -286,60 +292,50 @@ async def test_list_snapshots_filters_and_pages(box: Sandbox, driver: tuple[Driv
 
 
 @pytest.mark.parametrize("point", ["snapshot.after_intent", "snapshot.after_overlay", "snapshot.after_switch"])
-async def test_crash_inside_snapshot_steps(box: Sandbox, point: str) -> None:
-    process = DriverProcess(box)
-    await process.start()
-    try:
-        async with CSIClient(box.endpoint, timeout=60) as csi:
-            vid = (await csi.create_volume("pvc-sc", 64 * MIB)).volume_id
-            staging, target = box.staging("sc"), box.target("sc")
-            await csi.stage(vid, str(staging))
-            await csi.publish(vid, str(staging), str(target))
-            write_synced(target / "before", b"written before the snapshot")
-            await process.stop()
-            await process.start(failpoints=point)
-            with pytest.raises(grpc.aio.AioRpcError):
-                await csi.create_snapshot("snap-crash", vid)
-            await process.wait_exit()
-            await process.start()
-            # The mount still works and holds the data; the chain on disk is whole.
-            assert (target / "before").read_bytes() == b"written before the snapshot"
-            write_synced(target / "after", b"written after the crash")
-            snapshot = await csi.create_snapshot("snap-crash", vid)  # the CO's retry
-            restored = (await csi.create_volume("pvc-scr", 64 * MIB, from_snapshot=snapshot.snapshot_id)).volume_id
-            async with Mounted(box, csi, restored, "scr") as copy:
-                assert (copy / "before").read_bytes() == b"written before the snapshot"
-            await csi.delete_volume(restored)
-            await csi.delete_snapshot(snapshot.snapshot_id)
-            await csi.unpublish(vid, str(target))
-            await csi.unstage(vid, str(staging))
-            async with Mounted(box, csi, vid, "sc2") as mount:
-                assert (mount / "after").read_bytes() == b"written after the crash"
-            await csi.delete_volume(vid)
-            assert pool_files(box) == []
-    finally:
+async def test_crash_inside_snapshot_steps(box: Sandbox, process: DriverProcess, point: str) -> None:
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        vid = (await csi.create_volume("pvc-sc", 64 * MIB)).volume_id
+        staging, target = box.staging("sc"), box.target("sc")
+        await csi.stage(vid, str(staging))
+        await csi.publish(vid, str(staging), str(target))
+        write_synced(target / "before", b"written before the snapshot")
         await process.stop()
+        await process.start(failpoints=point)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await csi.create_snapshot("snap-crash", vid)
+        await process.wait_exit()
+        await process.start()
+        # The mount still works and holds the data; the chain on disk is whole.
+        assert (target / "before").read_bytes() == b"written before the snapshot"
+        write_synced(target / "after", b"written after the crash")
+        snapshot = await csi.create_snapshot("snap-crash", vid)  # the CO's retry
+        restored = (await csi.create_volume("pvc-scr", 64 * MIB, from_snapshot=snapshot.snapshot_id)).volume_id
+        async with Mounted(box, csi, restored, "scr") as copy:
+            assert (copy / "before").read_bytes() == b"written before the snapshot"
+        await csi.delete_volume(restored)
+        await csi.delete_snapshot(snapshot.snapshot_id)
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
+        async with Mounted(box, csi, vid, "sc2") as mount:
+            assert (mount / "after").read_bytes() == b"written after the crash"
+        await csi.delete_volume(vid)
+        assert pool_files(box) == []
 
 
-async def test_crash_inside_snapshot_delete(box: Sandbox) -> None:
-    process = DriverProcess(box)
-    await process.start()
-    try:
-        async with CSIClient(box.endpoint, timeout=60) as csi:
-            vid = (await csi.create_volume("pvc-sd", 64 * MIB)).volume_id
-            snapshot_id = (await csi.create_snapshot("snap-sd", vid)).snapshot_id
-            await csi.delete_volume(vid)  # nothing depends on the snapshot any more
-            await process.stop()
-            await process.start(failpoints="delete_snapshot.after_intent")
-            with pytest.raises(grpc.aio.AioRpcError):
-                await csi.delete_snapshot(snapshot_id)
-            await process.wait_exit()
-            await process.start()
-            assert await csi.list_snapshots() == []
-            assert pool_files(box) == []
-            await csi.delete_snapshot(snapshot_id)  # the CO's retry
-    finally:
+async def test_crash_inside_snapshot_delete(box: Sandbox, process: DriverProcess) -> None:
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        vid = (await csi.create_volume("pvc-sd", 64 * MIB)).volume_id
+        snapshot_id = (await csi.create_snapshot("snap-sd", vid)).snapshot_id
+        await csi.delete_volume(vid)  # nothing depends on the snapshot any more
         await process.stop()
+        await process.start(failpoints="delete_snapshot.after_intent")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await csi.delete_snapshot(snapshot_id)
+        await process.wait_exit()
+        await process.start()
+        assert await csi.list_snapshots() == []
+        assert pool_files(box) == []
+        await csi.delete_snapshot(snapshot_id)  # the CO's retry
 
 
 async def test_refused_clone_leaves_the_source_uncut(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
@@ -357,30 +353,25 @@ async def test_refused_clone_leaves_the_source_uncut(box: Sandbox, driver: tuple
 
 
 @pytest.mark.parametrize("point", ["create.after_intent", "create.after_image"])
-async def test_crash_inside_a_clone(box: Sandbox, point: str) -> None:
+async def test_crash_inside_a_clone(box: Sandbox, process: DriverProcess, point: str) -> None:
     """A clone cut short: no half-made clone survives, the source's chain is whole, the retry works."""
-    process = DriverProcess(box)
-    await process.start()
-    try:
-        async with CSIClient(box.endpoint, timeout=60) as csi:
-            vid = (await csi.create_volume("pvc-cs", 64 * MIB)).volume_id
-            async with Mounted(box, csi, vid, "cs") as mount:
-                write_synced(mount / "f", b"cloned bytes")
-            await process.stop()
-            await process.start(failpoints=point)
-            with pytest.raises(grpc.aio.AioRpcError):
-                await csi.create_volume("pvc-cs-clone", 64 * MIB, from_volume=vid)
-            await process.wait_exit()
-            await process.start()
-            assert [v.volume_id for v in await csi.list_volumes()] == [vid]
-            assert await csi.list_snapshots() == []
-            clone = (await csi.create_volume("pvc-cs-clone", 64 * MIB, from_volume=vid)).volume_id  # the retry
-            async with Mounted(box, csi, clone, "csc") as copy:
-                assert (copy / "f").read_bytes() == b"cloned bytes"
-            async with Mounted(box, csi, vid, "cs2") as mount:
-                assert (mount / "f").read_bytes() == b"cloned bytes"
-            await csi.delete_volume(clone)
-            await csi.delete_volume(vid)
-            assert pool_files(box) == [], "the interrupted clone's cut must not leak an image"
-    finally:
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        vid = (await csi.create_volume("pvc-cs", 64 * MIB)).volume_id
+        async with Mounted(box, csi, vid, "cs") as mount:
+            write_synced(mount / "f", b"cloned bytes")
         await process.stop()
+        await process.start(failpoints=point)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await csi.create_volume("pvc-cs-clone", 64 * MIB, from_volume=vid)
+        await process.wait_exit()
+        await process.start()
+        assert [v.volume_id for v in await csi.list_volumes()] == [vid]
+        assert await csi.list_snapshots() == []
+        clone = (await csi.create_volume("pvc-cs-clone", 64 * MIB, from_volume=vid)).volume_id  # the retry
+        async with Mounted(box, csi, clone, "csc") as copy:
+            assert (copy / "f").read_bytes() == b"cloned bytes"
+        async with Mounted(box, csi, vid, "cs2") as mount:
+            assert (mount / "f").read_bytes() == b"cloned bytes"
+        await csi.delete_volume(clone)
+        await csi.delete_volume(vid)
+        assert pool_files(box) == [], "the interrupted clone's cut must not leak an image"
