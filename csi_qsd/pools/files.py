@@ -138,7 +138,9 @@ class FilePool(Pool):
         if cached is not None and cached[0] == signature:
             return cached[1]
         async with self._check_slots:
-            code, out = await run(self._qemu_img, "check", "-U", "--output=json", str(image),
+            # The format from the name, never probed: a qcow2 whose header is lost must not pass as raw.
+            fmt = "qcow2" if image.suffix == ".qcow2" else "raw"
+            code, out = await run(self._qemu_img, "check", "-U", "-f", fmt, "--output=json", str(image),
                                   timeout=CHECK_TIMEOUT, check=False)
         problem = _check_result(image, code, out)
         if len(self._checked) >= CHECK_CACHE_MAX:
