@@ -24,7 +24,7 @@ from csi_qsd.params import QoS, VolumeParameters
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DEFAULT_POOL = "default"
 # The whole schema as this release creates it; older catalogs reach it through _MIGRATIONS.
 _SCHEMA = """
@@ -82,6 +82,15 @@ CREATE TABLE IF NOT EXISTS publishes (
     single_writer INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS publishes_by_volume ON publishes(volume_id);
+CREATE TABLE IF NOT EXISTS extents (
+    pool      TEXT NOT NULL,
+    start     INTEGER NOT NULL,
+    length    INTEGER NOT NULL,
+    volume_id TEXT NOT NULL,
+    state     TEXT NOT NULL,
+    PRIMARY KEY (pool, start)
+);
+CREATE INDEX IF NOT EXISTS extents_by_volume ON extents(volume_id);
 """
 # Statements that bring a catalog of schema N-1 to N, each run in one transaction with the version bump.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -93,6 +102,12 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     3: (
         # I/O limits (mutable parameters); volumes of earlier releases have none.
         "ALTER TABLE volumes ADD COLUMN qos TEXT NOT NULL DEFAULT '{}'",
+    ),
+    4: (
+        # Device pools: the extents volumes hold on each device; catalogs before them had none.
+        "CREATE TABLE IF NOT EXISTS extents (pool TEXT NOT NULL, start INTEGER NOT NULL, length INTEGER NOT NULL,"
+        " volume_id TEXT NOT NULL, state TEXT NOT NULL, PRIMARY KEY (pool, start))",
+        "CREATE INDEX IF NOT EXISTS extents_by_volume ON extents(volume_id)",
     ),
 }
 
@@ -121,6 +136,13 @@ class PublishState(enum.Enum):
     UNPUBLISHING = "unpublishing"
 
 
+class ExtentState(enum.Enum):
+    """USED: a volume's bytes. SCRUBBING: freed, still holding the last tenant's bytes until zeroed."""
+
+    USED = "used"
+    SCRUBBING = "scrubbing"
+
+
 class AccessType(enum.Enum):
     MOUNT = "mount"
     BLOCK = "block"
@@ -140,6 +162,17 @@ class VolumeRecord:
     source: str = ""  # "snapshot:<id>" or "volume:<id>" it was made from
     pool: str = DEFAULT_POOL  # the pool the volume's images live in
     qos: QoS = QoS()  # I/O limits, the mutable parameters (ControllerModifyVolume changes them)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtentRecord:
+    """`length` bytes from `start` of device pool `pool`, taken by `volume_id` (kept while it is scrubbed)."""
+
+    pool: str
+    start: int
+    length: int
+    volume_id: str
+    state: ExtentState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +396,65 @@ class Catalog:
             )
         return [_publish(row) for row in rows]
 
+    # extents ------------------------------------------------------------
+
+    async def extents(self, pool: str) -> list[ExtentRecord]:
+        rows = await self._query("SELECT * FROM extents WHERE pool=? ORDER BY start", (pool,))
+        return [_extent(row) for row in rows]
+
+    async def take_extent(
+        self, pool: str, volume_id: str, choose: Callable[[list[ExtentRecord]], tuple[int, int] | None],
+    ) -> ExtentRecord | None:
+        """Give `volume_id` an extent of `pool`, in one transaction: the one it holds, or `choose`'s pick.
+
+        `choose` sees every row of the pool (free space is what lies between
+        them) and returns (start, length) or None when nothing fits. Reading
+        and inserting under one write lock means two volumes can never be
+        given overlapping extents, whatever runs concurrently.
+        """
+        result: list[ExtentRecord | None] = [None]
+
+        def take(db: sqlite3.Connection) -> None:
+            rows = [_extent(r) for r in db.execute("SELECT * FROM extents WHERE pool=? ORDER BY start", (pool,))]
+            held = [r for r in rows if r.volume_id == volume_id and r.state is ExtentState.USED]
+            if held:
+                result[0] = held[0]
+                return
+            picked = choose(rows)
+            if picked is None:
+                return
+            record = ExtentRecord(pool, picked[0], picked[1], volume_id, ExtentState.USED)
+            db.execute("INSERT INTO extents (pool, start, length, volume_id, state) VALUES (?,?,?,?,?)",
+                       (pool, record.start, record.length, volume_id, record.state.value))
+            result[0] = record
+
+        await self._run(take)
+        return result[0]
+
+    async def release_extents(self, pool: str, volume_id: str) -> None:
+        """Mark what `volume_id` holds in `pool` as SCRUBBING: never handed out until its scrub is recorded."""
+        await self._run(lambda db: db.execute(
+            "UPDATE extents SET state=? WHERE pool=? AND volume_id=?",
+            (ExtentState.SCRUBBING.value, pool, volume_id)))
+
+    async def drop_extent(self, pool: str, start: int) -> None:
+        """A scrubbed extent becomes free space (its row goes)."""
+        await self._run(lambda db: db.execute(
+            "DELETE FROM extents WHERE pool=? AND start=? AND state=?", (pool, start, ExtentState.SCRUBBING.value)))
+
+    async def resize_extent(self, pool: str, start: int, length: int, fits: Callable[[list[ExtentRecord]], bool]) -> bool:
+        """Set the length of the extent at `start` if `fits` (given every row of the pool) agrees, atomically."""
+        result = [False]
+
+        def grow(db: sqlite3.Connection) -> None:
+            rows = [_extent(r) for r in db.execute("SELECT * FROM extents WHERE pool=? ORDER BY start", (pool,))]
+            if fits(rows):
+                db.execute("UPDATE extents SET length=? WHERE pool=? AND start=?", (length, pool, start))
+                result[0] = True
+
+        await self._run(grow)
+        return result[0]
+
     # plumbing -----------------------------------------------------------
 
     def _open(self) -> None:
@@ -452,6 +544,11 @@ def _volume(row: sqlite3.Row) -> VolumeRecord:
         state=VolumeState(row["state"]), created_at=row["created_at"], backing=row["backing"],
         generation=row["generation"], source=row["source"], pool=row["pool"], qos=QoS.from_json(row["qos"]),
     )
+
+
+def _extent(row: sqlite3.Row) -> ExtentRecord:
+    return ExtentRecord(pool=row["pool"], start=row["start"], length=row["length"], volume_id=row["volume_id"],
+                        state=ExtentState(row["state"]))
 
 
 def _snapshot(row: sqlite3.Row) -> SnapshotRecord:

@@ -21,7 +21,9 @@ import grpc
 from google.protobuf import json_format
 
 from csi_qsd import __version__
-from csi_qsd.config import DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, Config, QSDMode
+from csi_qsd.config import (
+    DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, Config, DevicePoolSpec, QSDMode,
+)
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.datapath import LoopIO
 from csi_qsd.errors import DriverError
@@ -58,6 +60,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _device_pool(text: str) -> DevicePoolSpec:
+    try:
+        return DevicePoolSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="csi-qsd", description="CSI driver on qemu-storage-daemon")
     parser.add_argument("--version", action="version", version=f"csi-qsd {__version__}")
@@ -78,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
             "loop devices of container volumes: auto (direct I/O where QSD's FUSE export is known to keep "
             "parallel writes intact, >= 10.0.8), direct or buffered", choices=[m.value for m in LoopIO])
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
+    serve.add_argument("--device-pool", action="append", type=_device_pool, metavar="NAME=PATH[,force]",
+                       default=[_device_pool(t) for t in os.environ.get(env_name("--device-pool"), "").split()],
+                       help="a whole block device carved into volumes, chosen with the StorageClass parameter "
+                            "'pool: NAME'; PATH a stable name such as /dev/disk/by-id/…; ',force' takes a device "
+                            f"holding a partition table or filesystem (repeatable; env {env_name('--device-pool')}, "
+                            "space-separated)")
     _option(serve, "--qmp-timeout", "10", "seconds QSD may take to answer a QMP command; a QSD that stays "
             "silent longer is treated as dead: logged, killed and replaced", type=_seconds)
 
@@ -172,6 +187,7 @@ def config_from(args: argparse.Namespace) -> Config:
         qsd_binary=args.qsd_binary,
         qemu_img=args.qemu_img,
         failpoints=os.environ.get(env_name("--failpoints"), ""),
+        device_pools=tuple(getattr(args, "device_pool", None) or ()),
     )
 
 

@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 from csi_qsd.datapath import LoopIO
+from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.tools import bundled
 
 DEFAULT_DRIVER_NAME = "csi-qsd.io"
@@ -27,6 +28,36 @@ class QSDMode(enum.Enum):
 
     MANAGED = "managed"
     EXTERNAL = "external"
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePoolSpec:
+    """`--device-pool NAME=PATH[,force]`: a whole block device carved into volumes.
+
+    PATH should be a stable name (/dev/disk/by-id/…) so a reboot that
+    renumbers devices cannot point the pool at another disk. `force` lets
+    the driver take a device that holds a partition table or filesystem.
+    """
+
+    name: str
+    path: Path
+    force: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "DevicePoolSpec":
+        """Parse NAME=PATH[,force]; raises ValueError naming what is wrong."""
+        name, eq, rest = text.partition("=")
+        path, _, option = rest.partition(",")
+        if not eq or not path:
+            raise ValueError(f"--device-pool {text!r}: expected NAME=PATH[,force]")
+        if not POOL_NAME_RE.match(name) or name == DEFAULT_POOL_NAME:
+            raise ValueError(f"--device-pool {text!r}: pool name must match {POOL_NAME_RE.pattern} "
+                             f"and not be {DEFAULT_POOL_NAME!r} (the file pool)")
+        if option not in ("", "force"):
+            raise ValueError(f"--device-pool {text!r}: unknown option {option!r} (only 'force')")
+        if not path.startswith("/"):
+            raise ValueError(f"--device-pool {text!r}: the device path must be absolute")
+        return cls(name, Path(path), option == "force")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +79,16 @@ class Config:
     loop_io: LoopIO = LoopIO.AUTO
     qmp_timeout: float = 10.0
     failpoints: str = ""
+    device_pools: tuple[DevicePoolSpec, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", self.state_dir.resolve())
         pool = self.pool_dir if self.pool_dir is not None else self.state_dir / "pool"
         object.__setattr__(self, "pool_dir", pool.resolve())
         object.__setattr__(self, "target_root", self.target_root.resolve())
+        names = [spec.name for spec in self.device_pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"device pool names must be unique: {names}")
         if not self.endpoint:
             object.__setattr__(self, "endpoint", f"unix://{self.state_dir / 'csi.sock'}")
 

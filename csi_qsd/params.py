@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,9 @@ class DetectZeroes(enum.Enum):
     UNMAP = "unmap"
 
 
+DEFAULT_POOL_NAME = "default"
+# Pool names become QSD node names ("dp-" + name, at most 31 characters) and label text.
+POOL_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,27}\Z")
 MAX_QUEUES = 64
 LOGICAL_BLOCK_SIZES = (512, 4096)
 
@@ -72,6 +76,8 @@ class VolumeParameters:
     discard: Discard = Discard.UNMAP
     detect_zeroes: DetectZeroes = DetectZeroes.OFF
     iothread_poll_max_ns: int | None = None
+    # The pool the volume lives in: "default" is the file pool, any other name a device pool.
+    pool: str = DEFAULT_POOL_NAME
 
     def to_json(self) -> str:
         raw: dict[str, Any] = {}
@@ -112,6 +118,14 @@ def _integer(key: str, value: str, allowed: range | tuple[int, ...]) -> int:
     return number
 
 
+def pool_name(key: str, value: str) -> str:
+    if not POOL_NAME_RE.match(value):
+        raise InvalidArgument(
+            f"parameter {key!r} is {value!r}; a pool name is a lower-case letter, then up to 27 of [a-z0-9-]"
+        )
+    return value
+
+
 # key -> (dataclass field, parser)
 _PARSERS: dict[str, tuple[str, Any]] = {
     "format": ("format", lambda k, v: _enum(k, v, ImageFormat)),
@@ -123,6 +137,7 @@ _PARSERS: dict[str, tuple[str, Any]] = {
     "discard": ("discard", lambda k, v: _enum(k, v, Discard)),
     "detectZeroes": ("detect_zeroes", lambda k, v: _enum(k, v, DetectZeroes)),
     "iothreadPollMaxNs": ("iothread_poll_max_ns", lambda k, v: _integer(k, v, range(0, 1_000_001))),
+    "pool": ("pool", pool_name),
 }
 
 VHOST_ONLY_KEYS = frozenset({"numQueues", "logicalBlockSize", "cache", "iothreadPollMaxNs"})
@@ -145,6 +160,8 @@ def parse_parameters(parameters: Mapping[str, str]) -> VolumeParameters:
             raise InvalidArgument(f"unknown StorageClass parameter {key!r}; supported: {known}")
         field, parser = _PARSERS[key]
         kwargs[field] = parser(key, parameters[key])
+    if kwargs.get("pool", DEFAULT_POOL_NAME) != DEFAULT_POOL_NAME and "format" not in kwargs:
+        kwargs["format"] = ImageFormat.RAW  # a device pool's volumes are raw extents
     params = VolumeParameters(**kwargs)
     if params.export is not ExportKind.VHOST_USER_BLK:
         misplaced = sorted(VHOST_ONLY_KEYS & set(parameters))

@@ -32,6 +32,7 @@ from csi_qsd.health import HealthView
 from csi_qsd.limits import VolumeLimits
 from csi_qsd.live import LiveImages
 from csi_qsd.locks import KeyedLocks
+from csi_qsd.pools.device import open_device_pools
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.daemon import QSDDaemon
 from csi_qsd.snapshots import Snapshots
@@ -77,10 +78,11 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
     async with Catalog(config.catalog_path) as catalog:
         locks = KeyedLocks("volume")
         failpoints = Failpoints.parse(config.failpoints)
-        volumes = Volumes(catalog, pool, locks, failpoints)
+        device_pools = {p.id: p for p in await open_device_pools(config.device_pools, catalog, failpoints)}
+        volumes = Volumes(catalog, pool, locks, failpoints, pools=device_pools)
         await volumes.reconcile()
         daemon = QSDDaemon(config)
-        exports = ExportPaths(ExportHost(daemon, config.exports_dir, {pool.id: pool}, failpoints))
+        exports = ExportPaths(ExportHost(daemon, config.exports_dir, {pool.id: pool, **device_pools}, failpoints))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         await snapshots.reconcile()

@@ -7,7 +7,7 @@ so a crash leaves a row the start-up reconcile can finish or undo.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 import enum
 import logging
 from pathlib import Path
@@ -93,14 +93,21 @@ def _fits(record: VolumeRecord, required: int, limit: int) -> bool:
 
 
 class Volumes:
-    """Volume lifecycle on one pool, serialized per name and per volume."""
+    """Volume lifecycle on the node's pools, serialized per name and per volume.
+
+    `pool` is the file pool ("default"); `pools` adds device pools by ID. A
+    volume goes to the pool its parameters name and is deleted through the
+    pool its row records.
+    """
 
     def __init__(
-        self, catalog: Catalog, pool: Pool, volume_locks: KeyedLocks, failpoints: Failpoints = NO_FAILPOINTS
+        self, catalog: Catalog, pool: Pool, volume_locks: KeyedLocks, failpoints: Failpoints = NO_FAILPOINTS,
+        pools: Mapping[str, Pool] | None = None,
     ) -> None:
         self._failpoints = failpoints
         self._catalog = catalog
         self._pool = pool
+        self._pools: dict[str, Pool] = {**(pools or {}), pool.id: pool}
         self._volume_locks = volume_locks
         self._name_locks = KeyedLocks("volume name")
 
@@ -122,6 +129,8 @@ class Volumes:
             reason = unsupported_capability(cap, params)
             if reason:
                 raise InvalidArgument(reason)
+        pool = self.pool_for(params.pool)
+        pool.check_parameters(params)
         async with self._name_locks.hold(name):
             existing = await self._catalog.volume_by_name(name)
             if existing is not None:
@@ -144,7 +153,7 @@ class Volumes:
             volume_id = validate.new_volume_id()
             record = VolumeRecord(
                 id=volume_id, name=name, capacity=size, params=params,
-                image=self._pool.image_path(volume_id, params.format), state=VolumeState.CREATING,
+                image=pool.image_path(volume_id, params.format), state=VolumeState.CREATING, pool=pool.id,
                 created_at=now(), backing=str(base) if base is not None else "", source=source, qos=qos,
             )
             async with self._volume_locks.hold(volume_id):
@@ -152,9 +161,9 @@ class Volumes:
                 self._failpoints.hit("create.after_intent")
                 try:
                     if base is not None:
-                        await self._pool.create_overlay(record.image, base, size)
+                        await pool.create_overlay(record.image, base, size)
                     else:
-                        await self._pool.create(record.image, size, params)
+                        await pool.create(record.image, size, params)
                 except ResourceExhausted as exc:
                     await self._discard(record)
                     raise ResourceExhausted(f"cannot create volume {name!r} of {size} bytes: {exc}") from exc
@@ -176,11 +185,12 @@ class Volumes:
                 raise FailedPrecondition(f"volume {volume_id} is still staged on node; unstage it first")
             await self._catalog.set_volume_state(volume_id, VolumeState.DELETING)
             self._failpoints.hit("delete.after_intent")
-            await self._pool.delete(record.image)
+            pool = self._pool_of(record)
+            await pool.delete(record.image)
             self._failpoints.hit("delete.after_image")
             await self._catalog.delete_volume(volume_id)
             log.info("event=volume_deleted volume_id=%s", volume_id)
-            await chains.reclaim(self._catalog, self._pool, record.backing)
+            await chains.reclaim(self._catalog, pool, record.backing)
 
     async def get(self, volume_id: str) -> VolumeRecord | None:
         record = await self._catalog.volume(volume_id)
@@ -202,30 +212,59 @@ class Volumes:
             return records[:max_entries], records[max_entries - 1].id
         return records, ""
 
-    def available_bytes(self) -> int:
-        return self._pool.usage().available
+    def available_bytes(self, pool_id: str = "") -> int:
+        """Free bytes of a pool (default: the file pool); 0 for a pool this node does not have."""
+        pool = self._pools.get(pool_id or self._pool.id)
+        return pool.usage().available if pool is not None else 0
+
+    def largest_volume(self, pool_id: str = "") -> int:
+        """The largest volume a pool can hold now (a device pool: its largest free extent); 0 if unknown."""
+        pool = self._pools.get(pool_id or self._pool.id)
+        return pool.largest_volume() if pool is not None else 0
+
+    def pool_for(self, pool_id: str) -> Pool:
+        """The pool a StorageClass names. Raises InvalidArgument for one this node does not have."""
+        pool = self._pools.get(pool_id)
+        if pool is None:
+            raise InvalidArgument(
+                f"StorageClass parameter 'pool' is {pool_id!r}, which this node does not have; "
+                f"pools here: {', '.join(sorted(self._pools))}"
+            )
+        return pool
+
+    def _pool_of(self, record: VolumeRecord) -> Pool:
+        pool = self._pools.get(record.pool)
+        if pool is None:
+            raise FailedPrecondition(
+                f"volume {record.id} lives in pool {record.pool!r}, which this driver is not configured with "
+                "(--device-pool)"
+            )
+        return pool
 
     async def reconcile(self) -> None:
         """Finish or undo what a crash left: half-created volumes go, half-deleted ones finish."""
-        for leftover in self._pool.leftovers():
+        for leftover in (path for pool in self._pools.values() for path in pool.leftovers()):
             log.info("event=reconcile_remove_tmp path=%s", leftover)
             leftover.unlink(missing_ok=True)
         for record in await self._catalog.volumes():
-            if record.state is VolumeState.CREATING:
+            if record.pool not in self._pools:
+                log.warning("event=reconcile_unknown_pool volume_id=%s pool=%s action=kept", record.id, record.pool)
+            elif record.state is VolumeState.CREATING:
                 log.info("event=reconcile_undo_create volume_id=%s", record.id)
                 await self._discard(record)
             elif record.state is VolumeState.DELETING:
                 log.info("event=reconcile_finish_delete volume_id=%s", record.id)
-                await self._pool.delete(record.image)
+                pool = self._pool_of(record)
+                await pool.delete(record.image)
                 await self._catalog.delete_volume(record.id)
-                await chains.reclaim(self._catalog, self._pool, record.backing)
+                await chains.reclaim(self._catalog, pool, record.backing)
         known = {r.image for r in await self._catalog.volumes()}
         known |= {r.image for r in await self._catalog.snapshots()}
-        for image in self._pool.images():
+        for image in (path for pool in self._pools.values() for path in pool.images()):
             if image not in known:
                 log.warning("event=reconcile_unknown_image path=%s action=kept", image)
 
     async def _discard(self, record: VolumeRecord) -> None:
         """Remove a volume that never reached READY: its image holds no user data yet."""
-        await self._pool.delete(record.image)
+        await self._pool_of(record).delete(record.image)
         await self._catalog.delete_volume(record.id)

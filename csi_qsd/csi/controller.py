@@ -169,11 +169,14 @@ class ControllerService(pb_grpc.ControllerServicer):
             return pb.GetCapacityResponse(available_capacity=0)
         if any(unsupported_capability(cap, params) for cap in caps):
             return pb.GetCapacityResponse(available_capacity=0)
-        available = self._volumes.available_bytes()
+        # Per pool (parameter `pool`): a device pool's largest volume is its largest free extent.
+        available = self._volumes.available_bytes(params.pool)
         available -= available % MIB
+        largest = min(self._volumes.largest_volume(params.pool), available)
+        largest -= largest % MIB
         return pb.GetCapacityResponse(
             available_capacity=available,
-            maximum_volume_size=wrappers_pb2.Int64Value(value=available),
+            maximum_volume_size=wrappers_pb2.Int64Value(value=largest),
             minimum_volume_size=wrappers_pb2.Int64Value(value=MIB),
         )
 

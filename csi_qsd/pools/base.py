@@ -1,9 +1,11 @@
 """The pool interface: where a volume's bytes live and how QSD opens them.
 
-A pool hands out storage references (today: an image path; a device pool's
-would name an extent), creates, grows, layers and deletes what they name,
-reports capacity, and names what QSD opens for a reference
-(`csi_qsd.qsd.storage`). The domain never looks inside a reference. Pools never touch the catalog or QSD.
+A pool hands out storage references (an image path in the file pool; a
+device pool's names an extent), creates, grows, layers and deletes what they
+name, reports capacity, and names what QSD opens for a reference
+(`csi_qsd.qsd.storage`). The domain never looks inside a reference. Pools
+never touch QSD; only a device pool touches the catalog, and only its own
+rows of the `extents` table, which are its allocation state.
 """
 
 from __future__ import annotations
@@ -75,3 +77,10 @@ class Pool(abc.ABC):
         stay bounded (a pool caches what it learnt). The default knows nothing.
         """
         return ""
+
+    def check_parameters(self, params: VolumeParameters) -> None:
+        """Refuse StorageClass parameters this pool cannot serve. Raises InvalidArgument."""
+
+    def largest_volume(self) -> int:
+        """The largest volume that can be created now (GetCapacity's maximum_volume_size)."""
+        return self.usage().available

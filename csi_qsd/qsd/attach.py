@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from csi_qsd.errors import QSDError
+from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.client import BlockNodeInfo, QSDClient
@@ -129,7 +129,12 @@ async def resize(client: QSDClient, top: TopImage, size: int) -> None:
     Resized through the throttle filter, which passes it down and tells its
     own parents (the exports) that the size changed.
     """
+    limit = top.storage.max_size()
+    if limit is not None and size > limit:
+        raise OutOfRange(f"volume {top.volume_id} holds a fixed extent of {limit} bytes and cannot grow to {size}")
     await ensure_top(client, top)
+    if limit is not None:
+        return  # a fixed extent already has its whole size
     await client.block_resize(top.nodes.throttle, size)
 
 
@@ -215,6 +220,11 @@ async def any_open(client: QSDClient, tops: list[TopImage]) -> bool:
     """True if QSD has any of `tops` open as a node."""
     present = await client.node_names()
     return any(top.nodes.format in present for top in tops)
+
+
+async def exported_volumes(client: QSDClient) -> set[str]:
+    """IDs of the volumes QSD has an export of ours for."""
+    return {vid for vid in map(graph.volume_of, await client.exports()) if vid is not None}
 
 
 async def volumes_in_graph(client: QSDClient) -> set[str]:

@@ -2,7 +2,8 @@
 
 A pool turns its opaque storage reference into one of these; only this
 module (with graph.py) knows the QMP that opens it. A new pool kind adds
-its class here, e.g. a raw window (offset/size) on a host device.
+its class here: `ImageFile` for the file pool, `ExtentOnDevice` (a raw
+window, offset/size, on a host device) for device pools.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ class Storage(Protocol):
         """`blockdev-add` arguments of the protocol node named `nodes.file`."""
         ...
 
+    def max_size(self) -> int | None:
+        """The most bytes the volume can grow to where it is (None: as much as the pool has)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class ImageFile:
@@ -30,3 +35,60 @@ class ImageFile:
 
     def protocol_blockdev(self, nodes: graph.VolumeNodes, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
         return graph.file_blockdev(nodes, self.path, params, read_only=read_only)
+
+    def max_size(self) -> int | None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostDevice:
+    """A whole block device that the volumes of a device pool are carved from."""
+
+    path: Path
+    aio: str = "native"
+
+    def blockdev(self) -> QMPArgs:
+        """An unnamed `host_device` child for one volume's extent node.
+
+        One per volume rather than one shared node: a writable FUSE export
+        takes the RESIZE permission down its whole chain, while a `raw` node
+        with offset/size refuses to share RESIZE on its child, so two such
+        volumes on one shared node conflict (QSD 10.0.13 refuses the second
+        blockdev-add). Separate nodes each hold their own O_DIRECT descriptor;
+        QEMU's image locking is off on them because the extents, not locks,
+        keep volumes apart (the locks would see the same conflict).
+        """
+        return {
+            "driver": "host_device",
+            "filename": str(self.path),
+            "cache": {"direct": True, "no-flush": False},
+            "aio": self.aio,
+            "discard": "unmap",
+            "locking": "off",
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtentOnDevice:
+    """A raw window of `size` bytes at `offset` on a host device: one volume of a device pool."""
+
+    device: HostDevice
+    offset: int
+    size: int
+
+    def max_size(self) -> int | None:
+        return self.size
+
+    def protocol_blockdev(self, nodes: graph.VolumeNodes, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
+        # QEMU's raw driver bounds every request to [offset, offset+size): a consumer cannot reach a neighbour.
+        device = self.device.blockdev()
+        device["read-only"] = read_only
+        return {
+            "driver": "raw",
+            "node-name": nodes.file,
+            "file": device,
+            "offset": self.offset,
+            "size": self.size,
+            "discard": params.discard.value,
+            "read-only": read_only,
+        }

@@ -44,6 +44,9 @@ def test_no_parameters_gives_the_safe_defaults() -> None:
     ({"detectZeroes": "unmap"}, "detect_zeroes", P.DetectZeroes.UNMAP),
     ({**VHOST, "iothreadPollMaxNs": "0"}, "iothread_poll_max_ns", 0),
     ({**VHOST, "iothreadPollMaxNs": "1000000"}, "iothread_poll_max_ns", 1_000_000),
+    ({"pool": "default"}, "pool", "default"),
+    ({"pool": "nvme-0"}, "pool", "nvme-0"),
+    ({"pool": "nvme-0"}, "format", P.ImageFormat.RAW),  # a device pool's volumes are raw extents
 ])
 def test_every_key_and_value(parameters: dict[str, str], field: str, value: object) -> None:
     assert getattr(P.parse_parameters(parameters), field) == value
@@ -52,7 +55,7 @@ def test_every_key_and_value(parameters: dict[str, str], field: str, value: obje
 def test_every_supported_key_is_covered_above() -> None:
     assert P.SUPPORTED_KEYS == {
         "format", "preallocation", "export", "numQueues", "logicalBlockSize", "cache", "discard",
-        "detectZeroes", "iothreadPollMaxNs",
+        "detectZeroes", "iothreadPollMaxNs", "pool",
     }
 
 
@@ -152,7 +155,7 @@ def test_json_form_is_stable_and_stores_enum_values() -> None:
     assert raw == {
         "format": "raw", "preallocation": "falloc", "export": "vhost-user-blk", "num_queues": 7,
         "logical_block_size": 4096, "cache": "writeback", "discard": "ignore", "detect_zeroes": "unmap",
-        "iothread_poll_max_ns": 32768,
+        "iothread_poll_max_ns": 32768, "pool": "default",
     }
     assert ALL_SET.to_json() == ALL_SET.to_json() and list(raw) == sorted(raw)
 

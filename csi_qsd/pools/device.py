@@ -1,0 +1,380 @@
+"""A device pool: one whole block device (an NVMe namespace) carved into raw extents, one per volume.
+
+Each volume is a `raw` node with `offset`/`size` over a `host_device` node
+of the device, with direct I/O and native AIO
+(`csi_qsd.qsd.storage.ExtentOnDevice`): no filesystem and no image format
+between a guest and the flash. Where extents lie is recorded in the
+catalog's `extents` table; `extents.py` picks them.
+
+What must never happen, and how it is prevented:
+
+* **A device that holds someone's data is taken.** At start-up a device
+  without this pool's label is probed (`blkid -p`): a partition table or a
+  filesystem refuses the start unless the pool is configured with `force`;
+  a device that is mounted or held by another driver (O_EXCL fails) is
+  refused always. A device is zeroed before its label is written, so free
+  space holds only zeroes; the label lets a restart recognise it.
+* **A tenant reads another's bytes.** A deleted volume's extent is marked
+  SCRUBBING (committed) before it is zeroed (BLKZEROOUT, `blkdiscard -z`,
+  which devices serve as write-zeroes with deallocation) and becomes free
+  space only after the zeroing returned. An interrupted scrub is done
+  again at start-up; a SCRUBBING extent is never handed out.
+* **An extent is lost or given twice.** Choosing and recording happen in
+  one catalog transaction; free space is what no row covers, so a crash
+  between any two steps leaves either the row (undone by the volume's
+  reconcile, which deletes through this pool) or nothing.
+* **A vanished device hangs the control plane.** `check` looks at udev's
+  view (pyudev) and the stable path only, never does I/O on the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pyudev
+
+from csi_qsd.catalog import Catalog, ExtentRecord, ExtentState
+from csi_qsd.config import DevicePoolSpec
+from csi_qsd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, StartupError
+from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
+from csi_qsd.pools import extents
+from csi_qsd.pools.base import Pool, PoolUsage
+from csi_qsd.pools.extents import Extent, Layout
+from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice
+from csi_qsd.sys.run import run
+
+log = logging.getLogger(__name__)
+
+LABEL_MAGIC = b"CSI-QSD-DEVICE-POOL\0"
+LABEL_SIZE = 4096
+LABEL_VERSION = 1
+REFERENCE_PREFIX = "extent:"
+SCRUB_TIMEOUT = 24 * 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDevice:
+    """What udev knows of the device a stable path names."""
+
+    path: Path  # as configured (stable: /dev/disk/by-id/…)
+    node: Path  # what it resolves to now (/dev/nvme0n1)
+    rdev: int
+    size: int
+    optimal_io_size: int
+
+
+def find_block_device(path: Path) -> BlockDevice:
+    """Resolve `path` to a block device known to udev. Raises StartupError naming what is wrong."""
+    try:
+        node = path.resolve(strict=True)
+        st = os.stat(node)
+    except OSError as exc:
+        raise StartupError(f"device pool path {path} does not exist: {exc.strerror}") from None
+    if not stat.S_ISBLK(st.st_mode):
+        raise StartupError(f"device pool path {path} ({node}) is not a block device")
+    try:
+        device = pyudev.Devices.from_device_number(pyudev.Context(), "block", st.st_rdev)
+    except pyudev.DeviceNotFoundError:
+        raise StartupError(f"udev does not know the block device {path} ({node})") from None
+    sys_path = Path(device.sys_path)
+    size = int((sys_path / "size").read_text()) * 512  # sysfs counts 512-byte sectors whatever the device's
+    queue = sys_path / "queue" if device.device_type != "partition" else sys_path.parent / "queue"
+    try:
+        optimal = int((queue / "optimal_io_size").read_text())
+    except (OSError, ValueError):
+        optimal = 0
+    return BlockDevice(path=path, node=node, rdev=st.st_rdev, size=size, optimal_io_size=optimal)
+
+
+def read_label(node: Path) -> dict[str, object] | None:
+    """The pool label at the start of the device, or None if it carries none."""
+    with open(node, "rb", buffering=0) as f:
+        head = f.read(LABEL_SIZE)
+    if not head.startswith(LABEL_MAGIC):
+        return None
+    text = head[len(LABEL_MAGIC):].split(b"\0", 1)[0]
+    try:
+        label = json.loads(text)
+    except ValueError:
+        return None
+    return label if isinstance(label, dict) else None
+
+
+def write_label(node: Path, label: dict[str, object]) -> None:
+    body = LABEL_MAGIC + json.dumps(label, sort_keys=True).encode() + b"\0"
+    if len(body) > LABEL_SIZE:
+        raise ValueError("pool label too long")
+    fd = os.open(node, os.O_WRONLY)
+    try:
+        os.pwrite(fd, body.ljust(LABEL_SIZE, b"\0"), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def claim_exclusively(node: Path) -> None:
+    """Refuse a device that is mounted or held by another driver (the kernel's O_EXCL test)."""
+    try:
+        fd = os.open(node, os.O_RDONLY | os.O_EXCL)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            raise StartupError(f"device {node} is in use (mounted, or held by another driver)") from None
+        raise StartupError(f"cannot open device {node}: {exc.strerror}") from None
+    os.close(fd)
+
+
+async def foreign_signatures(node: Path) -> str:
+    """What `blkid -p` finds on the device ('' if nothing): a partition table, filesystem, RAID member…"""
+    code, out = await run("blkid", "-p", "-o", "export", str(node), check=False)
+    if code == 2:  # blkid: nothing was identified
+        return ""
+    if code != 0:
+        return f"blkid -p could not tell what the device holds (exit {code})"
+    found = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    kinds = [f"{key}={found[key]}" for key in ("PTTYPE", "TYPE", "USAGE") if key in found]
+    return ", ".join(kinds) or "an unnamed signature"
+
+
+async def zero_range(node: Path, start: int, length: int) -> None:
+    """Write zeroes over [start, start+length), letting the device deallocate (BLKZEROOUT)."""
+    await run("blkdiscard", "--zeroout", "--offset", str(start), "--length", str(length), str(node),
+              timeout=SCRUB_TIMEOUT)
+
+
+class DevicePool(Pool):
+    """Volumes as raw extents of one block device; open with `open()` before use."""
+
+    def __init__(self, spec: DevicePoolSpec, catalog: Catalog, failpoints: Failpoints = NO_FAILPOINTS) -> None:
+        self.id = spec.name
+        self.spec = spec
+        self._catalog = catalog
+        self._failpoints = failpoints
+        self._device: BlockDevice | None = None
+        self._layout: Layout | None = None
+        self._rows: dict[int, ExtentRecord] = {}
+        self._host = HostDevice(path=spec.path)
+
+    # start-up -----------------------------------------------------------
+
+    async def open(self) -> None:
+        """Find and check the device, label it on first use, finish interrupted scrubs. Raises StartupError."""
+        device = await asyncio.to_thread(find_block_device, self.spec.path)
+        rows = await self._catalog.extents(self.id)
+        label = await asyncio.to_thread(read_label, device.node)
+        if label is None:
+            if rows:
+                raise StartupError(
+                    f"device pool {self.id}: the catalog records {len(rows)} extents on it, but {self.spec.path} "
+                    f"({device.node}) carries no csi-qsd label: is it the right device?"
+                )
+            label = await self._initialise(device)
+        elif label.get("pool") != self.id:
+            raise StartupError(
+                f"device {self.spec.path} ({device.node}) belongs to device pool {label.get('pool')!r}, "
+                f"not {self.id!r}"
+            )
+        alignment = label.get("alignment")
+        if not isinstance(alignment, int):
+            raise StartupError(f"device pool {self.id}: label on {device.node} has no alignment")
+        layout = Layout(device.size, alignment)
+        end = max((row.start + row.length for row in rows), default=0)
+        if end > layout.data_end:
+            raise StartupError(
+                f"device pool {self.id}: {device.node} has {device.size} bytes, extents reach {end}: device shrank?"
+            )
+        self._device, self._layout = device, layout
+        self._rows = {row.start: row for row in rows}
+        for row in rows:
+            if row.state is ExtentState.USED and await self._catalog.volume(row.volume_id) is None:
+                log.warning("event=extent_orphan pool=%s start=%d volume_id=%s action=scrub",
+                            self.id, row.start, row.volume_id)
+                await self._release(row.volume_id)
+        await self._scrub_pending()
+        usage = self.usage()
+        log.info("event=device_pool_open pool=%s path=%s node=%s bytes=%d free=%d alignment=%d volumes=%d",
+                 self.id, self.spec.path, device.node, usage.total, usage.available, layout.alignment,
+                 sum(r.state is ExtentState.USED for r in self._rows.values()))
+
+    async def _initialise(self, device: BlockDevice) -> dict[str, object]:
+        """Take a device for this pool: refuse foreign data unless forced, zero it, then label it."""
+        await asyncio.to_thread(claim_exclusively, device.node)
+        found = await foreign_signatures(device.node)
+        if found and not self.spec.force:
+            raise StartupError(
+                f"device {self.spec.path} ({device.node}) holds data ({found}); csi-qsd will not overwrite it. "
+                f"Wipe it, or configure --device-pool {self.id}={self.spec.path},force"
+            )
+        layout = Layout(device.size, extents.alignment_for(device.optimal_io_size))
+        if layout.data_size <= 0:
+            raise StartupError(f"device {device.node} is too small for a device pool ({device.size} bytes)")
+        log.warning("event=device_pool_initialise pool=%s node=%s foreign=%r forced=%s", self.id, device.node,
+                    found, self.spec.force)
+        # Zero first, label last: a crash in between leaves an unlabelled device that is initialised again.
+        await zero_range(device.node, 0, layout.data_end)
+        label: dict[str, object] = {"version": LABEL_VERSION, "pool": self.id, "alignment": layout.alignment}
+        await asyncio.to_thread(write_label, device.node, label)
+        return label
+
+    def prepare(self) -> None:
+        """Nothing: `open()` checks the device, as it needs the catalog."""
+
+    # the Pool interface ---------------------------------------------------
+
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError(f"device pool {self.id} is not open")
+        return self._layout
+
+    @property
+    def device(self) -> BlockDevice:
+        if self._device is None:
+            raise RuntimeError(f"device pool {self.id} is not open")
+        return self._device
+
+    def _taken(self) -> list[Extent]:
+        return [Extent(r.start, r.length) for r in self._rows.values()]
+
+    def usage(self) -> PoolUsage:
+        return PoolUsage(total=self.layout.data_size, available=extents.total_free(self.layout, self._taken()))
+
+    def largest_volume(self) -> int:
+        return extents.largest_free(self.layout, self._taken())
+
+    def image_path(self, volume_id: str, fmt: ImageFormat, generation: int = 0) -> Path:
+        if generation:
+            raise FailedPrecondition(f"device pool {self.id} holds raw extents: volumes on it have no overlays")
+        return Path(f"{REFERENCE_PREFIX}{self.id}") / volume_id
+
+    def check_parameters(self, params: VolumeParameters) -> None:
+        if params.format is not ImageFormat.RAW:
+            raise InvalidArgument(
+                f"pool {self.id!r} is a device pool: its volumes are raw extents (format 'raw'); "
+                "snapshots and clones need format 'qcow2' in the file pool"
+            )
+        if params.preallocation is not Preallocation.OFF:
+            raise InvalidArgument(f"pool {self.id!r} is a device pool: extents are always fully allocated, "
+                                  "leave 'preallocation' unset")
+
+    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
+        volume_id = self._volume_of(image)
+        layout = self.layout
+
+        def choose(rows: list[ExtentRecord]) -> tuple[int, int] | None:
+            picked = extents.choose(layout, [Extent(r.start, r.length) for r in rows], size)
+            return (picked.start, picked.length) if picked is not None else None
+
+        record = await self._catalog.take_extent(self.id, volume_id, choose)
+        if record is None:
+            raise ResourceExhausted(
+                f"device pool {self.id} has no free extent of {size} bytes "
+                f"(largest free: {self.largest_volume()}, free in all: {self.usage().available})"
+            )
+        self._rows[record.start] = record
+        self._failpoints.hit("extent.after_take")
+        log.info("event=extent_taken pool=%s volume_id=%s start=%d length=%d",
+                 self.id, volume_id, record.start, record.length)
+
+    async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
+        raise FailedPrecondition(f"device pool {self.id} holds raw extents: no snapshots, restores or clones")
+
+    async def backing_of(self, image: Path) -> str:
+        return ""
+
+    async def flatten(self, image: Path) -> None:
+        raise FailedPrecondition(f"device pool {self.id} holds raw extents: nothing to flatten")
+
+    async def delete(self, image: Path) -> None:
+        """Free a volume's extent: mark it SCRUBBING, zero it, then make it free space. Idempotent."""
+        await self._release(self._volume_of(image))
+        await self._scrub_pending()
+
+    async def _release(self, volume_id: str) -> None:
+        await self._catalog.release_extents(self.id, volume_id)
+        for start, row in list(self._rows.items()):
+            if row.volume_id == volume_id:
+                self._rows[start] = dataclasses.replace(row, state=ExtentState.SCRUBBING)
+        self._failpoints.hit("extent.after_release")
+
+    async def _scrub_pending(self) -> None:
+        for row in sorted(self._rows.values(), key=lambda r: r.start):
+            if row.state is not ExtentState.SCRUBBING:
+                continue
+            await zero_range(self.device.node, row.start, row.length)
+            self._failpoints.hit("extent.after_scrub")
+            await self._catalog.drop_extent(self.id, row.start)
+            del self._rows[row.start]
+            log.info("event=extent_scrubbed pool=%s volume_id=%s start=%d length=%d",
+                     self.id, row.volume_id, row.start, row.length)
+
+    def leftovers(self) -> list[Path]:
+        return []
+
+    def images(self) -> list[Path]:
+        return sorted(self.image_path(r.volume_id, ImageFormat.RAW)
+                      for r in self._rows.values() if r.state is ExtentState.USED)
+
+    def storage(self, image: Path) -> ExtentOnDevice:
+        extent = self.extent_of(self._volume_of(image))
+        if extent is None:
+            raise FailedPrecondition(f"device pool {self.id} has no extent for {image}")
+        return ExtentOnDevice(self._host, extent.start, extent.length)
+
+    async def check(self, image: Path, *, in_use: bool) -> str:
+        gone = await asyncio.to_thread(self._device_problem)
+        if gone:
+            return gone
+        if self.extent_of(self._volume_of(image)) is None:
+            return f"device pool {self.id} records no extent for it"
+        return ""
+
+    # helpers ------------------------------------------------------------
+
+    def extent_of(self, volume_id: str) -> Extent | None:
+        for row in self._rows.values():
+            if row.volume_id == volume_id and row.state is ExtentState.USED:
+                return Extent(row.start, row.length)
+        return None
+
+    def _device_problem(self) -> str:
+        """Why the device is unusable now, from udev and the stable path alone (no I/O on the device)."""
+        device = self.device
+        try:
+            st = os.stat(self.spec.path.resolve(strict=True))
+        except OSError:
+            return f"device {self.spec.path} of pool {self.id} is gone"
+        if not stat.S_ISBLK(st.st_mode) or st.st_rdev != device.rdev:
+            return f"{self.spec.path} of pool {self.id} now names another device than the one opened"
+        try:
+            pyudev.Devices.from_device_number(pyudev.Context(), "block", device.rdev)
+        except pyudev.DeviceNotFoundError:
+            return f"device {device.node} of pool {self.id} was removed"
+        return ""
+
+    def _volume_of(self, image: Path) -> str:
+        if image.parent != Path(f"{REFERENCE_PREFIX}{self.id}"):
+            raise FailedPrecondition(f"{image} is not a reference of device pool {self.id}")
+        return image.name
+
+
+async def open_device_pools(
+    specs: tuple[DevicePoolSpec, ...], catalog: Catalog, failpoints: Failpoints = NO_FAILPOINTS,
+) -> list[DevicePool]:
+    """Open every configured device pool; two pools on one device are refused."""
+    pools: list[DevicePool] = []
+    for spec in specs:
+        pool = DevicePool(spec, catalog, failpoints)
+        await pool.open()
+        clash = next((p for p in pools if p.device.rdev == pool.device.rdev), None)
+        if clash is not None:
+            raise StartupError(f"device pools {clash.id} and {pool.id} name the same device {pool.device.node}")
+        pools.append(pool)
+    return pools

@@ -1,0 +1,259 @@
+"""Device pools: one block device carved into raw extents, served by the one QSD.
+
+The "NVMe" is a loop device over a sparse file, reached through a symlink
+that stands for its /dev/disk/by-id name. Checks: every export kind works on
+an extent and lands at its offset on the device; capacity per pool; foreign
+data refused unless forced; the label recognised after a restart; a deleted
+volume's bytes never reach the next tenant; snapshots and clones refused
+with the right code; a vanished device reported, not hung on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from csi_qsd.config import DevicePoolSpec
+from csi_qsd.csi_client import CSIClient, capability
+from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.errors import StartupError
+from csi_qsd.params import ImageFormat
+from csi_qsd.pools.device import DevicePool
+from csi_qsd.server import Driver
+from tests.harness import Sandbox, in_process_driver
+
+MIB = 1 << 20
+DEVICE_BYTES = 512 * MIB
+PATTERN = b"tenant A secret\n" * 4096  # 64 KiB
+
+
+class FakeNVMe:
+    """A loop device over a sparse file, and a stable-name symlink to it."""
+
+    def __init__(self, size: int = DEVICE_BYTES) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="cqnvme", dir="/tmp"))
+        self.backing = self.dir / "nvme.img"
+        with open(self.backing, "wb") as f:
+            f.truncate(size)
+        out = subprocess.run(["losetup", "--find", "--show", str(self.backing)], check=True,
+                             capture_output=True, text=True)
+        self.node = Path(out.stdout.strip())
+        self.link = self.dir / "nvme-FAKE_SERIAL_0001"
+        self.link.symlink_to(self.node)
+
+    def read(self, offset: int, length: int) -> bytes:
+        with open(self.backing, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def close(self) -> None:
+        subprocess.run(["losetup", "-d", str(self.node)], check=False, capture_output=True)
+        self.link.unlink(missing_ok=True)
+        self.backing.unlink(missing_ok=True)
+        self.dir.rmdir()
+
+
+@pytest.fixture
+def nvme() -> Iterator[FakeNVMe]:
+    device = FakeNVMe()
+    try:
+        yield device
+    finally:
+        device.close()
+
+
+def spec(device: FakeNVMe, name: str = "fast", force: bool = False) -> tuple[DevicePoolSpec, ...]:
+    return (DevicePoolSpec(name, device.link, force),)
+
+
+def pool_of(driver: Driver, name: str = "fast") -> DevicePool:
+    pool = driver.node._exports.host.pools[name]
+    assert isinstance(pool, DevicePool)
+    return pool
+
+
+async def capacity(csi: CSIClient, pool: str) -> tuple[int, int]:
+    response = await csi.controller.GetCapacity(pb.GetCapacityRequest(
+        parameters={"pool": pool}, volume_capabilities=[capability()]))
+    return response.available_capacity, response.maximum_volume_size.value
+
+
+def write_block(path: Path, data: bytes, offset: int = 0) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_block(path: Path, length: int, offset: int = 0) -> bytes:
+    with open(path, "rb", buffering=0) as f:  # a loop device attached at stage: nothing cached from before
+        f.seek(offset)
+        return f.read(length)
+
+
+async def test_volumes_of_every_kind_live_in_their_extents(box: Sandbox, nvme: FakeNVMe) -> None:
+    async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+        pool = pool_of(driver)
+        total, largest = await capacity(csi, "fast")
+        assert total == largest == pool.layout.data_size
+        fs = await csi.create_volume("pvc-fs", 64 * MIB, {"pool": "fast"})
+        blk = await csi.create_volume("pvc-blk", 32 * MIB, {"pool": "fast"}, block=True)
+        vm = await csi.create_volume("pvc-vm", 16 * MIB, {"pool": "fast", "export": "vhost-user-blk"})
+        assert fs.volume_context["format"] == "raw"
+        extents = {v.volume_id: pool.extent_of(v.volume_id) for v in (fs, blk, vm)}
+        assert all(e is not None for e in extents.values())
+        assert await capacity(csi, "fast") == (total - 112 * MIB, total - 112 * MIB)
+        # The file pool is untouched and reported on its own.
+        default_free, _ = await capacity(csi, "default")
+        assert default_free != total - 112 * MIB
+
+        staging, target = box.staging("fs"), box.target("fs")
+        await csi.stage(fs.volume_id, str(staging))
+        await csi.publish(fs.volume_id, str(staging), str(target))
+        (target / "hello.txt").write_text("on an extent\n")
+        bstaging, btarget = box.staging("blk"), box.target("blk")
+        await csi.stage(blk.volume_id, str(bstaging), block=True)
+        await csi.publish(blk.volume_id, str(bstaging), str(btarget), block=True)
+        write_block(btarget, PATTERN, 4 * MIB)
+        extent = extents[blk.volume_id]
+        assert extent is not None
+        assert nvme.read(extent.start + 4 * MIB, len(PATTERN)) == PATTERN  # at its offset on the device
+        vstaging, vtarget = box.staging("vm"), box.target("vm")
+        await csi.stage(vm.volume_id, str(vstaging))
+        await csi.publish(vm.volume_id, str(vstaging), str(vtarget))
+        assert (vtarget / "vhost-user-blk.sock").is_socket()
+
+        # Growing a fixed extent is refused with OUT_OF_RANGE, naming the volume.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await csi.expand(blk.volume_id, str(bstaging), 64 * MIB)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and blk.volume_id in (err.value.details() or "")
+
+        for vid, st, tg in ((fs.volume_id, staging, target), (blk.volume_id, bstaging, btarget),
+                            (vm.volume_id, vstaging, vtarget)):
+            await csi.unpublish(vid, str(tg))
+            await csi.unstage(vid, str(st))
+    # A restart finds the label and the extents; the data is where it was.
+    async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+        assert {v.volume_id for v in await csi.list_volumes()} == {fs.volume_id, blk.volume_id, vm.volume_id}
+        await csi.stage(fs.volume_id, str(staging))
+        await csi.publish(fs.volume_id, str(staging), str(target))
+        assert (target / "hello.txt").read_text() == "on an extent\n"
+        await csi.unpublish(fs.volume_id, str(target))
+        await csi.unstage(fs.volume_id, str(staging))
+        for vid in (fs.volume_id, blk.volume_id, vm.volume_id):
+            await csi.delete_volume(vid)
+        assert await capacity(csi, "fast") == (total, total)
+        assert pool_of(driver).images() == []
+
+
+async def test_refusals_name_the_reason(box: Sandbox, nvme: FakeNVMe) -> None:
+    async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+        vol = await csi.create_volume("pvc-raw", 16 * MIB, {"pool": "fast"})
+        cases = [
+            (csi.create_volume("pvc-q", 16 * MIB, {"pool": "fast", "format": "qcow2"}),
+             grpc.StatusCode.INVALID_ARGUMENT, "device pool"),
+            (csi.create_volume("pvc-x", 16 * MIB, {"pool": "nosuch"}), grpc.StatusCode.INVALID_ARGUMENT, "nosuch"),
+            (csi.create_volume("pvc-big", 4096 * MIB, {"pool": "fast"}), grpc.StatusCode.RESOURCE_EXHAUSTED, "fast"),
+            (csi.create_snapshot("snap", vol.volume_id), grpc.StatusCode.FAILED_PRECONDITION, vol.volume_id),
+            (csi.create_volume("pvc-clone", 16 * MIB, from_volume=vol.volume_id),
+             grpc.StatusCode.FAILED_PRECONDITION, vol.volume_id),
+            (csi.create_volume("pvc-clone2", 16 * MIB, {"pool": "fast"}, from_volume=vol.volume_id),
+             grpc.StatusCode.INVALID_ARGUMENT, "qcow2"),
+        ]
+        for call, code, word in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == code, err.value.details()
+            assert word in (err.value.details() or "")
+        assert await capacity(csi, "nosuch") == (0, 0)
+        assert len(pool_of(driver).images()) == 1
+        await csi.delete_volume(vol.volume_id)
+
+
+async def test_foreign_data_refused_unless_forced(box: Sandbox, nvme: FakeNVMe) -> None:
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(nvme.node)], check=True, capture_output=True)
+    with pytest.raises(StartupError, match="holds data .*TYPE=ext4"):
+        async with in_process_driver(box, device_pools=spec(nvme)):
+            pass
+    assert b"\x53\xef" == nvme.read(1024 + 56, 2)  # the ext4 superblock is untouched
+    async with in_process_driver(box, device_pools=spec(nvme, force=True)) as (driver, csi):
+        vol = await csi.create_volume("pvc-forced", 16 * MIB, {"pool": "fast"}, block=True)
+        extent = pool_of(driver).extent_of(vol.volume_id)
+        assert extent is not None
+        assert nvme.read(extent.start, 16 * MIB).count(0) == 16 * MIB  # the old filesystem is gone from it
+    # The label makes the device the pool's own: no force needed any more, another name refused.
+    async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+        assert [v.volume_id for v in await csi.list_volumes()] == [vol.volume_id]
+    with pytest.raises(StartupError, match="belongs to device pool 'fast'"):
+        async with in_process_driver(box, device_pools=spec(nvme, name="other")):
+            pass
+
+
+async def test_a_deleted_tenants_bytes_never_reach_the_next(box: Sandbox, nvme: FakeNVMe) -> None:
+    """Tenant A fills its volume with a pattern and deletes it; B gets the same extent and reads zeroes."""
+    async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+        pool = pool_of(driver)
+        # Block: A writes everywhere, B reads everything back through its own export.
+        a = await csi.create_volume("pvc-a", 32 * MIB, {"pool": "fast"}, block=True)
+        a_extent = pool.extent_of(a.volume_id)
+        st, tg = box.staging("a"), box.target("a")
+        await csi.stage(a.volume_id, str(st), block=True)
+        await csi.publish(a.volume_id, str(st), str(tg), block=True)
+        for offset in range(0, 32 * MIB, len(PATTERN)):
+            write_block(tg, PATTERN, offset)
+        await csi.unpublish(a.volume_id, str(tg))
+        await csi.unstage(a.volume_id, str(st))
+        await csi.delete_volume(a.volume_id)
+        b = await csi.create_volume("pvc-b", 32 * MIB, {"pool": "fast"}, block=True)
+        assert pool.extent_of(b.volume_id) == a_extent, "B must get A's extent for the test to mean anything"
+        st, tg = box.staging("b"), box.target("b")
+        await csi.stage(b.volume_id, str(st), block=True)
+        await csi.publish(b.volume_id, str(st), str(tg), block=True)
+        data = read_block(tg, 32 * MIB)
+        assert data.count(0) == len(data) == 32 * MIB
+        await csi.unpublish(b.volume_id, str(tg))
+        await csi.unstage(b.volume_id, str(st))
+        await csi.delete_volume(b.volume_id)
+
+        # Filesystem: A's file content must not appear anywhere under C's filesystem or its device.
+        a = await csi.create_volume("pvc-fa", 32 * MIB, {"pool": "fast"})
+        st, tg = box.staging("fa"), box.target("fa")
+        await csi.stage(a.volume_id, str(st))
+        await csi.publish(a.volume_id, str(st), str(tg))
+        (tg / "secret").write_bytes(PATTERN * 64)
+        os.sync()
+        await csi.unpublish(a.volume_id, str(tg))
+        await csi.unstage(a.volume_id, str(st))
+        await csi.delete_volume(a.volume_id)
+        c = await csi.create_volume("pvc-fc", 32 * MIB, {"pool": "fast"})
+        assert pool.extent_of(c.volume_id) == a_extent
+        st, tg = box.staging("fc"), box.target("fc")
+        await csi.stage(c.volume_id, str(st))
+        await csi.publish(c.volume_id, str(st), str(tg))
+        assert not (tg / "secret").exists()
+        assert a_extent is not None and PATTERN[:16] not in nvme.read(a_extent.start, a_extent.length)
+        await csi.unpublish(c.volume_id, str(tg))
+        await csi.unstage(c.volume_id, str(st))
+        await csi.delete_volume(c.volume_id)
+
+
+async def test_a_vanished_device_is_reported_not_waited_on(box: Sandbox, nvme: FakeNVMe) -> None:
+    async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+        vol = await csi.create_volume("pvc-v", 16 * MIB, {"pool": "fast"})
+        pool = pool_of(driver)
+        image = pool.image_path(vol.volume_id, ImageFormat.RAW)
+        assert await pool.check(image, in_use=False) == ""
+        nvme.link.unlink()  # udev drops the by-id link when the device goes
+        problem = await pool.check(image, in_use=False)
+        assert "is gone" in problem and "fast" in problem
+        nvme.link.symlink_to(nvme.node)
+        assert await pool.check(image, in_use=False) == ""
+        await csi.delete_volume(vol.volume_id)

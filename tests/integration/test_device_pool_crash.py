@@ -1,0 +1,112 @@
+"""SIGKILL inside every step of a device pool's extent bookkeeping: no extent lost, none given twice, none unscrubbed.
+
+The driver runs as a process with a named crash point armed (take, release,
+scrub); after the restart the catalog's extents must account for exactly
+the live volumes, free space must be whole again, and a deleted tenant's
+bytes must be gone from the device before anyone can be given its extent.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+
+from csi_qsd.csi_client import CSIClient, capability
+from csi_qsd.csi_pb import csi_pb2 as pb
+from tests.harness import DriverProcess, Sandbox
+from tests.integration.test_device_pool import PATTERN, FakeNVMe, write_block
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def nvme() -> Iterator[FakeNVMe]:
+    device = FakeNVMe()
+    try:
+        yield device
+    finally:
+        device.close()
+
+
+@pytest.fixture
+async def process(box: Sandbox, nvme: FakeNVMe) -> AsyncIterator[DriverProcess]:
+    driver = DriverProcess(box, "--device-pool", f"fast={nvme.link}")
+    await driver.start()
+    try:
+        yield driver
+    finally:
+        await driver.stop()
+
+
+def extent_rows(box: Sandbox) -> list[tuple[int, int, str, str]]:
+    db = sqlite3.connect(box.state_dir / "catalog.db")
+    try:
+        return list(db.execute("SELECT start, length, volume_id, state FROM extents ORDER BY start"))
+    finally:
+        db.close()
+
+
+async def free(csi: CSIClient) -> int:
+    response = await csi.controller.GetCapacity(pb.GetCapacityRequest(
+        parameters={"pool": "fast"}, volume_capabilities=[capability()]))
+    return int(response.available_capacity)
+
+
+@pytest.mark.parametrize("point", ["extent.after_take"])
+async def test_crash_while_taking_an_extent(box: Sandbox, process: DriverProcess, point: str) -> None:
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        total = await free(csi)
+        await process.stop()
+        await process.start(failpoints=point)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await csi.create_volume("pvc-crash", 64 * MIB, {"pool": "fast"}, block=True)
+        assert await process.wait_exit() != 0
+        assert f"event=failpoint name={point}" in process.log()
+        await process.start()
+        assert await csi.list_volumes() == []
+        assert extent_rows(box) == [] and await free(csi) == total
+        vol = await csi.create_volume("pvc-crash", 64 * MIB, {"pool": "fast"}, block=True)  # the retry
+        assert [r[2] for r in extent_rows(box)] == [vol.volume_id]
+        await csi.delete_volume(vol.volume_id)
+        assert extent_rows(box) == [] and await free(csi) == total
+
+
+@pytest.mark.parametrize("point", ["delete.after_intent", "extent.after_release", "extent.after_scrub",
+                                   "delete.after_image"])
+async def test_crash_while_freeing_an_extent(
+    box: Sandbox, process: DriverProcess, nvme: FakeNVMe, point: str,
+) -> None:
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        total = await free(csi)
+        vol = await csi.create_volume("pvc-a", 32 * MIB, {"pool": "fast"}, block=True)
+        ((start, length, _, _),) = extent_rows(box)
+        staging, target = box.staging("a"), box.target("a")
+        await csi.stage(vol.volume_id, str(staging), block=True)
+        await csi.publish(vol.volume_id, str(staging), str(target), block=True)
+        for offset in range(0, length, len(PATTERN)):
+            write_block(target, PATTERN, offset)
+        await csi.unpublish(vol.volume_id, str(target))
+        await csi.unstage(vol.volume_id, str(staging))
+        assert nvme.read(start, len(PATTERN)) == PATTERN
+
+        await process.stop()
+        await process.start(failpoints=point)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await csi.delete_volume(vol.volume_id)
+        assert await process.wait_exit() != 0
+        assert f"event=failpoint name={point}" in process.log()
+        await process.start()
+
+        # The restart finished the delete and the scrub: nothing left, nothing readable.
+        assert await csi.list_volumes() == []
+        assert extent_rows(box) == [] and await free(csi) == total
+        assert nvme.read(start, length).count(0) == length
+        await csi.delete_volume(vol.volume_id)  # the provisioner's retry
+        again = await csi.create_volume("pvc-b", 32 * MIB, {"pool": "fast"}, block=True)
+        assert extent_rows(box)[0][:2] == (start, length)
+        await csi.delete_volume(again.volume_id)
+    os.sync()

@@ -1,0 +1,145 @@
+"""The device-pool allocator against a reference model: a map of allocation units, one flag each.
+
+Random sequences of creates, deletes and in-place growths: extents never
+overlap, never leave the data area, are aligned, free space is never lost
+(taken + free = the data area), and every answer (fits or not, largest free
+gap) matches the brute-force model.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+
+import pytest
+
+from csi_qsd.pools import extents
+from csi_qsd.pools.extents import Extent, Layout
+
+MIB = 1 << 20
+UNITS = 64
+
+
+class Reference:
+    """One flag per alignment unit of the data area."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.owner: list[int | None] = [None] * (layout.data_size // layout.alignment)
+
+    def runs(self) -> list[tuple[int, int]]:
+        found, start = [], None
+        for i, who in enumerate(self.owner + [0]):
+            if who is None and start is None:
+                start = i
+            elif who is not None and start is not None:
+                found.append((start, i - start))
+                start = None
+        return found
+
+    def fits(self, units: int) -> bool:
+        return any(length >= units for _, length in self.runs())
+
+    def longest(self) -> int:
+        return max((length for _, length in self.runs()), default=0)
+
+    def take(self, extent: Extent, who: int) -> None:
+        first = (extent.start - self.layout.data_start) // self.layout.alignment
+        for i in range(first, first + extent.length // self.layout.alignment):
+            assert self.owner[i] is None, "extent handed out twice"
+            self.owner[i] = who
+
+    def free(self, who: int) -> None:
+        self.owner = [None if o == who else o for o in self.owner]
+
+
+class Allocator(RuleBasedStateMachine):
+    volumes = Bundle("volumes")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layout = Layout(device_size=(UNITS + 1) * MIB + 12345, alignment=MIB)
+        self.taken: dict[int, Extent] = {}
+        self.model = Reference(self.layout)
+        self.next_id = 0
+
+    @rule(target=volumes, size=st.integers(1, 24 * MIB))
+    def create(self, size: int) -> int:
+        units = -(-size // MIB)
+        picked = extents.choose(self.layout, self.taken.values(), size)
+        assert (picked is not None) == self.model.fits(units)
+        self.next_id += 1
+        if picked is not None:
+            assert picked.length == units * MIB and picked.start % MIB == 0
+            self.model.take(picked, self.next_id)
+            self.taken[self.next_id] = picked
+        return self.next_id
+
+    @rule(volume=volumes)
+    def delete(self, volume: int) -> None:
+        self.taken.pop(volume, None)
+        self.model.free(volume)
+
+    @rule(volume=volumes, size=st.integers(1, 32 * MIB))
+    def grow(self, volume: int, size: int) -> None:
+        extent = self.taken.get(volume)
+        if extent is None:
+            return
+        if extents.grows_in_place(self.layout, self.taken.values(), extent, size):
+            grown = Extent(extent.start, max(extent.length, extents.align_up(size, MIB)))
+            self.model.free(volume)
+            self.model.take(grown, volume)
+            self.taken[volume] = grown
+
+    @invariant()
+    def disjoint_aligned_inside(self) -> None:
+        ordered = sorted(self.taken.values())
+        for a, b in zip(ordered, ordered[1:]):
+            assert a.end <= b.start
+        for e in ordered:
+            assert self.layout.data_start <= e.start and e.end <= self.layout.data_end
+            assert e.start % MIB == 0 and e.length % MIB == 0
+
+    @invariant()
+    def nothing_lost(self) -> None:
+        free = extents.free_extents(self.layout, self.taken.values())
+        used = sum(e.length for e in self.taken.values())
+        assert used + extents.total_free(self.layout, self.taken.values()) == self.layout.data_size
+        for a, b in zip(free, free[1:]):
+            assert a.end < b.start, "adjacent free extents must be coalesced"
+        assert extents.largest_free(self.layout, self.taken.values()) == self.model.longest() * MIB
+
+
+TestAllocator = Allocator.TestCase
+TestAllocator.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 8)), max_size=20))
+def test_free_extents_are_the_complement(raw: list[tuple[int, int]]) -> None:
+    layout = Layout(64 * MIB + MIB, MIB)
+    taken: list[Extent] = []
+    for unit, length in raw:
+        candidate = Extent(MIB + unit * MIB, min(length, 64 - unit) * MIB)
+        if candidate.length and not any(candidate.overlaps(t) for t in taken):
+            taken.append(candidate)
+    covered = sorted(taken + extents.free_extents(layout, taken))
+    assert covered[0].start == layout.data_start and covered[-1].end == layout.data_end
+    for a, b in zip(covered, covered[1:]):
+        assert a.end == b.start
+
+
+def test_alignment_follows_the_optimal_io_size() -> None:
+    assert extents.alignment_for(0) == MIB
+    assert extents.alignment_for(128 * 1024) == MIB
+    assert extents.alignment_for(3 * MIB) == 3 * MIB
+    assert extents.alignment_for(511) == MIB
+    with pytest.raises(ValueError):
+        Layout(10 * MIB, 1000)
+
+
+def test_best_fit_keeps_large_gaps_whole() -> None:
+    layout = Layout(11 * MIB, MIB)
+    taken = [Extent(2 * MIB, MIB), Extent(4 * MIB, MIB)]  # gaps: [1,2) 1 MiB, [3,4) 1 MiB, [5,11) 6 MiB
+    assert extents.choose(layout, taken, MIB) == Extent(MIB, MIB)
+    assert extents.choose(layout, taken, 2 * MIB) == Extent(5 * MIB, 2 * MIB)
+    assert extents.choose(layout, taken, 7 * MIB) is None
