@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from csi_qsd.catalog import (
@@ -108,9 +108,7 @@ class NodeVolumes:
     async def unstage(self, volume_id: str, staging_path: Path) -> None:
         """Raises NotFound for an unknown volume, FailedPrecondition while published."""
         async with self._locks.hold(volume_id), self._transient_if_qsd_lost(volume_id):
-            volume = await self._catalog.volume(volume_id)
-            if volume is None:
-                raise NotFound(f"volume {volume_id} does not exist")
+            volume = await self._volume(volume_id, any_state=True)
             record = await self._catalog.stage(volume_id)
             if record is None or record.staging_path != staging_path:
                 return
@@ -169,9 +167,7 @@ class NodeVolumes:
     async def unpublish(self, volume_id: str, target_path: Path) -> None:
         """Raises NotFound for an unknown volume; an unpublished target is success."""
         async with self._locks.hold(volume_id), self._transient_if_qsd_lost(volume_id):
-            volume = await self._catalog.volume(volume_id)
-            if volume is None:
-                raise NotFound(f"volume {volume_id} does not exist")
+            volume = await self._volume(volume_id, any_state=True)
             record = await self._catalog.publish(target_path)
             if record is None or record.volume_id != volume_id:
                 return
@@ -187,7 +183,7 @@ class NodeVolumes:
         """
         async with self._locks.hold(volume_id), self._transient_if_qsd_lost(volume_id):
             volume = await self._volume(volume_id)
-            stage = await self._stage_at(volume_id, path)
+            stage = await _stage_at(self._catalog, volume_id, path)
             if stage.state is not StageState.STAGED:
                 raise NotFound(f"volume {volume_id} is not staged or published at {path}")
             size = max(choose_size(required, limit), volume.capacity)
@@ -206,18 +202,27 @@ class NodeVolumes:
     async def stats(self, volume_id: str, path: Path) -> VolumeStats:
         """Usage of a volume at its staging or target path. Raises NotFound."""
         volume = await self._volume(volume_id)
-        stage = await self._stage_at(volume_id, path)
+        stage = await _stage_at(self._catalog, volume_id, path)
         if not self._daemon.ready:
             return VolumeStats.restarting(volume.capacity)
         return await self._exports.of(volume).stats(volume, stage, path)
 
-    async def rebuild(self, client: QSDClient) -> None:
+    async def rebuild(self, client: QSDClient) -> Callable[[], Awaitable[None]] | None:
         """Make QSD and the host match the catalog; called after every (re)connect to QSD.
 
-        Finishes or undoes transitional rows a crash left, re-creates lost
-        exports, loop devices and mounts, and removes our graph nodes that no
-        staged volume needs. Image files are never touched.
+        Finishes or undoes what a crash left, re-creates lost exports, loop
+        devices and mounts, and drops our graph nodes no staged volume needs;
+        never touches images. If QSD kept every staged volume's export (only
+        the driver restarted), the checks run in the background instead, each
+        volume under its lock, so calls are served at once.
         """
+        staged = {s.volume_id for s in await self._catalog.stages() if s.state is StageState.STAGED}
+        if staged and staged <= await attach.exported_volumes(client):
+            return lambda: self._repair(client)
+        await self._repair(client)
+        return None
+
+    async def _repair(self, client: QSDClient) -> None:
         wanted: set[str] = set()
         volume_ids = {p.volume_id for p in await self._catalog.publishes()}
         volume_ids |= {s.volume_id for s in await self._catalog.stages()}
@@ -275,17 +280,10 @@ class NodeVolumes:
         except Exception:
             log.exception("event=undo_stage_failed volume_id=%s (the start-up reconcile will retry)", volume.id)
 
-    async def _stage_at(self, volume_id: str, path: Path) -> StageRecord:
-        """The volume's stage if `path` is its staging path or one of its targets; NotFound otherwise."""
-        stage = await self._catalog.stage(volume_id)
-        targets = {p.target_path for p in await self._catalog.publishes(volume_id)}
-        if stage is None or (path != stage.staging_path and path not in targets):
-            raise NotFound(f"volume {volume_id} is not staged or published at {path}")
-        return stage
-
-    async def _volume(self, volume_id: str) -> VolumeRecord:
+    async def _volume(self, volume_id: str, *, any_state: bool = False) -> VolumeRecord:
+        """The volume (ready, unless `any_state`: undoing needs no ready volume). Raises NotFound."""
         volume = await self._catalog.volume(volume_id)
-        if volume is None or volume.state is not VolumeState.READY:
+        if volume is None or not (any_state or volume.state is VolumeState.READY):
             raise NotFound(f"volume {volume_id} does not exist")
         return volume
 
@@ -309,6 +307,15 @@ class NodeVolumes:
     def _require_qsd(self) -> None:
         if not self._daemon.ready:
             raise Unavailable("qemu-storage-daemon is not ready (starting or restarting); retry shortly")
+
+
+async def _stage_at(catalog: Catalog, volume_id: str, path: Path) -> StageRecord:
+    """The volume's stage if `path` is its staging path or one of its targets; NotFound otherwise."""
+    stage = await catalog.stage(volume_id)
+    targets = {p.target_path for p in await catalog.publishes(volume_id)}
+    if stage is None or (path != stage.staging_path and path not in targets):
+        raise NotFound(f"volume {volume_id} is not staged or published at {path}")
+    return stage
 
 
 def _check_restage(spec: StageSpec, existing: StageRecord, access: AccessType, fs_type: str) -> None:

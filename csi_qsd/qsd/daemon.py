@@ -38,7 +38,9 @@ from csi_qsd.sys.run import tool_env
 
 log = logging.getLogger(__name__)
 
-Rebuild = Callable[[QSDClient], Awaitable[None]]
+# The rebuild brings the graph in line with the caller's records; what it returns (if anything) is
+# the rest of the work, which may run after the daemon is ready (an adopted QSD that kept its graph).
+Rebuild = Callable[[QSDClient], Awaitable[Callable[[], Awaitable[None]] | None]]
 RECONNECT_DELAY = 0.2
 SHUTDOWN_TIMEOUT = 10.0
 # The liveness ping goes out once the session has been idle for a ping interval, checked every
@@ -156,6 +158,7 @@ class QSDDaemon:
     def __init__(self, config: Config) -> None:
         self._config = config
         self._rebuild: Rebuild | None = None
+        self._verifier: asyncio.Task[None] | None = None
         self.client = QSDClient(f"csi-qsd-{config.node_id}", config.qmp_timeout)
         self.client.on_no_answer = self._no_answer
         self.restarts = 0
@@ -228,14 +231,31 @@ class QSDDaemon:
         self._supervisor = asyncio.create_task(self._supervise(), name="qsd-supervisor")
         self._watchdog = asyncio.create_task(self._watch(), name="qsd-watchdog")
 
+    def _verify_later(self, rest: Callable[[], Awaitable[None]]) -> None:
+        """Run the rest of a rebuild in the background; logged, never silently lost."""
+        async def verify() -> None:
+            started = asyncio.get_running_loop().time()
+            try:
+                await rest()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event=qsd_verify_failed")
+                return
+            log.info("event=qsd_verified seconds=%.3f", asyncio.get_running_loop().time() - started)
+
+        if self._verifier is not None:
+            self._verifier.cancel()
+        self._verifier = asyncio.create_task(verify(), name="qsd-verify")
+
     async def close(self) -> None:
         """Stop supervising and drop the QMP session; QSD itself keeps running."""
-        for task in (self._watchdog, self._supervisor):
+        for task in (self._verifier, self._watchdog, self._supervisor):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._supervisor = self._watchdog = None
+        self._supervisor = self._watchdog = self._verifier = None
         self._set_state(QSDState.STOPPED)
         await self.client.disconnect()
 
@@ -267,7 +287,9 @@ class QSDDaemon:
         log.info("event=qsd_version version=%s loop_io=%s setting=%s", ".".join(map(str, self.version)),
                  datapath.describe(self.loop_direct_io), self._config.loop_io.value)
         if self._rebuild is not None:
-            await self._rebuild(self.client)
+            rest = await self._rebuild(self.client)
+            if rest is not None:
+                self._verify_later(rest)
 
     async def _connect(self) -> None:
         """Connect to the QMP socket, waiting for it when QSD is another container's to start.
