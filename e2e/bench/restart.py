@@ -1,0 +1,136 @@
+"""Restart benchmark: how long a node is deaf after a driver crash, and QSD's memory per idle volume.
+
+Serves `csi-qsd serve` as a separate process, stages and publishes N volumes
+of mixed kinds (filesystem, block, vhost-user-blk, in turn; qcow2, 64 MiB),
+then SIGKILLs the driver and starts it again, as a crashing plugin container
+would be restarted, and measures:
+
+    Probe ready          from the new process's start until Probe answers ready
+    first call           NodeGetVolumeStats on the last volume, right after Probe
+    background checks    until the log says the adopted graph was verified (event=qsd_verified)
+    QSD RSS per volume   (RSS with N staged - RSS with none) / N
+
+The baseline is the same restart measured in the same run with no volume
+staged, and the time the full checks took (what a start that verifies every
+volume before serving would have cost). Targets: Probe ready and the first
+call in < 5 s with 1000 volumes; < 512 KiB of QSD memory per idle volume.
+Figures only; nothing here decides pass or fail for CI.
+
+    .venv/bin/python -m e2e.bench.restart [--volumes 1000] [--parallel 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+import time
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi_pb import csi_pb2 as pb
+from e2e.bench.common import KIB, MIB, ms, ratio, status_field_kib, table
+from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox, until
+
+SIZE = 64 * MIB
+Kind = tuple[str, dict[str, str], bool]
+KINDS: tuple[Kind, ...] = (
+    ("filesystem", {"export": "filesystem"}, False),
+    ("block", {"export": "filesystem"}, True),
+    ("vhost-user-blk", {"export": "vhost-user-blk"}, False),
+)
+TARGET_READY_S = 5.0
+VERIFIED = re.compile(r"event=qsd_verified seconds=([0-9.]+)")
+TARGET_RSS_PER_VOLUME_KIB = 512
+
+
+async def stage_one(box: Sandbox, csi: CSIClient, index: int, kinds: tuple[Kind, ...]) -> tuple[str, str]:
+    kind, params, block = kinds[index % len(kinds)]
+    name = f"pvc-restart-{index:04d}"
+    vid = (await csi.create_volume(name, SIZE, params, block=block)).volume_id
+    staging, target = box.staging(name), box.target(name)
+    await csi.stage(vid, str(staging), block=block)
+    await csi.publish(vid, str(staging), str(target), block=block)
+    return vid, str(target)
+
+
+async def restart(driver: DriverProcess, box: Sandbox, probe_vid: str, probe_path: str) -> tuple[float, float, float]:
+    """SIGKILL and restart the driver: (seconds to Probe ready, to the first call answered, checks took)."""
+    verified_before = len(VERIFIED.findall(driver.log()))
+    await driver.kill9()
+    started = time.perf_counter()
+    await driver.start(timeout=600)
+    ready = time.perf_counter() - started
+    if not probe_vid:
+        return ready, ready, 0.0
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        await csi.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id=probe_vid, volume_path=probe_path))
+    first = time.perf_counter() - started
+
+    async def checked() -> bool:
+        return len(VERIFIED.findall(driver.log())) > verified_before
+
+    await until(checked, "the background checks (event=qsd_verified in the driver log)", 600)
+    return ready, first, float(VERIFIED.findall(driver.log())[-1])
+
+
+async def run(volumes: int, parallel: int, kinds: tuple[Kind, ...]) -> None:
+    with sandbox() as box:
+        driver = DriverProcess(box)
+        await driver.start()
+        try:
+            pid = qsd_pid(box)
+            assert pid is not None
+            empty_ready, _, _ = await restart(driver, box, "", "")
+            rss_empty = status_field_kib(pid)
+            staged: list[tuple[str, str]] = []
+            t0 = time.perf_counter()
+            async with CSIClient(box.endpoint, timeout=120) as csi:
+                gate = asyncio.Semaphore(parallel)
+
+                async def one(index: int) -> None:
+                    async with gate:
+                        staged.append(await stage_one(box, csi, index, kinds))
+
+                await asyncio.gather(*(one(i) for i in range(volumes)))
+            setup = time.perf_counter() - t0
+            rss_full = status_field_kib(pid)
+            probe_vid, probe_path = staged[-1]
+            ready, first, verified = await restart(driver, box, probe_vid, probe_path)
+            assert qsd_pid(box) == pid, "the restarted driver must adopt the same QSD"
+        finally:
+            await driver.stop()
+        per_volume = (rss_full - rss_empty) / volumes
+        print(f"csi-qsd restart bench: {volumes} volumes staged and published "
+              f"({', '.join(k for k, _, _ in kinds)} in turn) in {setup:.0f} s; {sys.platform}")
+        print(table(
+            ["figure", f"{volumes} volumes", "no volume (baseline)", "ratio", "target"],
+            [
+                ["Probe ready after SIGKILL, s", f"{ready:.2f}", f"{empty_ready:.2f}", ratio(ready, empty_ready),
+                 f"< {TARGET_READY_S:.0f} {'PASS' if ready < TARGET_READY_S else 'MISS'}"],
+                ["first call on an old volume, s", f"{first:.2f}", "-", "-",
+                 f"< {TARGET_READY_S:.0f} {'PASS' if first < TARGET_READY_S else 'MISS'}"],
+                ["background checks, s", f"{verified:.2f}", "-", ratio(verified, ready), "after Probe"],
+                ["QSD RSS per idle volume, KiB", f"{per_volume:.0f}", f"{rss_empty} (QSD alone)", "-",
+                 f"< {TARGET_RSS_PER_VOLUME_KIB} "
+                 f"{'PASS' if per_volume < TARGET_RSS_PER_VOLUME_KIB else 'MISS'}"],
+            ],
+        ))
+        print(f"(QSD RSS {rss_empty} KiB empty, {rss_full} KiB with {volumes}; {ms(per_volume * KIB / 1024)} "
+              "KiB per volume)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.restart", description=__doc__.split("\n")[0])
+    parser.add_argument("--volumes", type=int, default=1000)
+    parser.add_argument("--parallel", type=int, default=4, help="stage this many volumes at a time")
+    parser.add_argument("--kind", choices=[k for k, _, _ in KINDS], action="append",
+                        help="only volumes of this kind (repeatable; default: all three in turn)")
+    args = parser.parse_args(argv)
+    kinds = tuple(k for k in KINDS if not args.kind or k[0] in args.kind)
+    asyncio.run(run(args.volumes, args.parallel, kinds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
