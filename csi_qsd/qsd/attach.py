@@ -17,7 +17,7 @@ from pathlib import Path
 
 from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
-from csi_qsd.qsd import graph
+from csi_qsd.qsd import graph, vhost_greeting
 from csi_qsd.qsd.client import BlockNodeInfo, QSDClient
 from csi_qsd.qsd.storage import Storage
 
@@ -160,6 +160,7 @@ async def ensure_vhost_export(client: QSDClient, top: TopImage, socket: Path, *,
     if iothread is not None and iothread["id"] not in await client.iothreads():
         await client.execute("object-add", iothread)
     await client.export_add(graph.vhost_user_blk_export(nodes, socket, top.params, writable=writable))
+    await vhost_greeting.greet(socket)  # before any resize can reach it
     return True
 
 

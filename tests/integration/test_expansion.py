@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
+from csi_qsd import datapath
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys import caps
-from tests.harness import Sandbox
+from tests.harness import Sandbox, qsd_pid, until
 
 MIB = 1 << 20
 
@@ -56,7 +56,7 @@ class Writer:
 
     async def __aenter__(self) -> "Writer":
         self._thread.start()
-        await wait_for(lambda: self.blocks >= 4, "the writer to get going")
+        await until(lambda: self.blocks >= 4, "the writer to get going")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -69,13 +69,6 @@ class Writer:
         assert len(data) == self.blocks * (64 << 10)
         for i in range(self.blocks):
             assert data[i << 16:(i + 1) << 16] == bytes([i % 251]) * (64 << 10), f"block {i} changed"
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def fs_bytes(path: Path) -> int:
@@ -102,7 +95,7 @@ async def test_expand_published_filesystem_in_use(box: Sandbox, driver: tuple[Dr
         assert await expand(csi, vid, str(target), 640 * MIB) == 640 * MIB
         assert fs_bytes(target) > before + 250 * MIB
         grown_at = writer.blocks
-        await wait_for(lambda: writer.blocks >= grown_at + 4, "writes after the growth")
+        await until(lambda: writer.blocks >= grown_at + 4, "writes after the growth")
     writer.verify()
     await csi.unpublish(vid, str(target))
     await csi.unstage(vid, str(staging))
@@ -170,4 +163,27 @@ async def test_expand_block_volume(box: Sandbox, driver: tuple[Driver, CSIClient
     finally:
         os.close(fd)
     await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
+
+
+async def test_expand_vm_volume_that_no_guest_ever_opened(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
+    """A VM volume grows, published or not, before any VM connected: QSD must survive it.
+
+    QSD 10.0.13 segfaults on block_resize under a vhost-user-blk export no
+    client has ever connected to; the driver greets every new export once.
+    """
+    daemon, csi = driver
+    pid, restarts = qsd_pid(box), daemon.daemon.restarts
+    vid = (await csi.create_volume("pvc-grow-vm", 32 * MIB, {"export": "vhost-user-blk"})).volume_id
+    staging, target = box.staging("gv"), box.target("gv")
+    await csi.stage(vid, str(staging))
+    await csi.publish(vid, str(staging), str(target))
+    published = 64 * MIB if datapath.live_resize_reaches_guest(daemon.daemon.version) else 32 * MIB
+    if published > 32 * MIB:
+        assert await expand(csi, vid, str(target), published) == published
+    await csi.unpublish(vid, str(target))
+    assert await expand(csi, vid, str(staging), 96 * MIB) == 96 * MIB
+    assert (qsd_pid(box), daemon.daemon.restarts) == (pid, restarts), "QSD died under the resize"
+    got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vid))
+    assert got.volume.capacity_bytes == 96 * MIB
     await csi.unstage(vid, str(staging))
