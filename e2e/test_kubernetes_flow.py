@@ -39,7 +39,6 @@ import hashlib
 import os
 import re
 import shutil
-import socket
 import stat
 import subprocess
 import time
@@ -83,7 +82,7 @@ from tests.deploy.helpers import (
 )
 from tests.deploy.kustomize import load_yaml_documents, render
 from e2e.conftest import e2e_marks
-from tests.harness import DriverProcess, Sandbox, sandbox
+from tests.harness import DriverProcess, Sandbox, free_port, running_driver, sandbox
 
 pytestmark = e2e_marks(("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount"))
 
@@ -444,13 +443,6 @@ class Kubelet:
 # Driver under test
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 async def metric(port: int, name: str, **labels: str) -> float | None:
     """One sample from the driver's /metrics (None if absent)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -484,13 +476,11 @@ async def served() -> AsyncIterator[Served]:
         pytest.fail("the Kubernetes flow needs root (mounts, loop devices) and /dev/fuse")
     with sandbox() as box:
         port = free_port()
-        driver = DriverProcess(box, "--metrics-address", f"127.0.0.1:{port}")
-        await driver.start()
-        try:
-            async with CSIClient(box.endpoint, timeout=120) as csi:
-                yield Served(box, driver, csi, port)
-        finally:
-            await driver.stop()
+        async with (
+            running_driver(box, "--metrics-address", f"127.0.0.1:{port}") as driver,
+            CSIClient(box.endpoint, timeout=120) as csi,
+        ):
+            yield Served(box, driver, csi, port)
 
 
 

@@ -63,7 +63,7 @@ from e2e.guest import (
     write_summaries,
 )
 from e2e.conftest import e2e_marks
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+from tests.harness import DriverProcess, Sandbox, qsd_pid, running_driver, sandbox, until, wait_new_qsd
 
 pytestmark = e2e_marks()
 
@@ -104,13 +104,8 @@ async def served() -> AsyncIterator[Served]:
     if os.geteuid() != 0:
         pytest.fail("VM volume tests need root (bind mounts, socket ownership)")
     with sandbox() as box:
-        driver = DriverProcess(box)
-        await driver.start()
-        try:
-            async with CSIClient(box.endpoint, timeout=60) as csi:
-                yield Served(box, driver, csi)
-        finally:
-            await driver.stop()
+        async with running_driver(box) as driver, CSIClient(box.endpoint, timeout=60) as csi:
+            yield Served(box, driver, csi)
 
 
 # --- helpers -------------------------------------------------------------------
@@ -187,16 +182,6 @@ async def wait_for_block(vm: RunningVM, index: int, timeout: float = VM_TIMEOUT_
             await vm.wait_for_line(pattern)
 
 
-async def wait_for_new_qsd(box: Sandbox, old_pid: int) -> int:
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
-    while time.monotonic() < deadline:
-        pid = qsd_pid(box)
-        if pid is not None and pid != old_pid:
-            return pid
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the supervisor did not restart QSD within {RESTART_TIMEOUT_S}s")
-
-
 def mode_of(path: Path) -> tuple[int, int, int]:
     st = os.stat(path)
     return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
@@ -225,7 +210,7 @@ async def crash_qsd_during_writes(
         assert old is not None
         os.kill(old, signal.SIGKILL)
         killed_at = len(acknowledged_blocks(vm.output, DEVICE))
-        await wait_for_new_qsd(served.box, old)
+        await wait_new_qsd(served.box, old, RESTART_TIMEOUT_S)
         result = await vm.wait()
     assert result.exit_code == 0, result.output
     acked = assert_clean_run(result.output, blocks)
@@ -387,9 +372,8 @@ async def test_multi_queue_vm_on_the_default_export_and_the_refusal_below_it(
                         timeout=VM_TIMEOUT_S)
     async with vm:
         refusal = "The maximum number of queues supported by the backend is 1"
-        async with asyncio.timeout(30):
-            while refusal not in vm.qemu_stderr and vm.returncode is None:
-                await asyncio.sleep(0.1)
+        await until(lambda: refusal in vm.qemu_stderr or vm.returncode is not None,
+                    lambda: f"QEMU to refuse the queues; its stderr:\n{vm.qemu_stderr}", 30)
         assert refusal in vm.qemu_stderr, vm.qemu_stderr
         assert "MQ" not in vm.output, "the guest must not have come up"
     result = await run_guest(guest_image, [VhostUserDisk(narrow.socket, num_queues=1)], guest_script(probe),

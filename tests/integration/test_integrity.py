@@ -46,7 +46,7 @@ from csi_qsd import datapath
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.datapath import LoopIO
 from csi_qsd.server import Driver
-from tests.harness import Sandbox, in_process_driver, qsd_pid, wait_restored
+from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -327,11 +327,8 @@ def qsd_is_safe(driver: Driver) -> bool:
 
 async def wait_recovered(driver: Driver, restarts: int, timeout: float = 60) -> None:
     """Until the supervisor restarted QSD and rebuilt every volume (bounded)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (driver.daemon.restarts > restarts and driver.daemon.ready):
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"QSD not recovered within {timeout}s (restarts={driver.daemon.restarts})")
-        await asyncio.sleep(0.1)
+    await until(lambda: driver.daemon.restarts > restarts and driver.daemon.ready,
+                lambda: f"QSD to recover (restarts={driver.daemon.restarts})", timeout)
 
 
 # ---------------------------------------------------------------- fio
