@@ -444,9 +444,12 @@ async def test_offline_expansion_is_seen_by_the_next_vm_and_stalls_no_other(
 ) -> None:
     """NodeExpandVolume on an unused VM volume (OFFLINE, as kubelet calls it after staging).
 
-    The export is removed before QSD's block_resize (under an export it stalls
-    the shared iothread, i.e. every VM) and re-added, so the next VM sees the
-    new size; a VM writing to another volume meanwhile carries on untouched.
+    No guest has ever opened the grown volume's export (on QSD 10.0.13 a
+    block_resize under such an export killed QSD, and every VM's disk with it,
+    until the driver greeted each new export once). On QSD >= 10 the image
+    grows under the export, on 7.2 the export is re-added around the resize;
+    either way the next VM sees the new size and a VM writing to another
+    volume meanwhile carries on untouched.
     """
     busy = await provision(served, "vm-busy")
     grown = await provision(served, "vm-grown")
