@@ -199,6 +199,7 @@ def setup_logging(level: str) -> None:
 
 
 async def _serve(config: Config) -> None:
+    from csi_qsd.csi.errors import RpcObservers
     from csi_qsd.metrics import serving_metrics
     from csi_qsd.server import serving
 
@@ -206,7 +207,8 @@ async def _serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with serving(config) as driver, serving_metrics(config, driver):
+    observers = RpcObservers()
+    async with serving(config, observers) as driver, serving_metrics(config, driver, observers):
         print(f"csi-qsd {__version__} listening on {config.endpoint} "
               f"(node {config.node_id}, pool {config.pool})", flush=True)
         await stop.wait()

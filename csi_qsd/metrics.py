@@ -44,7 +44,7 @@ from csi_qsd import datapath
 from csi_qsd.exports import fuse_loop
 from csi_qsd.catalog import StageRecord, StageState, VolumeRecord, VolumeState
 from csi_qsd.config import Config
-from csi_qsd.csi import errors as rpc_errors
+from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.errors import QSDError, StartupError
 from csi_qsd.pools.files import FilePool, PoolUsage
 from csi_qsd.qsd import stats as qsd_stats
@@ -356,8 +356,13 @@ async def _handle(metrics: Metrics, reader: asyncio.StreamReader, writer: asynci
 
 
 @contextlib.asynccontextmanager
-async def serving_metrics(config: Config, driver: Driver) -> AsyncIterator[Metrics | None]:
-    """Serve /metrics on `config.metrics_address` (host:port; empty host: all) while open; nothing if unset."""
+async def serving_metrics(
+    config: Config, driver: Driver, observers: RpcObservers,
+) -> AsyncIterator[Metrics | None]:
+    """Serve /metrics on `config.metrics_address` (host:port; empty host: all) while open; nothing if unset.
+
+    Counts the calls that `observers` (the servers' servicers') report.
+    """
     if not config.metrics_address:
         yield None
         return
@@ -367,12 +372,12 @@ async def serving_metrics(config: Config, driver: Driver) -> AsyncIterator[Metri
         server = await asyncio.start_server(lambda r, w: _handle(metrics, r, w), host.strip("[]") or None, int(port))
     except (OSError, ValueError) as exc:
         raise StartupError(f"cannot serve metrics on {config.metrics_address!r}: {exc}") from exc
-    rpc_errors.add_observer(metrics.observe)
+    observers.add(metrics.observe)
     log.info("event=metrics_serving address=%s", config.metrics_address)
     try:
         yield metrics
     finally:
-        rpc_errors.remove_observer(metrics.observe)
+        observers.remove(metrics.observe)
         server.close()
         await server.wait_closed()
 

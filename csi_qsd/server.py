@@ -20,6 +20,7 @@ from csi_qsd.catalog import Catalog
 from csi_qsd.changed_blocks import ChangedBlocks
 from csi_qsd.config import Config
 from csi_qsd.csi.controller import ControllerService
+from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi.group_controller import GroupControllerService
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.node import NodeService
@@ -96,17 +97,19 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
 
 
 @contextlib.asynccontextmanager
-async def serving(config: Config) -> AsyncIterator[Driver]:
-    """A driver answering CSI calls on its endpoint until the context exits."""
+async def serving(config: Config, observers: RpcObservers | None = None) -> AsyncIterator[Driver]:
+    """A driver answering CSI calls on its endpoint until the context exits; `observers` hear of every call."""
     async with running_driver(config) as driver:
         server = grpc.aio.server()
         pb_grpc.add_IdentityServicer_to_server(IdentityService(
-            config.driver_name, driver.ready, lambda: datapath.live_resize_reaches_guest(driver.daemon.version)), server)
+            config.driver_name, driver.ready, lambda: datapath.live_resize_reaches_guest(driver.daemon.version),
+            observers), server)
         pb_grpc.add_ControllerServicer_to_server(ControllerService(
-            config, driver.volumes, driver.snapshots, driver.health, driver.limits), server)
-        pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots), server)
-        pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features()), server)
-        pb_grpc.add_SnapshotMetadataServicer_to_server(SnapshotMetadataService(driver.changed_blocks), server)
+            config, driver.volumes, driver.snapshots, driver.health, driver.limits, observers), server)
+        pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots, observers), server)
+        pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features(), observers), server)
+        pb_grpc.add_SnapshotMetadataServicer_to_server(
+            SnapshotMetadataService(driver.changed_blocks, observers), server)
         socket = config.socket_path
         socket.parent.mkdir(parents=True, exist_ok=True)
         socket.unlink(missing_ok=True)

@@ -15,7 +15,7 @@ from csi_qsd import validate
 from csi_qsd.catalog import SnapshotRecord, VolumeRecord
 from csi_qsd.config import Config, TOPOLOGY_KEY_NODE
 from csi_qsd.csi import convert
-from csi_qsd.csi.errors import not_offered, rpc
+from csi_qsd.csi.errors import RpcObservers, not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
@@ -52,7 +52,9 @@ def check_snapshot_parameters(parameters: dict[str, str]) -> None:
 class ControllerService(pb_grpc.ControllerServicer):
     def __init__(
         self, config: Config, volumes: Volumes, snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
+        observers: RpcObservers | None = None,
     ) -> None:
+        self.rpc_observers = observers
         self._config = config
         self._volumes = volumes
         self._snapshots = snapshots

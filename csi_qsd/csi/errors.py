@@ -32,16 +32,25 @@ Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 Observer = Callable[[str, str, float], None]
 
-_observers: list[Observer] = []
+class RpcObservers:
+    """Who hears of every finished RPC, as (method, code name, seconds): metrics, tests.
 
+    Given to each servicer when the server is built, so who listens is
+    decided where the server is assembled, not by a module-wide list.
+    """
 
-def add_observer(observer: Observer) -> None:
-    """Called with (method, code name, seconds) after every RPC; used for metrics."""
-    _observers.append(observer)
+    def __init__(self) -> None:
+        self._observers: list[Observer] = []
 
+    def add(self, observer: Observer) -> None:
+        self._observers.append(observer)
 
-def remove_observer(observer: Observer) -> None:
-    _observers.remove(observer)
+    def remove(self, observer: Observer) -> None:
+        self._observers.remove(observer)
+
+    def notify(self, method: str, code: str, seconds: float) -> None:
+        for observer in list(self._observers):
+            observer(method, code, seconds)
 
 
 def _object_id(request: Any) -> str:
@@ -53,7 +62,10 @@ def _object_id(request: Any) -> str:
 
 
 def rpc(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Wrap a servicer method with the REQUIRED-field check, error mapping, logging and timing."""
+    """Wrap a servicer method with the REQUIRED-field check, error mapping, logging and timing.
+
+    The servicer's `rpc_observers` (if it has one) hears of every call.
+    """
     return _wrap(handler, check_required=True)
 
 
@@ -95,7 +107,8 @@ def _wrap(handler: Handler[Req, Resp], *, check_required: bool) -> Handler[Req, 
             elapsed = time.monotonic() - start
             if code == "OK":
                 log.log(level, "rpc=%s %s code=OK seconds=%.4f", method, _object_id(request), elapsed)
-            for observer in _observers:
-                observer(method, code, elapsed)
+            observers: RpcObservers | None = getattr(self, "rpc_observers", None)
+            if observers is not None:
+                observers.notify(method, code, elapsed)
 
     return wrapper

@@ -7,7 +7,7 @@ from google.protobuf import timestamp_pb2
 
 from csi_qsd import validate
 from csi_qsd.csi.controller import check_snapshot_parameters, snapshot_message
-from csi_qsd.csi.errors import rpc
+from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
@@ -38,7 +38,8 @@ def _group_id(value: str) -> str:
 
 
 class GroupControllerService(pb_grpc.GroupControllerServicer):
-    def __init__(self, snapshots: Snapshots) -> None:
+    def __init__(self, snapshots: Snapshots, observers: RpcObservers | None = None) -> None:
+        self.rpc_observers = observers
         self._snapshots = snapshots
 
     @rpc

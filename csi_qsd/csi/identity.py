@@ -8,7 +8,7 @@ import grpc
 from google.protobuf import wrappers_pb2
 
 from csi_qsd import __version__
-from csi_qsd.csi.errors import rpc
+from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 
@@ -19,7 +19,9 @@ _Expansion = pb.PluginCapability.VolumeExpansion
 class IdentityService(pb_grpc.IdentityServicer):
     def __init__(
         self, driver_name: str, ready: Callable[[], bool], online_expansion: Callable[[], bool] = lambda: True,
+        observers: RpcObservers | None = None,
     ) -> None:
+        self.rpc_observers = observers
         self._driver_name = driver_name
         self._ready = ready
         self._online_expansion = online_expansion

@@ -14,7 +14,7 @@ import grpc
 from csi_qsd import validate
 from csi_qsd.config import Config, TOPOLOGY_KEY_FUSE, TOPOLOGY_KEY_NODE, TOPOLOGY_KEY_VHOST_USER
 from csi_qsd.csi import convert
-from csi_qsd.csi.errors import rpc
+from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
@@ -29,7 +29,10 @@ CAPABILITIES = (
 
 
 class NodeService(pb_grpc.NodeServicer):
-    def __init__(self, config: Config, node: NodeVolumes, features: dict[str, bool]) -> None:
+    def __init__(
+        self, config: Config, node: NodeVolumes, features: dict[str, bool], observers: RpcObservers | None = None,
+    ) -> None:
+        self.rpc_observers = observers
         self._config = config
         self._node = node
         self._features = features

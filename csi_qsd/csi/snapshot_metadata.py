@@ -16,7 +16,7 @@ import grpc
 
 from csi_qsd import extents
 from csi_qsd.changed_blocks import BlockMap, ChangedBlocks
-from csi_qsd.csi.errors import rpc
+from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument
@@ -36,7 +36,8 @@ def _ranges(page: list[extents.Extent]) -> list[pb.BlockMetadata]:
 
 
 class SnapshotMetadataService(pb_grpc.SnapshotMetadataServicer):
-    def __init__(self, blocks: ChangedBlocks) -> None:
+    def __init__(self, blocks: ChangedBlocks, observers: RpcObservers | None = None) -> None:
+        self.rpc_observers = observers
         self._blocks = blocks
 
     @rpc

@@ -15,7 +15,7 @@ import pytest
 
 from csi_qsd import errors as E
 from csi_qsd.csi import errors as rpc_errors
-from csi_qsd.csi.errors import rpc
+from csi_qsd.csi.errors import RpcObservers, rpc
 
 
 class FakeContext:
@@ -33,9 +33,11 @@ class Request:
 
 
 class Servicer:
-    def __init__(self, raise_: BaseException | None = None, result: object = "response") -> None:
+    def __init__(self, raise_: BaseException | None = None, result: object = "response",
+                 observers: RpcObservers | None = None) -> None:
         self.raise_ = raise_
         self.result = result
+        self.rpc_observers = observers
 
     @rpc
     async def DeleteVolume(self, request: Any, context: Any) -> Any:
@@ -53,10 +55,11 @@ class DeepVolumeGone(VolumeGone):
     pass
 
 
-async def call(exc: BaseException | None, **fields: str) -> list[tuple[grpc.StatusCode, str]]:
+async def call(exc: BaseException | None, observers: RpcObservers | None = None,
+               **fields: str) -> list[tuple[grpc.StatusCode, str]]:
     context = FakeContext()
     with pytest.raises(grpc.aio.AbortError):
-        await Servicer(exc).DeleteVolume(Request(**fields), context)
+        await Servicer(exc, observers=observers).DeleteVolume(Request(**fields), context)
     return context.aborts
 
 
@@ -118,13 +121,14 @@ async def test_observers_see_method_code_and_duration() -> None:
     def observer(method: str, code: str, seconds: float) -> None:
         seen.append((method, code, seconds))
 
-    rpc_errors.add_observer(observer)
-    try:
-        await Servicer(result="ok").DeleteVolume(Request(), FakeContext())
-        await call(VolumeGone("x"))
-        await call(ZeroDivisionError())
-    finally:
-        rpc_errors.remove_observer(observer)
+    observers = RpcObservers()
+    observers.add(observer)
+    await Servicer(result="ok", observers=observers).DeleteVolume(Request(), FakeContext())
+    await call(VolumeGone("x"), observers)
+    await call(ZeroDivisionError(), observers)
+    await call(ZeroDivisionError())  # a servicer given no observers tells no one
+    observers.remove(observer)
+    await call(ZeroDivisionError(), observers)
     assert [(m, c) for m, c, _ in seen] == [
         ("DeleteVolume", "OK"), ("DeleteVolume", "NOT_FOUND"), ("DeleteVolume", "INTERNAL"),
     ]
@@ -138,12 +142,11 @@ async def test_a_cancelled_call_is_not_counted_as_ok(caplog: pytest.LogCaptureFi
     def observer(method: str, code: str, seconds: float) -> None:
         seen.append(code)
 
-    rpc_errors.add_observer(observer)
-    try:
-        with caplog.at_level(logging.INFO, logger="csi_qsd.rpc"), pytest.raises(asyncio.CancelledError):
-            await Servicer(asyncio.CancelledError()).DeleteVolume(Request(volume_id="vol-2"), FakeContext())
-    finally:
-        rpc_errors.remove_observer(observer)
+    observers = RpcObservers()
+    observers.add(observer)
+    with caplog.at_level(logging.INFO, logger="csi_qsd.rpc"), pytest.raises(asyncio.CancelledError):
+        await Servicer(asyncio.CancelledError(), observers=observers).DeleteVolume(
+            Request(volume_id="vol-2"), FakeContext())
     assert seen == ["CANCELLED"]
     assert not any("code=OK" in r.getMessage() for r in caplog.records)
 
