@@ -542,7 +542,7 @@ def _cleanup(run: Served) -> None:
     assert not run.stubs["ListSnapshots"](pb.ListSnapshotsRequest(), timeout=60).entries
 
 
-async def _qsd_leftovers(config: Config) -> tuple[dict[str, Any], set[str]]:
+async def qsd_leftovers(config: Config) -> tuple[dict[str, Any], set[str]]:
     """Exports and block nodes still in QSD, asked over its QMP socket; then QSD is told to quit."""
     client = QSDClient("fuzz-check", 30)
     await client.connect(qmp_socket(config))
@@ -560,7 +560,7 @@ def _assert_nothing_left(run: Served) -> None:
     assert run.proc.wait(60) == 0, (box.root / "driver.log").read_text()[-4000:]
     config = Config(state_dir=box.state_dir)
     if running_pid(config) is not None:
-        exports, nodes = asyncio.run(_qsd_leftovers(config))
+        exports, nodes = asyncio.run(qsd_leftovers(config))
         assert not exports and not nodes, f"QSD still holds exports {sorted(exports)} and nodes {sorted(nodes)}"
     left_mounts = [e.mount_point for e in mounts.mount_table() if box.root in e.mount_point.parents]
     assert not left_mounts, f"mounts left: {left_mounts}"
