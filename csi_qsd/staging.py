@@ -187,13 +187,19 @@ class NodeVolumes:
             if stage.state is not StageState.STAGED:
                 raise NotFound(f"volume {volume_id} is not staged or published at {path}")
             size = max(choose_size(required, limit), volume.capacity)
-            available = (await asyncio.to_thread(self._pool.usage)).available
+            pool = self._exports.host.pools.get(volume.pool, self._pool)
+            available = (await asyncio.to_thread(pool.usage)).available
             if size - volume.capacity > available:
                 raise OutOfRange(
                     f"volume {volume_id} cannot grow to {size} bytes: its pool has {available} bytes free"
                 )
             self._require_qsd()
-            await self._exports.of(volume).expand(volume, stage, await self._catalog.publishes(volume_id), size)
+            kind = self._exports.of(volume)
+            publishes = await self._catalog.publishes(volume_id)
+            kind.check_expand(volume, stage, publishes, size)
+            if size > volume.capacity:
+                await pool.grow(volume.image, size)  # a device pool extends the extent: committed before QSD sees it
+            await kind.expand(volume, stage, publishes, size)
             if size > volume.capacity:
                 await self._catalog.update_volume(dataclasses.replace(volume, capacity=size))
                 log.info("event=expanded volume_id=%s bytes=%d", volume_id, size)

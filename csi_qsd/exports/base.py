@@ -114,11 +114,19 @@ class ExportPath(abc.ABC):
     async def stats(self, volume: VolumeRecord, stage: StageRecord, path: Path) -> VolumeStats:
         """Usage at a staging or target path. Raises NotFound."""
 
+    def check_expand(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
+    ) -> None:
+        """Refuse a growth this kind cannot do now, before anything changes. Raises FailedPrecondition."""
+
     @abc.abstractmethod
     async def expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
     ) -> None:
-        """Grow the staged volume to `size` bytes (its image and whatever sits on it); idempotent."""
+        """Grow the staged volume to `size` bytes (its image and whatever sits on it); idempotent.
+
+        Called after `check_expand` let it through and the pool made room.
+        """
 
     @contextlib.asynccontextmanager
     async def quiesced(self, volume: VolumeRecord, stage: StageRecord) -> AsyncIterator[None]:

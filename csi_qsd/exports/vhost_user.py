@@ -85,6 +85,29 @@ class VhostUserExport(ExportPath):
         return VolumeStats(block=True, total_bytes=volume.capacity, available_bytes=0, used_bytes=0,
                            abnormal=abnormal, message=message)
 
+    def check_expand(
+        self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
+    ) -> None:
+        """A published disk grows only where a running VM is told of it: QSD >= 10, and not a fixed window."""
+        if size <= volume.capacity or not publishes or self._live(volume):
+            return
+        if self.host.top_image(volume).storage.max_size() is not None:
+            raise FailedPrecondition(
+                f"volume {volume.id} is published at {publishes[0].target_path}: its extent of device pool "
+                f"{volume.pool} grows by reopening qemu-storage-daemon's fixed-size window, which a running VM "
+                "is not told of; stop the VM and unpublish the volume, then retry"
+            )
+        raise FailedPrecondition(
+            f"volume {volume.id} is published at {publishes[0].target_path}: qemu-storage-daemon "
+            f"{'.'.join(map(str, self.host.daemon.version))} cannot grow a disk under a running VM; "
+            "stop the VM and unpublish the volume, or upgrade QSD to 10.0 or newer"
+        )
+
+    def _live(self, volume: VolumeRecord) -> bool:
+        """True if a resize under the export reaches a connected guest (block_resize on QSD >= 10)."""
+        fixed = self.host.top_image(volume).storage.max_size() is not None
+        return datapath.live_resize_reaches_guest(self.host.daemon.version) and not fixed
+
     async def expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
     ) -> None:
@@ -95,23 +118,18 @@ class VhostUserExport(ExportPath):
         its old size, so the export is never re-added here. Nothing happens
         when the size does not grow: a retry must not touch the guest. QSD 7.2
         never tells the guest and wedged when the export was removed under a
-        connected VM, so there a published volume is refused and an
-        unpublished one has its export re-added around the resize.
-        Raises FailedPrecondition.
+        connected VM, and a device pool's fixed window is grown by a reopen
+        that no guest is told of: there a published volume is refused
+        (`check_expand`) and an unpublished one has its export re-added around
+        the resize, so the next VM sees the new size.
         """
         if size <= volume.capacity:
             return
         top = self.host.top_image(volume)
         client = self.host.client
-        if datapath.live_resize_reaches_guest(self.host.daemon.version):
+        if self._live(volume):
             await attach.resize(client, top, size)
             return
-        if publishes:
-            raise FailedPrecondition(
-                f"volume {volume.id} is published at {publishes[0].target_path}: qemu-storage-daemon "
-                f"{'.'.join(map(str, self.host.daemon.version))} cannot grow a disk under a running VM; "
-                "stop the VM and unpublish the volume, or upgrade QSD to 10.0 or newer"
-            )
         await client.export_del(top.nodes.vhost_export)
         await attach.resize(client, top, size)
         await self.bring_up(volume, stage, publishes, client)

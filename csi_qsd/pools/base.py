@@ -44,6 +44,13 @@ class Pool(abc.ABC):
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         """Raises ResourceExhausted when the pool cannot hold `size` bytes."""
 
+    async def grow(self, image: Path, size: int) -> None:
+        """Make room where `image` lives for it to hold `size` bytes, before QSD grows it; idempotent.
+
+        The default (the file pool) does nothing: an image file grows inside
+        QSD (block_resize). Raises OutOfRange when the room cannot be had.
+        """
+
     @abc.abstractmethod
     async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
         """A thin qcow2 over `backing`, O(1): snapshots, restores and clones."""

@@ -23,6 +23,10 @@ What must never happen, and how it is prevented:
   one catalog transaction; free space is what no row covers, so a crash
   between any two steps leaves either the row (undone by the volume's
   reconcile, which deletes through this pool) or nothing.
+* **Growth exposes stale bytes.** A volume grows only in place, into the
+  free space right after its extent, chosen and recorded in one catalog
+  transaction (`grow`). Free space holds only zeroes (the two points above),
+  so the added range needs no scrub before the volume sees it.
 * **A vanished device hangs the control plane.** `check` looks at udev's
   view (pyudev) and the stable path only, never does I/O on the device.
 """
@@ -42,7 +46,7 @@ import pyudev
 
 from csi_qsd.catalog import Catalog, ExtentRecord, ExtentState
 from csi_qsd.config import DevicePoolSpec
-from csi_qsd.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, StartupError
+from csi_qsd.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, StartupError
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.pools import extents
@@ -282,6 +286,44 @@ class DevicePool(Pool):
         self._failpoints.hit("extent.after_take")
         log.info("event=extent_taken pool=%s volume_id=%s start=%d length=%d",
                  self.id, volume_id, record.start, record.length)
+
+    async def grow(self, image: Path, size: int) -> None:
+        """Extend the volume's extent in place so it holds `size` bytes; idempotent.
+
+        Only into the free space right after it: checked and recorded in one
+        catalog transaction, so a create running at the same time cannot take
+        that space too. The space holds zeroes already (see the module
+        docstring). Raises OutOfRange when the space after the extent is
+        taken or the device ends, FailedPrecondition for a volume without an
+        extent here.
+        """
+        volume_id = self._volume_of(image)
+        extent = self.extent_of(volume_id)
+        if extent is None:
+            raise FailedPrecondition(f"device pool {self.id} has no extent for volume {volume_id}")
+        layout = self.layout
+        length = extents.align_up(size, layout.alignment)
+        if length <= extent.length:
+            return
+
+        def fits(rows: list[ExtentRecord]) -> bool:
+            own = [r for r in rows if r.start == extent.start]
+            if len(own) != 1 or own[0].volume_id != volume_id or own[0].state is not ExtentState.USED:
+                return False
+            return extents.grows_in_place(layout, [Extent(r.start, r.length) for r in rows], extent, size)
+
+        if not await self._catalog.resize_extent(self.id, extent.start, length, fits):
+            limit = extents.grow_limit(layout, self._taken(), extent)
+            raise OutOfRange(
+                f"volume {volume_id} cannot grow to {size} bytes: device pool {self.id} grows a volume only "
+                f"in place, and the space after its extent is taken by another volume or the device ends "
+                f"(it can grow to {limit} bytes where it is); moving a volume to a larger free extent is not "
+                "supported: copy its data into a new volume of the size wanted"
+            )
+        self._rows[extent.start] = dataclasses.replace(self._rows[extent.start], length=length)
+        self._failpoints.hit("extent.after_grow")
+        log.info("event=extent_grown pool=%s volume_id=%s start=%d length=%d previous=%d",
+                 self.id, volume_id, extent.start, length, extent.length)
 
     async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
         raise FailedPrecondition(f"device pool {self.id} holds raw extents: no snapshots, restores or clones")

@@ -116,11 +116,13 @@ def largest_free(layout: Layout, taken: Iterable[Extent]) -> int:
 
 def grows_in_place(layout: Layout, taken: Iterable[Extent], extent: Extent, size: int) -> bool:
     """True if `extent` can grow to `size` bytes into the free space right after it."""
-    length = align_up(size, layout.alignment)
-    if length <= extent.length:
-        return True
-    end = extent.start + length
-    if end > layout.data_end:
-        return False
-    wanted = Extent(extent.end, end - extent.end)
-    return not any(other.overlaps(wanted) for other in taken if other != extent)
+    return align_up(size, layout.alignment) <= grow_limit(layout, taken, extent)
+
+
+def grow_limit(layout: Layout, taken: Iterable[Extent], extent: Extent) -> int:
+    """The longest `extent` can become in place: up to the next taken extent, or the end of the data area."""
+    following = [other.start for other in taken if other != extent and other.start >= extent.end]
+    overlapping = any(other.overlaps(extent) for other in taken if other != extent)
+    if overlapping:
+        return extent.length  # never grow what already collides (a corrupt catalog): refuse, do not guess
+    return max(extent.length, min(following, default=layout.data_end) - extent.start)

@@ -127,15 +127,41 @@ async def resize(client: QSDClient, top: TopImage, size: int) -> None:
     """Grow the volume's top image to `size` bytes, live; exports on it see the new size.
 
     Resized through the throttle filter, which passes it down and tells its
-    own parents (the exports) that the size changed.
+    own parents (the exports) that the size changed. A fixed window (a
+    device pool's extent, which its pool has already extended) cannot be
+    resized: see `reopen_window`.
     """
     limit = top.storage.max_size()
     if limit is not None and size > limit:
         raise OutOfRange(f"volume {top.volume_id} holds a fixed extent of {limit} bytes and cannot grow to {size}")
     await ensure_top(client, top)
-    if limit is not None:
-        return  # a fixed extent already has its whole size
-    await client.block_resize(top.nodes.throttle, size)
+    if limit is None:
+        await client.block_resize(top.nodes.throttle, size)
+        return
+    await reopen_window(client, top, limit)
+
+
+async def reopen_window(client: QSDClient, top: TopImage, size: int) -> None:
+    """Make QSD serve the volume's fixed window at its size in the catalog (`size` bytes), live; idempotent.
+
+    QEMU refuses to truncate a `raw` node with `size` ("Cannot resize
+    fixed-size raw disks"), but accepts a blockdev-reopen with another size
+    (measured on QSD 10.0.13); each node re-reads its length only when it is
+    reopened itself, so the window, its format node and the throttle filter
+    are reopened in turn, bottom up, each draining its requests for a moment.
+    Exports stay up. QEMU tells an export's consumers of a new size only
+    after a truncate, so none is told: a FUSE export reads the length at
+    every getattr (the loop device and filesystem follow), a vhost-user-blk
+    export keeps the size it had when it was added.
+    """
+    nodes = top.nodes
+    throttle = (await client.named_nodes()).get(nodes.throttle)
+    if throttle is not None and throttle["virtual_size"] == size:
+        return  # the throttle filter is reopened last: the nodes below it were too
+    for options in (top.storage.protocol_blockdev(nodes, top.params, read_only=False),
+                    graph.format_blockdev(nodes, top.params, read_only=False),
+                    graph.throttle_blockdev(nodes)):
+        await client.execute("blockdev-reopen", {"options": [options]})
 
 
 async def has_export(client: QSDClient, export_id: str) -> bool:

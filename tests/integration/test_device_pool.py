@@ -25,8 +25,11 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ImageFormat
 from csi_qsd.pools.device import DevicePool
+from csi_qsd.pools.extents import Extent
+from csi_qsd.qsd import attach, graph
 from csi_qsd.server import Driver
-from tests.harness import Sandbox, in_process_driver
+from tests.harness import Sandbox, in_process_driver, qsd_pid, until
+from tests.integration.test_expansion import Writer, fs_bytes
 
 MIB = 1 << 20
 DEVICE_BYTES = 512 * MIB
@@ -131,7 +134,7 @@ async def test_volumes_of_every_kind_live_in_their_extents(box: Sandbox, nvme: F
         await csi.publish(vm.volume_id, str(vstaging), str(vtarget))
         assert (vtarget / "vhost-user-blk.sock").is_socket()
 
-        # Growing a fixed extent is refused with OUT_OF_RANGE, naming the volume.
+        # Growing into a neighbour's extent is refused with OUT_OF_RANGE, naming the volume.
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await csi.expand(blk.volume_id, str(bstaging), 64 * MIB)
         assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and blk.volume_id in (err.value.details() or "")
@@ -257,3 +260,114 @@ async def test_a_vanished_device_is_reported_not_waited_on(box: Sandbox, nvme: F
         nvme.link.symlink_to(nvme.node)
         assert await pool.check(image, in_use=False) == ""
         await csi.delete_volume(vol.volume_id)
+
+
+async def expand(csi: CSIClient, vid: str, path: Path, size: int) -> int:
+    response = await csi.node.NodeExpandVolume(pb.NodeExpandVolumeRequest(
+        volume_id=vid, volume_path=str(path), capacity_range=pb.CapacityRange(required_bytes=size)))
+    return int(response.capacity_bytes)
+
+
+def window_bytes(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+
+
+async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
+    """Each kind grows into the free space after its extent, live; a taken neighbour refuses it, naming why."""
+    nvme = FakeNVMe(1024 * MIB)  # xfs needs 300 MiB
+    try:
+        async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+            pool = pool_of(driver)
+            fs = await csi.create_volume("pvc-fs", 320 * MIB, {"pool": "fast"}, fs_type="xfs")
+            gap1 = await csi.create_volume("pvc-gap1", 80 * MIB, {"pool": "fast"}, block=True)
+            blk = await csi.create_volume("pvc-blk", 16 * MIB, {"pool": "fast"}, block=True)
+            gap2 = await csi.create_volume("pvc-gap2", 16 * MIB, {"pool": "fast"}, block=True)
+            vm = await csi.create_volume("pvc-vm", 16 * MIB, {"pool": "fast", "export": "vhost-user-blk"})
+            for gap in (gap1, gap2):
+                await csi.delete_volume(gap.volume_id)
+            starts = [pool.extent_of(v.volume_id) for v in (fs, blk, vm)]
+            assert [(e.start, e.length) for e in starts if e is not None] == [
+                (MIB, 320 * MIB), (401 * MIB, 16 * MIB), (433 * MIB, 16 * MIB)], "the layout this test needs"
+            total, _ = await capacity(csi, "fast")
+
+            # A filesystem in use by a pod grows while the pod keeps writing.
+            staging, target = box.staging("fs"), box.target("fs")
+            await csi.stage(fs.volume_id, str(staging), fs_type="xfs")
+            await csi.publish(fs.volume_id, str(staging), str(target), fs_type="xfs")
+            (target / "before").write_bytes(PATTERN)
+            before = fs_bytes(target)
+            async with Writer(target / "log") as writer:
+                assert await expand(csi, fs.volume_id, target, 400 * MIB) == 400 * MIB
+                assert fs_bytes(target) > before + 70 * MIB
+                grown_at = writer.blocks
+                await until(lambda: writer.blocks >= grown_at + 4, "writes after the growth")
+            writer.verify()
+            assert (target / "before").read_bytes() == PATTERN
+            (target / "tail").write_bytes(b"\1" * (60 * MIB))  # only fits in the grown part
+            os.sync()
+            assert pool.extent_of(fs.volume_id) == Extent(MIB, 400 * MIB)
+
+            # A block volume in use grows into the next 16 MiB; its new tail lands right after the old extent.
+            bstaging, btarget = box.staging("blk"), box.target("blk")
+            await csi.stage(blk.volume_id, str(bstaging), block=True)
+            await csi.publish(blk.volume_id, str(bstaging), str(btarget), block=True)
+            write_block(btarget, PATTERN)
+            assert await expand(csi, blk.volume_id, btarget, 32 * MIB) == 32 * MIB
+            assert window_bytes(btarget) == 32 * MIB
+            write_block(btarget, PATTERN, 24 * MIB)
+            assert read_block(btarget, len(PATTERN)) == PATTERN
+            assert nvme.read(401 * MIB + 24 * MIB, len(PATTERN)) == PATTERN
+            # The VM volume lies right after it now: growing further is refused, naming the volume and the limit.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await expand(csi, blk.volume_id, btarget, 48 * MIB)
+            details = err.value.details() or ""
+            assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE, details
+            assert blk.volume_id in details and "in place" in details and str(32 * MIB) in details
+            assert window_bytes(btarget) == 32 * MIB and pool.extent_of(blk.volume_id).length == 32 * MIB
+
+            # A VM disk: QSD cannot tell a running guest that a fixed window grew, so only an unpublished one grows.
+            client = driver.node._exports.host.client
+            pid = qsd_pid(box)
+            vstaging, vtarget = box.staging("vm"), box.target("vm")
+            await csi.stage(vm.volume_id, str(vstaging))
+            await csi.publish(vm.volume_id, str(vstaging), str(vtarget))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await expand(csi, vm.volume_id, vtarget, 32 * MIB)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert vm.volume_id in (err.value.details() or "") and "unpublish" in (err.value.details() or "")
+            assert pool.extent_of(vm.volume_id).length == 16 * MIB  # refused before anything changed
+            await csi.unpublish(vm.volume_id, str(vtarget))
+            assert await expand(csi, vm.volume_id, vstaging, 32 * MIB) == 32 * MIB
+            nodes = graph.nodes_for(vm.volume_id)
+            assert (await client.named_nodes())[nodes.throttle]["virtual_size"] == 32 * MIB
+            assert await attach.has_export(client, nodes.vhost_export)
+            assert qsd_pid(box) == pid, "QSD died under the growth"
+            assert await expand(csi, vm.volume_id, vstaging, 32 * MIB) == 32 * MIB  # a retry changes nothing
+
+            assert await capacity(csi, "fast") == (total - 112 * MIB, pool.layout.data_end - 465 * MIB)
+            got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=blk.volume_id))
+            assert got.volume.capacity_bytes == 32 * MIB
+            await csi.unpublish(fs.volume_id, str(target))
+            await csi.unpublish(blk.volume_id, str(btarget))
+            for vid, st in ((fs.volume_id, staging), (blk.volume_id, bstaging), (vm.volume_id, vstaging)):
+                await csi.unstage(vid, str(st))
+        # A restart opens every volume at its grown size, data in place.
+        async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
+            await csi.stage(fs.volume_id, str(staging), fs_type="xfs")
+            assert (staging / "before").read_bytes() == PATTERN and (staging / "tail").stat().st_size == 60 * MIB
+            await csi.unstage(fs.volume_id, str(staging))
+            await csi.stage(blk.volume_id, str(bstaging), block=True)
+            await csi.publish(blk.volume_id, str(bstaging), str(btarget), block=True)
+            assert window_bytes(btarget) == 32 * MIB and read_block(btarget, len(PATTERN), 24 * MIB) == PATTERN
+            await csi.unpublish(blk.volume_id, str(btarget))
+            await csi.unstage(blk.volume_id, str(bstaging))
+            for vid in (fs.volume_id, blk.volume_id, vm.volume_id):
+                await csi.delete_volume(vid)
+            assert pool_of(driver).images() == []
+            assert (await capacity(csi, "fast"))[0] == pool_of(driver).layout.data_size
+    finally:
+        nvme.close()

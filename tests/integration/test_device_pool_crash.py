@@ -1,7 +1,7 @@
 """SIGKILL inside every step of a device pool's extent bookkeeping: no extent lost, none given twice, none unscrubbed.
 
 The driver runs as a process with a named crash point armed (take, release,
-scrub); after the restart the catalog's extents must account for exactly
+scrub, grow); after the restart the catalog's extents must account for exactly
 the live volumes, free space must be whole again, and a deleted tenant's
 bytes must be gone from the device before anyone can be given its extent.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from csi_qsd.csi_client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from tests.harness import DriverProcess, Sandbox
-from tests.integration.test_device_pool import PATTERN, FakeNVMe, write_block
+from tests.integration.test_device_pool import PATTERN, FakeNVMe, expand, write_block
 
 MIB = 1 << 20
 
@@ -56,6 +57,18 @@ async def free(csi: CSIClient) -> int:
     return int(response.available_capacity)
 
 
+async def published_block_volume(
+    csi: CSIClient, box: Sandbox, name: str, size: int,
+) -> tuple[pb.Volume, int, int, Path, Path]:
+    """A block volume of the pool, the only one, staged and published: (volume, start, length, staging, target)."""
+    vol = await csi.create_volume(f"pvc-{name}", size, {"pool": "fast"}, block=True)
+    ((start, length, _, _),) = extent_rows(box)
+    staging, target = box.staging(name), box.target(name)
+    await csi.stage(vol.volume_id, str(staging), block=True)
+    await csi.publish(vol.volume_id, str(staging), str(target), block=True)
+    return vol, start, length, staging, target
+
+
 @pytest.mark.parametrize("point", ["extent.after_take"])
 async def test_crash_while_taking_an_extent(box: Sandbox, process: DriverProcess, point: str) -> None:
     async with CSIClient(box.endpoint, timeout=60) as csi:
@@ -82,11 +95,7 @@ async def test_crash_while_freeing_an_extent(
 ) -> None:
     async with CSIClient(box.endpoint, timeout=60) as csi:
         total = await free(csi)
-        vol = await csi.create_volume("pvc-a", 32 * MIB, {"pool": "fast"}, block=True)
-        ((start, length, _, _),) = extent_rows(box)
-        staging, target = box.staging("a"), box.target("a")
-        await csi.stage(vol.volume_id, str(staging), block=True)
-        await csi.publish(vol.volume_id, str(staging), str(target), block=True)
+        vol, start, length, staging, target = await published_block_volume(csi, box, "a", 32 * MIB)
         for offset in range(0, length, len(PATTERN)):
             write_block(target, PATTERN, offset)
         await csi.unpublish(vol.volume_id, str(target))
@@ -109,4 +118,43 @@ async def test_crash_while_freeing_an_extent(
         again = await csi.create_volume("pvc-b", 32 * MIB, {"pool": "fast"}, block=True)
         assert extent_rows(box)[0][:2] == (start, length)
         await csi.delete_volume(again.volume_id)
+    os.sync()
+
+
+async def test_crash_while_growing_an_extent(box: Sandbox, process: DriverProcess, nvme: FakeNVMe) -> None:
+    """SIGKILL after the catalog extended the extent, before QSD saw it: the retry finishes, nothing leaks."""
+    async with CSIClient(box.endpoint, timeout=60) as csi:
+        total = await free(csi)
+        vol, start, length, staging, target = await published_block_volume(csi, box, "g", 16 * MIB)
+        write_block(target, PATTERN)
+
+        await process.stop()
+        await process.start(failpoints="extent.after_grow")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await expand(csi, vol.volume_id, target, 32 * MIB)
+        assert await process.wait_exit() != 0
+        assert "event=failpoint name=extent.after_grow" in process.log()
+        await process.start()
+
+        # The extent is recorded grown, the volume not yet: space is accounted, nothing overlaps.
+        assert extent_rows(box) == [(start, 32 * MIB, vol.volume_id, "used")]
+        assert await free(csi) == total - 32 * MIB
+        got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vol.volume_id))
+        assert got.volume.capacity_bytes == 16 * MIB
+        assert await expand(csi, vol.volume_id, target, 32 * MIB) == 32 * MIB  # kubelet's retry
+        fd = os.open(target, os.O_RDWR)
+        try:
+            assert os.lseek(fd, 0, os.SEEK_END) == 32 * MIB
+            assert os.pread(fd, len(PATTERN), 0) == PATTERN
+            os.pwrite(fd, PATTERN, 24 * MIB)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        assert nvme.read(start + 24 * MIB, len(PATTERN)) == PATTERN
+        assert length == 16 * MIB
+        await csi.unpublish(vol.volume_id, str(target))
+        await csi.unstage(vol.volume_id, str(staging))
+        await csi.delete_volume(vol.volume_id)
+        assert extent_rows(box) == [] and await free(csi) == total
+        assert nvme.read(start, 32 * MIB).count(0) == 32 * MIB  # the grown part was scrubbed with the rest
     os.sync()

@@ -3,7 +3,7 @@
 Random sequences of creates, deletes and in-place growths: extents never
 overlap, never leave the data area, are aligned, free space is never lost
 (taken + free = the data area), and every answer (fits or not, largest free
-gap) matches the brute-force model.
+gap, how far an extent can grow in place) matches the brute-force model.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ class Reference:
             assert self.owner[i] is None, "extent handed out twice"
             self.owner[i] = who
 
+    def room(self, extent: Extent) -> int:
+        """Units `extent` could span in place: its own, then every free unit after it up to a taken one."""
+        first = (extent.start - self.layout.data_start) // self.layout.alignment
+        units = extent.length // self.layout.alignment
+        while first + units < len(self.owner) and self.owner[first + units] is None:
+            units += 1
+        return units
+
     def free(self, who: int) -> None:
         self.owner = [None if o == who else o for o in self.owner]
 
@@ -85,7 +93,11 @@ class Allocator(RuleBasedStateMachine):
         extent = self.taken.get(volume)
         if extent is None:
             return
-        if extents.grows_in_place(self.layout, self.taken.values(), extent, size):
+        limit = extents.grow_limit(self.layout, self.taken.values(), extent)
+        assert limit == self.model.room(extent) * MIB, "the in-place limit must match the units free after it"
+        fits = extents.grows_in_place(self.layout, self.taken.values(), extent, size)
+        assert fits == (extents.align_up(size, MIB) <= limit)
+        if fits:
             grown = Extent(extent.start, max(extent.length, extents.align_up(size, MIB)))
             self.model.free(volume)
             self.model.take(grown, volume)
@@ -143,3 +155,14 @@ def test_best_fit_keeps_large_gaps_whole() -> None:
     assert extents.choose(layout, taken, MIB) == Extent(MIB, MIB)
     assert extents.choose(layout, taken, 2 * MIB) == Extent(5 * MIB, 2 * MIB)
     assert extents.choose(layout, taken, 7 * MIB) is None
+
+
+def test_growth_stops_at_the_next_extent_and_the_device_end() -> None:
+    layout = Layout(11 * MIB, MIB)  # data area [1, 11) MiB
+    a, b = Extent(MIB, 2 * MIB), Extent(5 * MIB, MIB)
+    assert extents.grow_limit(layout, [a, b], a) == 4 * MIB
+    assert extents.grows_in_place(layout, [a, b], a, 4 * MIB)
+    assert not extents.grows_in_place(layout, [a, b], a, 4 * MIB + 1)
+    assert extents.grow_limit(layout, [a, b], b) == 6 * MIB  # up to data_end
+    assert extents.grows_in_place(layout, [a, b], b, MIB // 2)  # never shrinks: already long enough
+    assert extents.grow_limit(layout, [a, Extent(2 * MIB, MIB)], a) == a.length  # a collision never grows
