@@ -148,11 +148,14 @@ async def reopen_window(client: QSDClient, top: TopImage, size: int) -> None:
     fixed-size raw disks"), but accepts a blockdev-reopen with another size
     (measured on QSD 10.0.13); each node re-reads its length only when it is
     reopened itself, so the window, its format node and the throttle filter
-    are reopened in turn, bottom up, each draining its requests for a moment.
-    Exports stay up. QEMU tells an export's consumers of a new size only
-    after a truncate, so none is told: a FUSE export reads the length at
-    every getattr (the loop device and filesystem follow), a vhost-user-blk
-    export keeps the size it had when it was added.
+    are reopened in turn, bottom up, each draining its requests for a moment
+    (measured on 10.0.13, a loop device standing in for the NVMe: the three
+    reopens took 20-31 ms, and 4 KiB O_DIRECT writes running through them
+    stalled at most 10-17 ms, against a 0.05 ms median). Exports stay up.
+    QEMU tells an export's consumers of a new size only after a truncate, so
+    none is told: a FUSE export reads the length at every getattr (the loop
+    device and filesystem follow), a vhost-user-blk export keeps the size it
+    had when it was added.
     """
     nodes = top.nodes
     throttle = (await client.named_nodes()).get(nodes.throttle)
