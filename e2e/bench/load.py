@@ -8,8 +8,9 @@ at once, each looping, for the given time:
 
 over filesystem, block and vhost-user-blk (VM) volumes in turn (qcow2, 64 MiB).
 At 1/4 and 1/2 of the run QSD is SIGKILLed (the driver's supervisor starts a
-new one and rebuilds every volume); at 3/4 the driver is SIGKILLed and started
-again, as kubelet restarts a crashed plugin container.
+new one and rebuilds every volume; `--qsd-kills` spreads more or fewer over
+the first 3/4); at 3/4 the driver is SIGKILLed and started again, as kubelet
+restarts a crashed plugin container.
 
 Clients behave like kubelet and the external-provisioner: a call that fails is
 retried with a short backoff until it succeeds, for at most `--bound` seconds.
@@ -37,7 +38,7 @@ Printed: per RPC the OK calls, p50/p99/max latency of the answers, retries,
 the slowest step (retries included) and the non-OK codes seen. Not run in CI.
 
     .venv/bin/python -m e2e.bench.load [--clients 16] [--seconds 300] [--dwell 1] [--bound 60]
-        [--kind filesystem|block|vhost-user-blk ...] [--driver-log FILE]
+        [--qsd-kills 2] [--kind filesystem|block|vhost-user-blk ...] [--driver-log FILE]
 """
 
 from __future__ import annotations
@@ -85,8 +86,13 @@ PAYLOAD = MIB
 BACKOFF_FIRST, BACKOFF_MAX = 0.1, 2.0
 LIFECYCLE = ("CreateVolume", "NodeStageVolume", "NodePublishVolume", "NodeUnpublishVolume", "NodeUnstageVolume",
              "DeleteVolume")
-# Where in the run each kill happens, as a fraction of --seconds.
-SCHEDULE = ((0.25, "QSD"), (0.5, "QSD"), (0.75, "driver"))
+DRIVER_KILL_AT = 0.75  # of the run; the QSD kills are spread evenly before it
+
+
+def schedule(qsd_kills: int) -> list[tuple[float, str]]:
+    """When each kill comes, as a fraction of the run: 2 QSD kills come at 1/4 and 1/2, the driver's at 3/4."""
+    step = DRIVER_KILL_AT / (qsd_kills + 1)
+    return [(step * (i + 1), "QSD") for i in range(qsd_kills)] + [(DRIVER_KILL_AT, "driver")]
 
 
 class StepFailed(Exception):
@@ -131,6 +137,11 @@ class QSDEvents:
             self.rebuilt += chunk.count(b"event=qsd_recovered")
         return self
 
+    def restarted(self) -> None:
+        """The driver was started again and answers Probe: a rebuild the old one was cut off in is the new one's."""
+        self.poll()
+        self.rebuilt = max(self.rebuilt, self.lost)
+
     @property
     def steady(self) -> bool:
         return self.poll().rebuilt >= self.lost
@@ -140,8 +151,9 @@ class Load:
     """One run: the sandbox, the served driver, the clients, the kills and what they saw."""
 
     def __init__(self, box: Sandbox, clients: int, seconds: float, dwell: float, bound: float,
-                 kinds: tuple[Kind, ...] = KINDS) -> None:
+                 kinds: tuple[Kind, ...] = KINDS, qsd_kills: int = 2) -> None:
         self.box = box
+        self.qsd_kills = qsd_kills
         self.kinds = kinds
         self.clients = clients
         self.seconds = seconds
@@ -156,6 +168,7 @@ class Load:
         self.checked: collections.Counter[str] = collections.Counter()  # data checks by kind
         self.across_qsd = 0  # data checks with a QSD restart between the sync and the read
         self.across_driver = 0
+        self.written: dict[str, bytes] = {}  # volume ID -> the bytes synced to it and not yet read back
         self.events = QSDEvents(self.driver.log_path)
         self.driver_kills = 0
         self.loops_seen: set[Path] = set()
@@ -208,6 +221,7 @@ class Load:
                 await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(target)))
                 await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(staging)))
                 await retrying(f"delete {vid}", lambda: csi.delete_volume(vid))
+            self.written.pop(vid, None)
             for empty in (staging, target.parent):
                 with contextlib.suppress(OSError):
                     empty.rmdir()
@@ -270,6 +284,7 @@ class Load:
         else:
             await self._io(csi, "write+fsync", vid, target, _write_file, target / "data", payload)
         lost, driver_kills = self.events.poll().lost, self.driver_kills
+        self.written[vid] = payload
         self._note_loops()
         await asyncio.sleep(self.dwell)  # the pod runs; a kill may come now
         kind = "block" if block else "filesystem"
@@ -282,19 +297,38 @@ class Load:
             data = await self._io(csi, "read back", vid, target, read)
             if data == payload:
                 break
+            what = self._what_was_read(vid, data)
+            if what.startswith("another volume"):
+                self._fail("data", f"{kind} {vid} read {what}")
             await asyncio.sleep(1.0)  # let the driver log a QSD that died under the read
             if self.events.poll().lost == before and qsd_pid(self.box) == pid:
-                same = sum(1 for a, b in zip(data, payload) if a == b)
-                self._fail("data", f"synced data lost on {kind} {vid}: read back {len(data)} bytes, {same} equal "
-                                   f"to the synced ones ({self.events.lost - lost} QSD restarts since the sync)")
+                self._fail("data", f"synced data lost on {kind} {vid}: read back {what} "
+                                   f"({self.events.lost - lost} QSD restarts since the sync)")
                 break
-            self.series["read back"].codes["stale"] += 1  # read while QSD went away: read again once rebuilt
+            # Read while QSD went away: read again once rebuilt.
+            self.series["read back"].codes[f"stale: {what.split(' (')[0]}"] += 1
             if time.monotonic() - first > self.bound:
                 self._fail("step", f"read back {vid}: QSD kept going away for {self.bound:g} s")
                 raise StepFailed("read back")
+        del self.written[vid]
         self.checked[kind] += 1
         self.across_qsd += self.events.lost != lost
         self.across_driver += self.driver_kills != driver_kills
+
+    def _what_was_read(self, vid: str, data: bytes) -> str:
+        """What a read that did not return the synced bytes returned instead, in a few words."""
+        payload = self.written[vid]
+        if len(data) < len(payload):
+            return f"a short read ({len(data)} of {len(payload)} bytes)"
+        if not data.strip(b"\0"):
+            return "zeros"
+        for other, theirs in self.written.items():
+            blocks = {theirs[i:i + 4096] for i in range(0, len(theirs), 4096)}
+            shared = sum(data[i:i + 4096] in blocks for i in range(0, len(data), 4096))
+            if other != vid and shared:
+                return f"another volume's data ({shared} of {len(data) // 4096} 4 KiB blocks from {other})"
+        same = sum(1 for a, b in zip(data, payload) if a == b)
+        return f"other bytes ({same} of {len(data)} equal to the synced ones)"
 
     async def _io(self, csi: CSIClient, label: str, vid: str, target: Path, fn: Callable[..., T], *args: object) -> T:
         """Blocking I/O off the loop; after an I/O error (QSD died under it) wait for the rebuild and redo it."""
@@ -302,7 +336,11 @@ class Load:
         def run() -> Awaitable[T]:
             return asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
 
-        return await self._retried(label, vid, run, OSError, _errno_name, lambda: self._steady(csi, vid, target))
+        try:
+            return await self._retried(label, vid, run, OSError, _errno_name, lambda: self._steady(csi, vid, target))
+        except StepFailed:
+            self.failures["step"][-1] += f"; at the end {_describe_mount(target)}"
+            raise
 
     async def _steady(self, csi: CSIClient, vid: str, target: Path) -> None:
         """Until the driver has rebuilt after every QSD loss it logged and reports the volume healthy."""
@@ -331,7 +369,7 @@ class Load:
     # the kills ------------------------------------------------------------
 
     async def _kills(self) -> None:
-        for fraction, what in SCHEDULE:
+        for fraction, what in schedule(self.qsd_kills):
             await asyncio.sleep(max(0.0, self.started + fraction * self.seconds - time.monotonic()))
             kill = Kill(what, time.monotonic() - self.started)
             self.kills.append(kill)
@@ -368,6 +406,7 @@ class Load:
         t0 = time.monotonic()
         await self.driver.start(timeout=self.bound)
         kill.back = time.monotonic() - t0
+        self.events.restarted()
         if qsd_pid(self.box) != pid:
             raise RuntimeError(f"the restarted driver replaced QSD {pid} instead of adopting it")
 
@@ -419,6 +458,18 @@ def _write_file(path: Path, data: bytes) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _describe_mount(path: Path) -> str:
+    """What is mounted at `path` and what is inside, for the report of a failed data step."""
+    entry = mounts.mounted_at(path)
+    if entry is None:
+        return f"{path} is not a mount point"
+    try:
+        inside = sorted(p.name for p in path.iterdir())[:10] if path.is_dir() else ["(device)"]
+    except OSError as exc:
+        inside = [repr(exc)]
+    return f"{path} has {entry.fs_type} from {entry.source} (root {entry.root}) holding {inside}"
 
 
 def _errno_name(exc: Exception) -> str:
@@ -488,7 +539,7 @@ def report(load: Load) -> tuple[str, bool]:
          f"{sum(load.checked.values())} checks, {load.across_qsd} across a QSD restart, {len(failed['data'])} lost"),
         ("nothing leaked", not load.leaks, "; ".join(load.leaks[:10]) or "volumes, catalog, mounts, loops, pool, "
          "QSD exports and nodes all empty"),
-        ("kills done and recovered", len(load.kills) == len(SCHEDULE) and not failed["kill"],
+        ("kills done and recovered", len(load.kills) == len(schedule(load.qsd_kills)) and not failed["kill"],
          ", ".join(f"{k.what} at {k.at:.0f} s" for k in load.kills) or "none"),
         ("QSD went away only when killed", unbidden == 0,
          f"{load.events.lost} QSD restarts seen by the driver, {qsd_kills} of them SIGKILLs from the bench"),
@@ -506,12 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=300.0, help="how long clients start new lifecycles")
     parser.add_argument("--dwell", type=float, default=1.0, help="seconds between the sync and the read back")
     parser.add_argument("--bound", type=float, default=60.0, help="seconds a step may take, retries included")
+    parser.add_argument("--qsd-kills", type=int, default=2, help="SIGKILL QSD this many times before the driver")
     parser.add_argument("--kind", choices=[k for k, _, _ in KINDS], action="append",
                         help="only volumes of this kind (repeatable; default: all three in turn)")
     parser.add_argument("--driver-log", type=Path, help="keep a copy of the driver's log here")
     args = parser.parse_args(argv)
-    if args.clients < 1 or args.seconds <= 0:
-        parser.error("--clients and --seconds must be positive")
+    if args.clients < 1 or args.seconds <= 0 or args.qsd_kills < 0:
+        parser.error("--clients and --seconds must be positive, --qsd-kills at least 0")
     # The greeting helper warns of each refused connection; here they are counted instead.
     logging.getLogger("csi_qsd.qsd.vhost_greeting").setLevel(logging.ERROR)
     problem = missing_prerequisites()
@@ -520,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with sandbox() as box:
         load = Load(box, args.clients, args.seconds, args.dwell, args.bound,
-                    tuple(k for k in KINDS if not args.kind or k[0] in args.kind))
+                    tuple(k for k in KINDS if not args.kind or k[0] in args.kind), args.qsd_kills)
 
         async def run() -> None:
             try:
