@@ -25,6 +25,7 @@ from e2e.guest import GuestImage, VhostUserDisk, acknowledged_blocks, count_kern
 from e2e.guest import verify_pattern
 from e2e.test_vm_volumes import (
     DEVICE,
+    RESTART_TIMEOUT_S,
     VM_TIMEOUT_S,
     Served,
     assert_blocks,
@@ -34,9 +35,8 @@ from e2e.test_vm_volumes import (
     provision,
     release,
     wait_for_block,
-    wait_for_new_qsd,
 )
-from tests.harness import DriverProcess, qsd_pid, sandbox
+from tests.harness import DriverProcess, qsd_pid, sandbox, wait_new_qsd
 
 pytestmark = e2e_marks()
 
@@ -71,7 +71,7 @@ async def test_qsd_frozen_under_a_writing_guest_is_replaced_and_loses_no_acknowl
         os.kill(old, signal.SIGSTOP)
         try:
             frozen_at = len(acknowledged_blocks(vm.output, DEVICE))
-            await wait_for_new_qsd(served.box, old)
+            await wait_new_qsd(served.box, old, RESTART_TIMEOUT_S)
         finally:
             # Leave no stopped QSD of ours behind, whatever happened.
             with contextlib.suppress(OSError):

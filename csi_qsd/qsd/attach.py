@@ -179,16 +179,19 @@ async def add_fuse_export(client: QSDClient, top: TopImage, mountpoint: Path, *,
     await client.export_add(graph.fuse_export(top.nodes, mountpoint, writable=writable))
 
 
-async def ensure_vhost_export(client: QSDClient, top: TopImage, socket: Path, *, writable: bool) -> bool:
-    """Export over vhost-user-blk at `socket`; True if it had to be added."""
+async def ensure_vhost_export(
+    client: QSDClient, top: TopImage, socket: Path, *, writable: bool, in_iothread: bool,
+) -> bool:
+    """Export over vhost-user-blk at `socket`, in an iothread or QSD's main loop; True if it had to be added."""
     nodes = top.nodes
     if await has_export(client, nodes.vhost_export):
         return False
     socket.unlink(missing_ok=True)
-    iothread = graph.iothread_object(nodes, top.params)
+    iothread = graph.iothread_object(nodes, top.params) if in_iothread else None
     if iothread is not None and iothread["id"] not in await client.iothreads():
         await client.execute("object-add", iothread)
-    await client.export_add(graph.vhost_user_blk_export(nodes, socket, top.params, writable=writable))
+    await client.export_add(
+        graph.vhost_user_blk_export(nodes, socket, top.params, writable=writable, in_iothread=in_iothread))
     await vhost_greeting.greet(socket)  # before any resize can reach it
     return True
 

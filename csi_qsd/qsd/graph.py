@@ -245,9 +245,10 @@ def iothread_object(nodes: VolumeNodes, params: VolumeParameters) -> QMPArgs | N
 
 
 def vhost_user_blk_export(
-    nodes: VolumeNodes, socket: Path, params: VolumeParameters, *, writable: bool
+    nodes: VolumeNodes, socket: Path, params: VolumeParameters, *, writable: bool, in_iothread: bool = True,
 ) -> QMPArgs:
-    return {
+    """The export's arguments; without `in_iothread` it runs in QSD's main loop."""
+    spec: QMPArgs = {
         "type": "vhost-user-blk",
         "id": nodes.vhost_export,
         "node-name": nodes.throttle,
@@ -258,5 +259,7 @@ def vhost_user_blk_export(
         "writethrough": params.cache is CacheMode.WRITETHROUGH,
         "num-queues": params.num_queues,
         "logical-block-size": params.logical_block_size,
-        "iothread": iothread_for(nodes, params),
     }
+    if in_iothread:
+        spec["iothread"] = iothread_for(nodes, params)
+    return spec

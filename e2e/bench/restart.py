@@ -98,6 +98,10 @@ async def run(volumes: int, parallel: int, kinds: tuple[Kind, ...]) -> None:
             probe_vid, probe_path = staged[-1]
             ready, first, verified = await restart(driver, box, probe_vid, probe_path)
             assert qsd_pid(box) == pid, "the restarted driver must adopt the same QSD"
+        except BaseException:
+            events = [line for line in driver.log().splitlines() if "event=qsd" in line or "level=ERROR" in line]
+            print("driver log, QSD events and errors:", *events[-30:], sep="\n", file=sys.stderr)
+            raise
         finally:
             await driver.stop()
         per_volume = (rss_full - rss_empty) / volumes

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd import validate
+from csi_qsd import datapath, validate
 from csi_qsd.params import CacheMode, DetectZeroes, Discard, ImageFormat, VolumeParameters
 from csi_qsd.qsd import graph
 
@@ -127,6 +127,15 @@ def test_vhost_export_is_writethrough_by_default() -> None:
     assert spec["node-name"] == NODES.throttle and spec["addr"] == {"type": "unix", "path": "/s/vhost.sock"}
     assert spec["num-queues"] == 64 and spec["logical-block-size"] == 512
     assert spec["iothread"] == graph.IOTHREAD_ID and spec["writable"] is True
+
+
+def test_vhost_export_in_the_main_loop_names_no_iothread() -> None:
+    """Where QSD aborts on clients of an iothread export (10.0), the export runs in the main loop."""
+    spec = graph.vhost_user_blk_export(NODES, Path("/s"), VolumeParameters(iothread_poll_max_ns=0), writable=True,
+                                       in_iothread=False)
+    assert "iothread" not in spec
+    assert datapath.vhost_export_in_iothread((7, 2, 22))
+    assert not datapath.vhost_export_in_iothread((10, 0, 13))
 
 
 def test_vhost_export_follows_the_parameters() -> None:
