@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import mmap
+import os
 from pathlib import Path
 
-from csi_qsd.errors import FailedPrecondition, InvalidArgument
+from csi_qsd.errors import FailedPrecondition, InvalidArgument, Unavailable
 from csi_qsd.sys.loop import device_size
 from csi_qsd.sys.run import run
 
@@ -22,12 +25,39 @@ def check_fs_type(fs_type: str) -> str:
     return chosen
 
 
+# Read from the start of a device before calling it empty: blkid also answers "nothing found" for a
+# device it cannot read (a loop device over a dead FUSE export reads as end-of-file), and "empty" leads to mkfs.
+READABLE_PROBE_BYTES = 64 << 10
+
+
 async def probe(device: Path) -> str:
-    """The filesystem type on `device`, or '' when blkid finds none."""
+    """The filesystem type on `device`, or '' when blkid finds none on a device that reads.
+
+    Raises Unavailable when the device cannot be read: never taken for empty.
+    """
     code, out = await run("blkid", "--probe", "--output", "value", "--match-tag", "TYPE", str(device), check=False)
-    if code == 2:  # nothing found
+    if code == 2:  # nothing found, or nothing could be read
+        await asyncio.to_thread(_check_readable, device)
         return ""
     return out.strip()
+
+
+def _check_readable(device: Path) -> None:
+    """Read the start of `device` past the page cache (O_DIRECT), which may still hold what it once read."""
+    want = min(READABLE_PROBE_BYTES, device_size(device))
+    buffer = mmap.mmap(-1, max(want, mmap.PAGESIZE))  # page-aligned, as O_DIRECT needs
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        try:
+            got = os.preadv(fd, [memoryview(buffer)[:want]], 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise Unavailable(f"{device} cannot be read ({exc.strerror}); its volume is being recovered, retry") from exc
+    finally:
+        buffer.close()
+    if got < want:
+        raise Unavailable(f"{device} read {got} of {want} bytes at its start; its volume is being recovered, retry")
 
 
 def check_fits(fs_type: str, size: int) -> None:
