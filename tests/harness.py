@@ -149,15 +149,24 @@ def _kill_and_wait(pid: int, timeout: float = 5.0) -> None:
         os.close(pidfd)
 
 
-def force_cleanup(root: Path) -> None:
-    """Unmount everything under `root`, detach its loop devices, kill its QSD, remove it."""
-    state = root / "state"
+def release_host_state(root: Path) -> None:
+    """Unmount the filesystems under `root` and detach the loop devices over its files.
+
+    Must come before its QSD stops: once a FUSE export is gone, a loop
+    device over it no longer shows its backing path and cannot be found.
+    """
     for entry in sorted(mounts.mount_table(), key=lambda e: len(str(e.mount_point)), reverse=True):
         if root in entry.mount_point.parents and entry.fs_type != "fuse":
             _quietly("umount", "-l", str(entry.mount_point))
     for lp in loop.loop_devices():
         if root in lp.backing_file.parents:
             _quietly("losetup", "-d", str(lp.device))
+
+
+def force_cleanup(root: Path) -> None:
+    """Unmount everything under `root`, detach its loop devices, kill its QSD, remove it."""
+    state = root / "state"
+    release_host_state(root)
     pid = running_pid(Config(state_dir=state))
     if pid is not None:
         _kill_and_wait(pid)
@@ -174,7 +183,8 @@ async def in_process_driver(box: Sandbox, **overrides: object) -> AsyncIterator[
     async with serving(config) as driver:
         async with CSIClient(config.endpoint, timeout=60) as client:
             yield driver, client
-        # Stop QSD so FUSE exports go away with it; mounts are cleaned by the sandbox.
+        # Stop QSD so FUSE exports go away with it, after what stands on them.
+        await asyncio.to_thread(release_host_state, box.root)
         await driver.daemon.shutdown()
 
 
