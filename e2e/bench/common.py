@@ -16,8 +16,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -153,6 +154,57 @@ async def stop_driver_and_qsd(driver: DriverProcess) -> None:
         await asyncio.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One fio job: its name, I/O pattern, block size and queue depth."""
+
+    name: str
+    rw: str
+    bs: str
+    iodepth: int
+
+    @property
+    def sequential(self) -> bool:
+        return self.rw in ("read", "write")
+
+    @property
+    def writes(self) -> bool:
+        return "write" in self.rw
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({'MiB/s' if self.sequential else 'IOPS'})"
+
+
+def run_to_end(run: Coroutine[Any, Any, object], driver: DriverProcess, *, what: str = "benchmark",
+               log_tail: int | None = 4000) -> int:
+    """Run a bench in its own event loop; its exit status: 0, 1 (failed: the driver log's tail printed), 130.
+
+    The driver is SIGKILLed afterwards whatever happened: it runs in its own
+    session and would outlive us. `log_tail` None prints the whole log.
+    """
+    try:
+        asyncio.run(run)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted: cleaned up; partial results follow", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        log = driver.log() if log_tail is None else driver.log()[-log_tail:]
+        print(f"{what} failed: {exc!r}\n--- driver log (tail) ---\n{log}", file=sys.stderr)
+        return 1
+    finally:
+        kill_driver(driver)
+
+
+def log_problems(driver: DriverProcess) -> list[str]:
+    """The driver log's warnings and errors."""
+    if not driver.log_path.exists():
+        return []
+    return [line for line in driver.log_path.read_text(errors="replace").splitlines()
+            if "level=WARNING" in line or "level=ERROR" in line]
 
 
 def kill_driver(driver: DriverProcess) -> None:

@@ -47,7 +47,7 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import filesystems
-from e2e.bench.common import GIB, MIB, kill_driver, ratio, retrying, sh, stop_driver_and_qsd, table
+from e2e.bench.common import GIB, MIB, Job, ratio, retrying, run_to_end, sh, stop_driver_and_qsd, table
 from tests.harness import DriverProcess, Sandbox, sandbox
 
 VOLUME_SIZE = 1 * GIB
@@ -56,26 +56,6 @@ QUICK_RUNTIME = 3
 QUICK_ROUNDS = 1
 QUICK_REGION = 256 * MIB
 REQUIRED_TOOLS = ("fio", "losetup", "mkfs.ext4", "qemu-storage-daemon")
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    name: str
-    rw: str
-    bs: str
-    iodepth: int
-
-    @property
-    def sequential(self) -> bool:
-        return self.rw in ("read", "write")
-
-    @property
-    def writes(self) -> bool:
-        return "write" in self.rw
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} ({'MiB/s' if self.sequential else 'IOPS'})"
 
 
 JOBS = (
@@ -353,21 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"missing tools: {', '.join(missing)}", file=sys.stderr)
         return 2
     progress(sh("qemu-storage-daemon", "--version").splitlines()[0])
-    status = 0
     started = time.monotonic()
     with sandbox() as box:
         bench = Bench(box, parameters, args.loop_io, runtime, rounds, region)
-        try:
-            asyncio.run(bench.run())
-        except KeyboardInterrupt:
-            print("interrupted: cleaned up; partial results follow", file=sys.stderr)
-            status = 130
-        except Exception as exc:
-            print(f"benchmark failed: {exc!r}\n--- driver log (tail) ---\n{bench.driver.log()[-4000:]}",
-                  file=sys.stderr)
-            status = 1
-        finally:
-            kill_driver(bench.driver)
+        status = run_to_end(bench.run(), bench.driver)
     print(report(bench, parameters, runtime, rounds, region), flush=True)
     print(f"wall time {time.monotonic() - started:.0f} s", flush=True)
     return status

@@ -26,7 +26,6 @@ Ctrl-C. Usage:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -42,7 +41,8 @@ import grpc
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import loop, mounts
 from e2e.bench.common import (
-    GIB, KIB, fsync_path, kill_driver, ms, open_fds, ratio, retrying, sh, status_field_kib, stop_driver_and_qsd, Summary, table, timed,
+    GIB, KIB, fsync_path, log_problems, ms, open_fds, ratio, retrying, run_to_end, sh, status_field_kib,
+    stop_driver_and_qsd, Summary, table, timed,
 )
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
@@ -289,10 +289,6 @@ class Bench:
     async def _stop_daemons(self) -> None:
         await stop_driver_and_qsd(self.driver)
 
-    def kill_driver(self) -> None:
-        kill_driver(self.driver)
-
-
 # the report ---------------------------------------------------------------
 
 RATIO_NOTE = "ratio = driver figure / baseline"
@@ -439,23 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         print(problem, file=sys.stderr)
         return 2
     header = describe(args.volumes)
-    status = 0
     with sandbox() as box:
         bench = Bench(box, args.volumes)
-        try:
-            asyncio.run(bench.run())
-        except KeyboardInterrupt:
-            print("interrupted: cleaned up; partial results follow", file=sys.stderr)
-            status = 130
-        except Exception as exc:
-            print(f"benchmark failed: {exc!r}\n--- driver log (tail) ---\n{bench.driver.log()}", file=sys.stderr)
-            status = 1
-        finally:
-            bench.kill_driver()
-            bench.results.driver_log_problems = [
-                line for line in bench.driver.log_path.read_text(errors="replace").splitlines()
-                if "level=WARNING" in line or "level=ERROR" in line
-            ] if bench.driver.log_path.exists() else []
+        status = run_to_end(bench.run(), bench.driver, log_tail=None)
+        bench.results.driver_log_problems = log_problems(bench.driver)
     print(report(bench.results, args.volumes, header), flush=True)
     return status
 

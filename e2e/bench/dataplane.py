@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 from csi_qsd.csi_client import CSIClient
-from e2e.bench.common import MIB, ratio, table
+from e2e.bench.common import MIB, Job, ratio, table
 from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
 from tests.harness import DriverProcess, Sandbox, sandbox
 
@@ -55,22 +55,6 @@ REGION = "256M"
 GUEST_MEMORY_MIB = 768  # the initramfs carries ~80 MiB of fio and its libraries
 GUEST_FIO_DIR = "/opt/fio"
 TERSE_PREFIX = "3;fio-"
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    name: str
-    rw: str
-    bs: str
-    iodepth: int
-
-    @property
-    def sequential(self) -> bool:
-        return self.rw in ("read", "write")
-
-    @property
-    def writes(self) -> bool:
-        return "write" in self.rw
 
 
 JOBS = (

@@ -70,7 +70,7 @@ from csi_qsd.csi_client import CSIClient
 from csi_qsd.publish.vhost_user import SOCKET_NAME
 from csi_qsd.qsd.vhost_greeting import greet
 from csi_qsd.sys import loop, mounts
-from e2e.bench.common import MIB, Summary, kill_driver, ms, retrying, stop_driver_and_qsd, table
+from e2e.bench.common import MIB, Summary, ms, retrying, run_to_end, stop_driver_and_qsd, table
 from e2e.bench.control_plane import missing_prerequisites
 from e2e.bench.restart import KINDS, SIZE, Kind
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox, until, wait_new_qsd, wait_restored, write_synced
@@ -580,18 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 await load.cleanup()
 
-        status = 0
         try:
-            asyncio.run(run())
-        except KeyboardInterrupt:
-            print("interrupted: cleaned up; partial results follow", file=sys.stderr)
-            status = 130
-        except Exception as exc:
-            print(f"load bench failed: {exc!r}\n--- driver log (tail) ---\n{load.driver.log()[-4000:]}",
-                  file=sys.stderr)
-            status = 1
+            status = run_to_end(run(), load.driver, what="load bench")
         finally:
-            kill_driver(load.driver)
             if args.driver_log is not None and load.driver.log_path.exists():
                 shutil.copyfile(load.driver.log_path, args.driver_log)
     text, passed = report(load)

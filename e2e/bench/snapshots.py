@@ -58,7 +58,7 @@ import grpc
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.snapshots import MAX_CHAIN_DEPTH
 from e2e.bench.common import (
-    GIB, MIB, fsync_path, kill_driver, ms, retrying, sh, stop_driver_and_qsd, Summary, table, timed,
+    GIB, MIB, fsync_path, log_problems, ms, retrying, run_to_end, sh, stop_driver_and_qsd, Summary, table, timed,
 )
 from tests.harness import DriverProcess, Sandbox, sandbox
 
@@ -278,10 +278,6 @@ class Bench:
     async def _stop_daemons(self) -> None:
         await stop_driver_and_qsd(self.driver)
 
-    def kill_driver(self) -> None:
-        kill_driver(self.driver)
-
-
 def _progress(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message} ...", file=sys.stderr, flush=True)
 
@@ -411,25 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         print(problem, file=sys.stderr)
         return 2
     header = describe(sizes)
-    status = 0
     started = time.monotonic()
     with sandbox() as box:
         bench = Bench(box, sizes, args.copies)
-        try:
-            asyncio.run(bench.run())
-        except KeyboardInterrupt:
-            print("interrupted: cleaned up; partial results follow", file=sys.stderr)
-            status = 130
-        except Exception as exc:
-            print(f"benchmark failed: {exc!r}\n--- driver log (tail) ---\n{bench.driver.log()[-4000:]}",
-                  file=sys.stderr)
-            status = 1
-        finally:
-            bench.kill_driver()
-            problems = [
-                line for line in bench.driver.log_path.read_text(errors="replace").splitlines()
-                if "level=WARNING" in line or "level=ERROR" in line
-            ] if bench.driver.log_path.exists() else []
+        status = run_to_end(bench.run(), bench.driver)
+        problems = log_problems(bench.driver)
     print(report(bench.results, header, bench.leftovers, problems), flush=True)
     print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return status
