@@ -46,7 +46,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -73,7 +72,8 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+from e2e.test_vm_volumes import Served, provision, serving_vm_volumes
+from tests.harness import qsd_pid
 
 pytestmark = e2e_marks()
 
@@ -81,8 +81,6 @@ MIB = 1 << 20
 SIZE = 64 * MIB
 SECTOR = 512
 DEVICE = "/dev/vda"
-SOCKET = "vhost-user-blk.sock"
-VM = {"export": "vhost-user-blk"}
 VM_TIMEOUT_S = 120.0
 # How long a running guest may take to see its disk grow, from the start of the call that grew it.
 SEE_GROWTH_S = 5.0
@@ -330,45 +328,10 @@ async def test_qsd_hard_export_del_with_a_guest_connected_answers_at_once(guest_
 # --- the driver ----------------------------------------------------------------------
 
 
-@dataclass
-class Served:
-    box: Sandbox
-    driver: DriverProcess
-    csi: CSIClient
-
-
-@dataclass(frozen=True)
-class Volume:
-    id: str
-    staging: Path
-    target: Path
-
-    @property
-    def socket(self) -> Path:
-        return self.target / SOCKET
-
-
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
-    if os.geteuid() != 0:
-        pytest.fail("VM volume tests need root (bind mounts, socket ownership)")
-    with sandbox() as box:
-        driver = DriverProcess(box)
-        await driver.start()
-        try:
-            async with CSIClient(box.endpoint, timeout=60) as csi:
-                yield Served(box, driver, csi)
-        finally:
-            await driver.stop()
-
-
-async def provision(served: Served, name: str) -> Volume:
-    """CreateVolume, NodeStageVolume and NodePublishVolume, as the provisioner and kubelet call them."""
-    vid = (await served.csi.create_volume(name, SIZE, VM)).volume_id
-    volume = Volume(vid, served.box.staging(name), served.box.target(name))
-    await served.csi.stage(vid, str(volume.staging))
-    await served.csi.publish(vid, str(volume.staging), str(volume.target))
-    return volume
+    async with serving_vm_volumes() as value:
+        yield value
 
 
 async def expansion_mode(csi: CSIClient) -> int:

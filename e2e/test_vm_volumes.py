@@ -32,6 +32,7 @@ bound only: VMs with more vCPUs than it must set ``num-queues=`` on the device.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -99,13 +100,20 @@ class Volume:
 
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[Served]:
+@contextlib.asynccontextmanager
+async def serving_vm_volumes(*driver_args: str) -> AsyncIterator[Served]:
+    """`csi-qsd serve` with `driver_args` in a sandbox of its own, and a client."""
     if os.geteuid() != 0:
         pytest.fail("VM volume tests need root (bind mounts, socket ownership)")
     with sandbox() as box:
-        async with running_driver(box) as driver, CSIClient(box.endpoint, timeout=60) as csi:
+        async with running_driver(box, *driver_args) as driver, CSIClient(box.endpoint, timeout=60) as csi:
             yield Served(box, driver, csi)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    async with serving_vm_volumes() as value:
+        yield value
 
 
 # --- helpers -------------------------------------------------------------------

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi_client import CSIClient
 from e2e.conftest import e2e_marks
 from e2e.guest import GuestImage, VhostUserDisk, acknowledged_blocks, count_kernel_io_errors, guest_script, start_vm
 from e2e.guest import verify_pattern
@@ -34,9 +33,10 @@ from e2e.test_vm_volumes import (
     paced_writes,
     provision,
     release,
+    serving_vm_volumes,
     wait_for_block,
 )
-from tests.harness import DriverProcess, qsd_pid, sandbox, wait_new_qsd
+from tests.harness import qsd_pid, wait_new_qsd
 
 pytestmark = e2e_marks()
 
@@ -45,16 +45,8 @@ QMP_TIMEOUT_S = "2"
 
 @pytest.fixture
 async def served() -> AsyncIterator[Served]:
-    if os.geteuid() != 0:
-        pytest.fail("VM volume tests need root (bind mounts, socket ownership)")
-    with sandbox() as box:
-        driver = DriverProcess(box, "--qmp-timeout", QMP_TIMEOUT_S)
-        await driver.start()
-        try:
-            async with CSIClient(box.endpoint, timeout=60) as csi:
-                yield Served(box, driver, csi)
-        finally:
-            await driver.stop()
+    async with serving_vm_volumes("--qmp-timeout", QMP_TIMEOUT_S) as value:
+        yield value
 
 
 async def test_qsd_frozen_under_a_writing_guest_is_replaced_and_loses_no_acknowledged_write(
