@@ -10,6 +10,7 @@ from csi_qsd.csi import required
 from csi_qsd.csi.errors import not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from tests.unit.test_errors_mapping import FakeContext
 
 Mode = pb.VolumeCapability.AccessMode
 
@@ -85,15 +86,6 @@ def test_a_missing_field_raises_naming_it(request_: Message, field: str, error: 
 ])
 def test_a_complete_request_passes(request_: object) -> None:
     required.check(request_)
-
-
-class FakeContext:
-    def __init__(self) -> None:
-        self.aborts: list[tuple[grpc.StatusCode, str]] = []
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        self.aborts.append((code, details))
-        raise grpc.aio.AbortError()
 
 
 class Servicer:
