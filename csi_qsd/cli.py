@@ -27,6 +27,8 @@ from csi_qsd.config import (
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.datapath import LoopIO
 from csi_qsd.errors import DriverError
+from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
+from csi_qsd.tls import PemFiles
 from csi_qsd.tools import bundled
 
 ENV_PREFIX = "CSI_QSD_"
@@ -67,6 +69,17 @@ def _device_pool(text: str) -> DevicePoolSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _node_address(text: str) -> NodeAddress:
+    try:
+        return NodeAddress.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pem_files(cert: str, key: str, ca: str) -> PemFiles | None:
+    return PemFiles(Path(cert), Path(key), Path(ca)) if cert and key and ca else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="csi-qsd", description="CSI driver on qemu-storage-daemon")
     parser.add_argument("--version", action="version", version=f"csi-qsd {__version__}")
@@ -95,6 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
                             "space-separated)")
     _option(serve, "--qmp-timeout", "10", "seconds QSD may take to answer a QMP command; a QSD that stays "
             "silent longer is treated as dead: logged, killed and replaced", type=_seconds)
+
+    _option(serve, "--metadata-address", "", "host:port of the mutual-TLS listener that serves snapshot metadata "
+            "to `csi-qsd snapshot-metadata-router` (empty: off; off with a warning while a file below is missing)")
+    _option(serve, "--metadata-cert", "", "the listener's certificate (PEM)")
+    _option(serve, "--metadata-key", "", "its private key (PEM)")
+    _option(serve, "--metadata-client-ca", "", "CA (PEM) that must have signed the router's client certificate")
+
+    router = sub.add_parser("snapshot-metadata-router", help="serve CSI SnapshotMetadata for the cluster on a UNIX "
+                            "socket (for the external-snapshot-metadata sidecar), relaying each call to the node "
+                            "plugin that holds the snapshot over mutual TLS")
+    _option(router, "--endpoint", "unix:///csi/csi.sock", "where the sidecar connects, unix:///path")
+    _option(router, "--driver-name", DEFAULT_DRIVER_NAME, "CSI driver name")
+    _option(router, "--log-level", "info", "debug, info, warning or error")
+    router.add_argument("--node", action="append", type=_node_address, metavar="NAME=HOST:PORT",
+                        default=[_node_address(t) for t in os.environ.get(env_name("--node"), "").split()],
+                        help="a node plugin's metadata listener (repeatable; env "
+                             f"{env_name('--node')}, space-separated); or --nodes-dns")
+    _option(router, "--nodes-dns", "", "HOST:PORT where HOST resolves to every node plugin (a headless Service)")
+    _option(router, "--tls-cert", "", "the router's client certificate (PEM)")
+    _option(router, "--tls-key", "", "its private key (PEM)")
+    _option(router, "--tls-ca", "", "CA (PEM) that must have signed the node plugins' certificates")
+    _option(router, "--tls-server-name", DEFAULT_SERVER_NAME, "name the node plugins' certificate carries")
+    _option(router, "--node-timeout", "5", "seconds a node may take to say whether it holds a snapshot",
+            type=_seconds)
 
     run = sub.add_parser("qsd-run", help="run qemu-storage-daemon in the foreground (its own container)")
     _common(run)
@@ -188,7 +225,19 @@ def config_from(args: argparse.Namespace) -> Config:
         qemu_img=args.qemu_img,
         failpoints=os.environ.get(env_name("--failpoints"), ""),
         device_pools=tuple(getattr(args, "device_pool", None) or ()),
+        metadata_address=getattr(args, "metadata_address", ""),
+        metadata_tls=_pem_files(getattr(args, "metadata_cert", ""), getattr(args, "metadata_key", ""),
+                                getattr(args, "metadata_client_ca", "")),
     )
+
+
+def router_config_from(args: argparse.Namespace) -> RouterConfig:
+    tls = _pem_files(args.tls_cert, args.tls_key, args.tls_ca)
+    if tls is None:
+        raise ValueError("the router needs --tls-cert, --tls-key and --tls-ca")
+    return RouterConfig(endpoint=args.endpoint, tls=tls, nodes=tuple(args.node or ()), nodes_dns=args.nodes_dns,
+                        driver_name=args.driver_name, server_name=args.tls_server_name,
+                        node_timeout=float(args.node_timeout), log_level=args.log_level)
 
 
 def setup_logging(level: str) -> None:
@@ -211,6 +260,18 @@ async def _serve(config: Config) -> None:
     async with serving(config, observers) as driver, serving_metrics(config, driver, observers):
         print(f"csi-qsd {__version__} listening on {config.endpoint} "
               f"(node {config.node_id}, pool {config.pool})", flush=True)
+        await stop.wait()
+
+
+async def _route(config: RouterConfig) -> None:
+    from csi_qsd.router.server import serving_router
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with serving_router(config):
+        print(f"csi-qsd {__version__} snapshot-metadata router listening on {config.endpoint}", flush=True)
         await stop.wait()
 
 
@@ -289,6 +350,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except DriverError as exc:
             print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
             return 1
+    if args.command == "snapshot-metadata-router":
+        setup_logging(args.log_level)
+        try:
+            asyncio.run(_route(router_config_from(args)))
+        except (DriverError, ValueError) as exc:
+            print(f"csi-qsd snapshot-metadata-router: cannot start: {exc}", file=sys.stderr)
+            return 1
+        return 0
     config = config_from(args)
     setup_logging(config.log_level)
     if args.command == "qsd-run":

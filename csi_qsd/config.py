@@ -13,6 +13,7 @@ from pathlib import Path
 
 from csi_qsd.datapath import LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
+from csi_qsd.tls import PemFiles
 from csi_qsd.tools import bundled
 
 DEFAULT_DRIVER_NAME = "csi-qsd.io"
@@ -80,6 +81,9 @@ class Config:
     qmp_timeout: float = 10.0
     failpoints: str = ""
     device_pools: tuple[DevicePoolSpec, ...] = ()
+    # The mutual-TLS listener for the snapshot-metadata router (host:port; empty: off).
+    metadata_address: str = ""
+    metadata_tls: PemFiles | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", self.state_dir.resolve())
@@ -89,6 +93,8 @@ class Config:
         names = [spec.name for spec in self.device_pools]
         if len(set(names)) != len(names):
             raise ValueError(f"device pool names must be unique: {names}")
+        if self.metadata_address and self.metadata_tls is None:
+            raise ValueError("--metadata-address needs --metadata-cert, --metadata-key and --metadata-client-ca")
         if not self.endpoint:
             object.__setattr__(self, "endpoint", f"unix://{self.state_dir / 'csi.sock'}")
 

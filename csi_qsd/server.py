@@ -33,6 +33,7 @@ from csi_qsd.health import HealthView
 from csi_qsd.limits import VolumeLimits
 from csi_qsd.live import LiveImages
 from csi_qsd.locks import KeyedLocks
+from csi_qsd.metadata_listener import serving_metadata_listener
 from csi_qsd.pools.device import open_device_pools
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.daemon import QSDDaemon
@@ -101,15 +102,16 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
     """A driver answering CSI calls on its endpoint until the context exits; `observers` hear of every call."""
     async with running_driver(config) as driver:
         server = grpc.aio.server()
-        pb_grpc.add_IdentityServicer_to_server(IdentityService(
+        identity = IdentityService(
             config.driver_name, driver.ready, lambda: datapath.live_resize_reaches_guest(driver.daemon.version),
-            observers), server)
-        pb_grpc.add_ControllerServicer_to_server(ControllerService(
-            config, driver.volumes, driver.snapshots, driver.health, driver.limits, observers), server)
+            observers)
+        controller = ControllerService(config, driver.volumes, driver.snapshots, driver.health, driver.limits, observers)
+        metadata = SnapshotMetadataService(driver.changed_blocks, observers)
+        pb_grpc.add_IdentityServicer_to_server(identity, server)
+        pb_grpc.add_ControllerServicer_to_server(controller, server)
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots, observers), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features(), observers), server)
-        pb_grpc.add_SnapshotMetadataServicer_to_server(
-            SnapshotMetadataService(driver.changed_blocks, observers), server)
+        pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
         socket = config.socket_path
         socket.parent.mkdir(parents=True, exist_ok=True)
         socket.unlink(missing_ok=True)
@@ -118,7 +120,8 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         os.chmod(socket, 0o660)
         log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
         try:
-            yield driver
+            async with serving_metadata_listener(config, identity, controller, metadata):
+                yield driver
         finally:
             await server.stop(grace=5)
             socket.unlink(missing_ok=True)

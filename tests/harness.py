@@ -235,13 +235,18 @@ class DriverProcess:
         await self.proc.wait()
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except asyncio.TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        await terminate(self.proc)
+
+
+async def terminate(proc: asyncio.subprocess.Process | None, timeout: float = 15.0) -> None:
+    """SIGTERM a child that still runs, SIGKILL it if it has not exited within `timeout`, and reap it."""
+    if proc is not None and proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 @contextlib.asynccontextmanager

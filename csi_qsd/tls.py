@@ -1,0 +1,84 @@
+"""Mutual TLS between the snapshot-metadata router and the node plugins, from PEM files.
+
+Both sides present a certificate and accept only peers whose certificate the
+configured CA signed: a node plugin's metadata listener answers no caller
+without a client certificate of that CA, and the router trusts no node
+without one. The files come from a Kubernetes Secret, which kubelet replaces
+in place when it changes (cert-manager renewing it), so they are reread:
+the listener on every TLS handshake, the router's channels when a file's
+modification time moves. This module knows nothing of CSI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PemFiles:
+    """A certificate, its private key, and the CA that peers' certificates must chain to."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def missing(self) -> list[Path]:
+        return [path for path in (self.cert, self.key, self.ca) if not path.is_file()]
+
+    def read(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate chain, private key, CA bundle); raises OSError when one cannot be read."""
+        return self.cert.read_bytes(), self.key.read_bytes(), self.ca.read_bytes()
+
+    def stamp(self) -> tuple[int, ...]:
+        """Modification times (ns) of the three files, resolved: changes when kubelet swaps a Secret's files."""
+        return tuple(path.stat().st_mtime_ns for path in (self.cert, self.key, self.ca))
+
+
+def _server_config(pem: tuple[bytes, bytes, bytes]) -> grpc.ServerCertificateConfiguration:
+    cert, key, ca = pem
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+
+class _Reloader:
+    """Gives gRPC a new certificate configuration when the files hold other bytes than last time."""
+
+    def __init__(self, files: PemFiles, pem: tuple[bytes, bytes, bytes]) -> None:
+        self._files = files
+        self._pem = pem
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        try:
+            pem = self._files.read()
+        except OSError as exc:  # mid-swap, or the Secret went away: keep serving with what we have
+            log.warning("event=tls_reload_failed cert=%s error=%r", self._files.cert, str(exc))
+            return None
+        if pem == self._pem:
+            return None
+        self._pem = pem
+        log.info("event=tls_reloaded cert=%s", self._files.cert)
+        return _server_config(pem)
+
+
+def server_credentials(files: PemFiles) -> grpc.ServerCredentials:
+    """Credentials of a listener that requires a client certificate signed by `files.ca`.
+
+    Raises OSError when a file cannot be read at start.
+    """
+    pem = files.read()
+    return grpc.dynamic_ssl_server_credentials(
+        _server_config(pem), _Reloader(files, pem), require_client_authentication=True)
+
+
+def channel_credentials(files: PemFiles) -> grpc.ChannelCredentials:
+    """Credentials of a client that presents `files.cert` and trusts only servers `files.ca` signed.
+
+    Raises OSError when a file cannot be read.
+    """
+    cert, key, ca = files.read()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)

@@ -1,0 +1,89 @@
+"""Certificates for mutual-TLS tests, minted per test: a CA, node and router certificates, and a stranger's.
+
+The stranger has its own CA, so its certificate is well-formed and signed,
+just not by the CA the node plugins and the router trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from csi_qsd.router.config import DEFAULT_SERVER_NAME
+from csi_qsd.tls import PemFiles
+
+Key = ec.EllipticCurvePrivateKey
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _builder(subject: str, issuer: x509.Name, key: Key) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1)))
+
+
+@dataclasses.dataclass
+class Authority:
+    """A CA that signs leaf certificates into `directory`."""
+
+    directory: Path
+    name: str
+    key: Key = dataclasses.field(init=False)
+    cert: x509.Certificate = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.cert = (_builder(self.name, _name(self.name), self.key)
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                     .sign(self.key, hashes.SHA256()))
+        self.ca_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+
+    @property
+    def ca_path(self) -> Path:
+        return self.directory / f"{self.name}-ca.crt"
+
+    def issue(self, common_name: str, *, server: bool, trusts: "Authority | None" = None) -> PemFiles:
+        """A leaf certificate (server: for the node plugins' name and 127.0.0.1) and the CA its holder trusts."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = (_builder(common_name, self.cert.subject, key)
+                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName([
+                x509.DNSName(DEFAULT_SERVER_NAME), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
+        cert_path, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+        key_path.chmod(0o600)
+        return PemFiles(cert_path, key_path, (trusts or self).ca_path)
+
+
+@dataclasses.dataclass
+class Pki:
+    """Everything one mutual-TLS test needs: the node plugins', the router's and a stranger's files."""
+
+    node: PemFiles
+    router: PemFiles
+    stranger: PemFiles
+
+
+def mint(directory: Path) -> Pki:
+    directory.mkdir(parents=True, exist_ok=True)
+    cluster = Authority(directory, "cluster")
+    other = Authority(directory, "other")
+    return Pki(node=cluster.issue("node", server=True), router=cluster.issue("router", server=False),
+               stranger=other.issue("stranger", server=False, trusts=cluster))
