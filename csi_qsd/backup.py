@@ -7,7 +7,10 @@ chain on this node, served read-only by `qemu-nbd` on a private UNIX socket;
 they are written into a new qcow2 of the volume's capacity through a second,
 writable `qemu-nbd`. A range that reads as zeros is written as zero clusters
 (NBD WRITE_ZEROES), so it still overrides older data when the files are
-layered. Only the listed ranges are ever read, so an incremental costs what
+layered. The backup file allocates in 4 KiB subclusters, the finest
+changed-block granularity: a range written into a plain 64 KiB cluster
+would allocate the whole cluster, and the zeros around the range would
+hide the older backup's data beneath it in a restore. Only the listed ranges are ever read, so an incremental costs what
 changed, not what the volume holds.
 
 Each backup gets a sidecar `FILE.json` naming its snapshot and base, so a
@@ -36,6 +39,7 @@ from csi_qsd.catalog import Catalog
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.errors import HostCommandError, InvalidArgument
 from csi_qsd.extents import Extent
+from csi_qsd.granularity import BACKUP_OPTIONS
 from csi_qsd.sys.run import run
 
 CHUNK = 4 << 20  # bytes per NBD request; qemu-nbd accepts up to 32 MiB
@@ -171,7 +175,7 @@ async def backup(
     tmp = out.with_name(f".{out.name}.tmp")
     read = zeros = 0
     with tempfile.TemporaryDirectory(prefix="csi-qsd-backup-") as work:
-        await run(qemu_img, "create", "-q", "-f", "qcow2", str(tmp), str(capacity))
+        await run(qemu_img, "create", "-q", "-f", "qcow2", "-o", BACKUP_OPTIONS, str(tmp), str(capacity))
         try:
             async with (
                 nbd_export(qemu_nbd, qcow2_spec(image, read_only=True), Path(work) / "src.sock", read_only=True) as src,

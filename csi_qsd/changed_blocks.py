@@ -5,7 +5,8 @@ overlay, so every write made after snapshot B and before snapshot T landed in
 one of the images of T's chain that are newer than B's image. The clusters
 those images hold (data or zero clusters: a discard in an overlay writes a
 zero cluster) are therefore exactly what changed between B and T, at the
-cluster size (64 KiB), and survive a crash of QSD or the driver: no bitmap
+volume's granularity (its qcow2 cluster or subcluster, `csi_qsd.granularity`;
+64 KiB by default), and survive a crash of QSD or the driver: no bitmap
 has to have been flushed, the images are the record.
 
 That boundary is lost where images were merged: a live flatten streams the

@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from csi_qsd.granularity import DEFAULT as DEFAULT_GRANULARITY, parse as parse_granularity
 from csi_qsd.errors import InvalidArgument
 
 PROVISIONER_PREFIX = "csi.storage.k8s.io/"
@@ -78,6 +79,8 @@ class VolumeParameters:
     iothread_poll_max_ns: int | None = None
     # The pool the volume lives in: "default" is the file pool, any other name a device pool.
     pool: str = DEFAULT_POOL_NAME
+    # Changed-block granularity in bytes: the qcow2 (sub)cluster of every image of the volume's chain.
+    granularity: int = DEFAULT_GRANULARITY
 
     def to_json(self) -> str:
         raw: dict[str, Any] = {}
@@ -138,6 +141,7 @@ _PARSERS: dict[str, tuple[str, Any]] = {
     "detectZeroes": ("detect_zeroes", lambda k, v: _enum(k, v, DetectZeroes)),
     "iothreadPollMaxNs": ("iothread_poll_max_ns", lambda k, v: _integer(k, v, range(0, 1_000_001))),
     "pool": ("pool", pool_name),
+    "changedBlockGranularity": ("granularity", parse_granularity),
 }
 
 VHOST_ONLY_KEYS = frozenset({"numQueues", "logicalBlockSize", "cache", "iothreadPollMaxNs"})
@@ -169,6 +173,11 @@ def parse_parameters(parameters: Mapping[str, str]) -> VolumeParameters:
             raise InvalidArgument(
                 f"parameter {misplaced[0]!r} applies only to export 'vhost-user-blk'"
             )
+    if params.format is ImageFormat.RAW and "changedBlockGranularity" in parameters:
+        raise InvalidArgument(
+            "parameter 'changedBlockGranularity' applies only to format 'qcow2': raw volumes (every volume of "
+            "a device pool is one) have no snapshots to track changes between"
+        )
     if params.format is ImageFormat.RAW and params.preallocation is Preallocation.METADATA:
         raise InvalidArgument("parameter 'preallocation' 'metadata' applies only to format 'qcow2'")
     return params

@@ -248,7 +248,9 @@ class Snapshots:
             moved: list[VolumeRecord] = []
             try:
                 for snapshot, volume in zip(snapshots, volumes):
-                    await self._pool.create_overlay(Path(snapshot.overlay), volume.image, volume.capacity)
+                    await self._pool.create_overlay(
+                        Path(snapshot.overlay), volume.image, volume.capacity, volume.params.granularity
+                    )
                 self._failpoints.hit("snapshot.after_overlay")
                 moved = [_moved(volume, snapshot) for volume, snapshot in zip(volumes, snapshots)]
                 await self._live.switch_tops(list(zip(volumes, moved)))

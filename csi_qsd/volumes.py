@@ -161,7 +161,7 @@ class Volumes:
                 self._failpoints.hit("create.after_intent")
                 try:
                     if base is not None:
-                        await pool.create_overlay(record.image, base, size)
+                        await pool.create_overlay(record.image, base, size, params.granularity)
                     else:
                         await pool.create(record.image, size, params)
                 except ResourceExhausted as exc:

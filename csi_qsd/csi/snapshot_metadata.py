@@ -2,8 +2,11 @@
 
 Answers are VARIABLE_LENGTH: a qcow2 allocation map is a list of runs of
 clusters, and a run of a thousand changed clusters is one BlockMetadata, not
-a thousand; a backup tool reads each run with one request. Ranges are
-cluster-aligned (64 KiB) except where `starting_offset` cuts the first one.
+a thousand; a backup tool reads each run with one request. FIXED_LENGTH
+would repeat the granularity in every range and multiply the messages.
+Ranges are aligned to the volume's changed-block granularity (the
+StorageClass parameter `changedBlockGranularity`, 64 KiB by default: the
+qcow2 cluster or subcluster) except where `starting_offset` cuts the first.
 `starting_offset` resumes a stream mid-volume; `max_results` bounds the
 ranges per message (0: the plugin's choice, DEFAULT_MAX_RESULTS). Every
 stream carries at least one message, so the caller always learns

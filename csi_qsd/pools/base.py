@@ -52,8 +52,13 @@ class Pool(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
-        """A thin qcow2 over `backing`, O(1): snapshots, restores and clones."""
+    async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
+        """A thin qcow2 over `backing`, O(1): snapshots, restores and clones.
+
+        `granularity` is the volume's changed-block granularity: the overlay
+        allocates in units of it (`csi_qsd.granularity`), as every image of
+        the volume's chain does.
+        """
 
     @abc.abstractmethod
     async def backing_of(self, image: Path) -> str: ...

@@ -325,7 +325,7 @@ class DevicePool(Pool):
         log.info("event=extent_grown pool=%s volume_id=%s start=%d length=%d previous=%d",
                  self.id, volume_id, extent.start, length, extent.length)
 
-    async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
+    async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
         raise FailedPrecondition(f"device pool {self.id} holds raw extents: no snapshots, restores or clones")
 
     async def backing_of(self, image: Path) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from csi_qsd.catalog import DEFAULT_POOL
 from csi_qsd.errors import ResourceExhausted
+from csi_qsd.granularity import qcow2_options
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd.storage import ImageFile
@@ -68,6 +69,7 @@ class FilePool(Pool):
             options.append(f"preallocation={params.preallocation.value}")
         if params.format is ImageFormat.QCOW2:
             options.append("lazy_refcounts=off")
+            options += qcow2_options(params.granularity)
         if options:
             argv += ["-o", ",".join(options)]
         try:
@@ -76,14 +78,19 @@ class FilePool(Pool):
         finally:
             tmp.unlink(missing_ok=True)
 
-    async def create_overlay(self, image: Path, backing: Path, size: int) -> None:
-        """Create a thin qcow2 `image` over `backing` (same directory, named relatively): O(1)."""
+    async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
+        """Create a thin qcow2 `image` over `backing` (same directory, named relatively): O(1).
+
+        It allocates in units of `granularity` whatever `backing` does: what
+        a delta reports is what the overlay holds.
+        """
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
         try:
             # -u: the size is given, so the backing chain need not be opened (saves milliseconds per layer).
-            await run(self._qemu_img, "create", "-q", "-f", "qcow2", "-u", "-o", "lazy_refcounts=off",
+            options = ",".join(["lazy_refcounts=off", *qcow2_options(granularity)])
+            await run(self._qemu_img, "create", "-q", "-f", "qcow2", "-u", "-o", options,
                       "-b", backing.name, "-F", backing_format, str(tmp), str(size))
             await asyncio.to_thread(_fsync_and_rename, tmp, image)
         finally:

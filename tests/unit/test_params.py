@@ -9,8 +9,10 @@ import pytest
 
 from csi_qsd import params as P
 from csi_qsd.errors import InvalidArgument
+from csi_qsd.granularity import qcow2_options
 
 VHOST = {"export": "vhost-user-blk"}
+KIB, MIB = 1 << 10, 1 << 20
 
 
 def test_no_parameters_gives_the_safe_defaults() -> None:
@@ -47,6 +49,12 @@ def test_no_parameters_gives_the_safe_defaults() -> None:
     ({"pool": "default"}, "pool", "default"),
     ({"pool": "nvme-0"}, "pool", "nvme-0"),
     ({"pool": "nvme-0"}, "format", P.ImageFormat.RAW),  # a device pool's volumes are raw extents
+    ({}, "granularity", 64 * KIB),
+    ({"changedBlockGranularity": "4Ki"}, "granularity", 4 * KIB),
+    ({"changedBlockGranularity": "4096"}, "granularity", 4 * KIB),
+    ({"changedBlockGranularity": "32Ki"}, "granularity", 32 * KIB),
+    ({"changedBlockGranularity": "64Ki"}, "granularity", 64 * KIB),
+    ({"changedBlockGranularity": "2Mi"}, "granularity", 2 * MIB),
 ])
 def test_every_key_and_value(parameters: dict[str, str], field: str, value: object) -> None:
     assert getattr(P.parse_parameters(parameters), field) == value
@@ -55,7 +63,7 @@ def test_every_key_and_value(parameters: dict[str, str], field: str, value: obje
 def test_every_supported_key_is_covered_above() -> None:
     assert P.SUPPORTED_KEYS == {
         "format", "preallocation", "export", "numQueues", "logicalBlockSize", "cache", "discard",
-        "detectZeroes", "iothreadPollMaxNs", "pool",
+        "detectZeroes", "iothreadPollMaxNs", "pool", "changedBlockGranularity",
     }
 
 
@@ -102,6 +110,15 @@ def test_unknown_key_is_named(key: str) -> None:
     ({**VHOST, "iothreadPollMaxNs": "-1"}, "iothreadPollMaxNs"),
     ({**VHOST, "iothreadPollMaxNs": "1000001"}, "iothreadPollMaxNs"),
     ({**VHOST, "iothreadPollMaxNs": "1e3"}, "iothreadPollMaxNs"),
+    ({"changedBlockGranularity": "2Ki"}, "changedBlockGranularity"),  # below a page: nothing gained
+    ({"changedBlockGranularity": "4Mi"}, "changedBlockGranularity"),  # above qcow2's largest cluster
+    ({"changedBlockGranularity": "48Ki"}, "changedBlockGranularity"),  # not a power of two
+    ({"changedBlockGranularity": "0"}, "changedBlockGranularity"),
+    ({"changedBlockGranularity": "4k"}, "changedBlockGranularity"),
+    ({"changedBlockGranularity": "4KiB"}, "changedBlockGranularity"),
+    ({"changedBlockGranularity": "Ki"}, "changedBlockGranularity"),
+    ({"changedBlockGranularity": " 4Ki"}, "changedBlockGranularity"),
+    ({"changedBlockGranularity": "9" * 5000}, "changedBlockGranularity"),
 ])
 def test_bad_value_is_invalid_argument_naming_the_key(parameters: dict[str, str], key: str) -> None:
     with pytest.raises(InvalidArgument) as info:
@@ -121,6 +138,26 @@ def test_vhost_only_keys_need_the_vhost_export(key: str, value: str, export: str
     assert repr(key) in str(info.value)
 
 
+@pytest.mark.parametrize("parameters", [
+    {"format": "raw", "changedBlockGranularity": "4Ki"},
+    {"pool": "nvme", "changedBlockGranularity": "64Ki"},  # a device pool's volumes are raw extents
+])
+def test_granularity_needs_qcow2(parameters: dict[str, str]) -> None:
+    with pytest.raises(InvalidArgument, match="'changedBlockGranularity' applies only to format 'qcow2'"):
+        P.parse_parameters(parameters)
+
+
+@pytest.mark.parametrize("granularity, options", [
+    (4 * KIB, ["cluster_size=131072", "extended_l2=on"]),  # 32 subclusters of 4 KiB
+    (32 * KIB, ["cluster_size=1048576", "extended_l2=on"]),
+    (64 * KIB, []),  # qemu-img's default: the layout of every volume made before the parameter
+    (128 * KIB, ["cluster_size=131072"]),
+    (2 * MIB, ["cluster_size=2097152"]),
+])
+def test_granularity_is_the_qcow2_cluster_or_subcluster(granularity: int, options: list[str]) -> None:
+    assert qcow2_options(granularity) == options
+
+
 def test_metadata_preallocation_needs_qcow2() -> None:
     with pytest.raises(InvalidArgument, match="'preallocation'.*'qcow2'"):
         P.parse_parameters({"format": "raw", "preallocation": "metadata"})
@@ -129,7 +166,7 @@ def test_metadata_preallocation_needs_qcow2() -> None:
 ALL_SET = P.VolumeParameters(
     format=P.ImageFormat.RAW, preallocation=P.Preallocation.FALLOC, export=P.ExportKind.VHOST_USER_BLK,
     num_queues=7, logical_block_size=4096, cache=P.CacheMode.WRITEBACK, discard=P.Discard.IGNORE,
-    detect_zeroes=P.DetectZeroes.UNMAP, iothread_poll_max_ns=32768,
+    detect_zeroes=P.DetectZeroes.UNMAP, iothread_poll_max_ns=32768, granularity=8 * KIB,
 )
 
 
@@ -146,7 +183,7 @@ def test_json_round_trip_of_parsed_parameters() -> None:
         "logicalBlockSize": "4096", "cache": "writeback", "discard": "ignore", "detectZeroes": "unmap",
         "iothreadPollMaxNs": "32768",
     })
-    assert parsed == ALL_SET
+    assert parsed == dataclasses.replace(ALL_SET, granularity=64 * KIB)
     assert P.VolumeParameters.from_json(parsed.to_json()) == parsed
 
 
@@ -155,7 +192,7 @@ def test_json_form_is_stable_and_stores_enum_values() -> None:
     assert raw == {
         "format": "raw", "preallocation": "falloc", "export": "vhost-user-blk", "num_queues": 7,
         "logical_block_size": 4096, "cache": "writeback", "discard": "ignore", "detect_zeroes": "unmap",
-        "iothread_poll_max_ns": 32768, "pool": "default",
+        "iothread_poll_max_ns": 32768, "pool": "default", "granularity": 8192,
     }
     assert ALL_SET.to_json() == ALL_SET.to_json() and list(raw) == sorted(raw)
 
@@ -163,6 +200,8 @@ def test_json_form_is_stable_and_stores_enum_values() -> None:
 def test_json_from_an_older_row_fills_new_fields_with_defaults() -> None:
     """A catalog row written before a field existed still loads (and means the default)."""
     assert P.VolumeParameters.from_json('{"format": "raw"}') == P.VolumeParameters(format=P.ImageFormat.RAW)
+    # Rows from before the granularity existed describe 64 KiB-cluster images: the default is exactly that.
+    assert P.VolumeParameters.from_json('{"format": "qcow2"}').granularity == 64 * KIB
 
 
 def test_parameters_are_frozen() -> None:
