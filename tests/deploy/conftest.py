@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from tests.deploy.helpers import DEPLOY_DIR, EXAMPLES_DIR, Obj
+from tests.deploy.helpers import CERT_MANAGER_DIR, DEPLOY_DIR, EXAMPLES_DIR, SNAPSHOT_METADATA_DIR, Obj
 from tests.deploy.kustomize import render
 
 _CACHE: dict[str, list[Obj]] = {}
@@ -12,7 +12,9 @@ _CACHE: dict[str, list[Obj]] = {}
 
 def _rendered(key: str) -> list[Obj]:
     if key not in _CACHE:
-        _CACHE[key] = render(DEPLOY_DIR if key == "base" else EXAMPLES_DIR)
+        directories = {"base": DEPLOY_DIR, "examples": EXAMPLES_DIR, "snapshot-metadata": SNAPSHOT_METADATA_DIR,
+                       "cert-manager": CERT_MANAGER_DIR}
+        _CACHE[key] = render(directories[key])
     return copy.deepcopy(_CACHE[key])
 
 
@@ -31,3 +33,15 @@ def examples() -> list[Obj]:
 @pytest.fixture
 def everything(base: list[Obj], examples: list[Obj]) -> list[Obj]:
     return base + examples
+
+
+@pytest.fixture
+def snapshot_metadata() -> list[Obj]:
+    """`kustomize build deploy/snapshot-metadata/`: the router, its sidecar, Services and RBAC."""
+    return _rendered("snapshot-metadata")
+
+
+@pytest.fixture
+def cert_manager() -> list[Obj]:
+    """`kustomize build deploy/snapshot-metadata/cert-manager/`."""
+    return _rendered("cert-manager")

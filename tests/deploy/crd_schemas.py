@@ -1,7 +1,8 @@
 """Minimal JSON schemas for the custom resources in deploy/.
 
 kubernetes-validate ships schemas for built-in kinds only, and no package on
-PyPI ships the snapshot.storage.k8s.io or kubevirt.io CRD schemas. These are
+PyPI ships the snapshot.storage.k8s.io, cbt.storage.k8s.io, cert-manager.io or
+kubevirt.io CRD schemas. These are
 hand-written subsets of the upstream CRDs (external-snapshotter
 client/config/crd, KubeVirt's VirtualMachine v1 API): they require what the
 upstream schemas require, check the types and enumerations of the fields
@@ -238,7 +239,97 @@ VIRTUAL_MACHINE = _top(
     ["spec"],
 )
 
+# kubernetes-csi/external-snapshot-metadata client/config/crd (v1alpha1): cluster-scoped, all three fields required.
+SNAPSHOT_METADATA_SERVICE = _top(
+    "cbt.storage.k8s.io/v1alpha1",
+    "SnapshotMetadataService",
+    {
+        "spec": {
+            "type": "object",
+            "required": ["address", "audience", "caCert"],
+            "properties": {
+                "address": {"type": "string", "pattern": r"^[a-z0-9.-]+:[0-9]+$"},
+                "audience": {"type": "string", "minLength": 1},
+                "caCert": {"type": "string", "contentEncoding": "base64", "pattern": r"^[A-Za-z0-9+/]+=*$"},
+            },
+            "additionalProperties": False,
+        },
+    },
+    ["spec"],
+)
+
+_ISSUER_REF: Schema = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": _NAME, "kind": {"enum": ["Issuer", "ClusterIssuer"]}, "group": {"type": "string"}},
+    "additionalProperties": False,
+}
+
+# cert-manager.io/v1 (cert-manager's CRDs): the fields deploy/snapshot-metadata/cert-manager uses.
+CERT_MANAGER_ISSUER = _top(
+    "cert-manager.io/v1",
+    "Issuer",
+    {
+        "spec": {
+            "type": "object",
+            "properties": {
+                "selfSigned": {"type": "object", "additionalProperties": False},
+                "ca": {
+                    "type": "object",
+                    "required": ["secretName"],
+                    "properties": {"secretName": _NAME},
+                    "additionalProperties": False,
+                },
+            },
+            "additionalProperties": False,
+            "oneOf": [{"required": ["selfSigned"]}, {"required": ["ca"]}],
+        },
+    },
+    ["spec"],
+)
+
+_KEY_USAGES = [
+    "signing", "digital signature", "content commitment", "key encipherment", "key agreement", "data encipherment",
+    "cert sign", "crl sign", "encipher only", "decipher only", "any", "server auth", "client auth", "code signing",
+    "email protection", "s/mime", "ipsec end system", "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
+    "microsoft sgc", "netscape sgc",
+]
+
+CERT_MANAGER_CERTIFICATE = _top(
+    "cert-manager.io/v1",
+    "Certificate",
+    {
+        "spec": {
+            "type": "object",
+            "required": ["secretName", "issuerRef"],
+            "properties": {
+                "secretName": _NAME,
+                "issuerRef": _ISSUER_REF,
+                "commonName": {"type": "string", "maxLength": 64},
+                "dnsNames": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "isCA": {"type": "boolean"},
+                "duration": {"type": "string", "pattern": r"^([0-9]+(\.[0-9]+)?(h|m|s))+$"},
+                "usages": {"type": "array", "items": {"enum": _KEY_USAGES}},
+                "privateKey": {
+                    "type": "object",
+                    "properties": {
+                        "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                        "size": {"type": "integer"},
+                        "rotationPolicy": {"enum": ["Never", "Always"]},
+                    },
+                    "additionalProperties": False,
+                },
+            },
+            "additionalProperties": False,
+        },
+    },
+    ["spec"],
+)
+
 SCHEMAS: dict[tuple[str, str], Schema] = {
+    ("cbt.storage.k8s.io/v1alpha1", "SnapshotMetadataService"): SNAPSHOT_METADATA_SERVICE,
+    ("cert-manager.io/v1", "Issuer"): CERT_MANAGER_ISSUER,
+    ("cert-manager.io/v1", "Certificate"): CERT_MANAGER_CERTIFICATE,
     ("snapshot.storage.k8s.io/v1", "VolumeSnapshotClass"): VOLUME_SNAPSHOT_CLASS,
     ("snapshot.storage.k8s.io/v1", "VolumeSnapshot"): VOLUME_SNAPSHOT,
     ("kubevirt.io/v1", "VirtualMachine"): VIRTUAL_MACHINE,

@@ -11,6 +11,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_DIR = REPO_ROOT / "deploy"
 EXAMPLES_DIR = DEPLOY_DIR / "examples"
+SNAPSHOT_METADATA_DIR = DEPLOY_DIR / "snapshot-metadata"
+CERT_MANAGER_DIR = SNAPSHOT_METADATA_DIR / "cert-manager"
+SNAPSHOT_METADATA_SERVICE = SNAPSHOT_METADATA_DIR / "snapshotmetadataservice.yaml"
 
 DRIVER_NAME = "csi-qsd.io"
 NAMESPACE = "csi-qsd"

@@ -11,15 +11,20 @@ import kubernetes_validate
 import pytest
 
 from tests.deploy.crd_schemas import SCHEMAS
-from tests.deploy.helpers import DEPLOY_DIR, EXAMPLES_DIR, Obj
-from tests.deploy.kustomize import CLUSTER_SCOPED_KINDS, render
+from tests.deploy.helpers import (
+    CERT_MANAGER_DIR, DEPLOY_DIR, EXAMPLES_DIR, SNAPSHOT_METADATA_DIR, SNAPSHOT_METADATA_SERVICE, Obj,
+)
+from tests.deploy.kustomize import CLUSTER_SCOPED_KINDS, load_yaml_documents, render
 
 K8S_VERSION = kubernetes_validate.latest_version()
-CLUSTER_SCOPED = CLUSTER_SCOPED_KINDS | {"VolumeSnapshotClass"}
+CLUSTER_SCOPED = CLUSTER_SCOPED_KINDS | {"VolumeSnapshotClass", "SnapshotMetadataService"}
 
 
 def _objects() -> list[tuple[str, Obj]]:
-    return [("base", obj) for obj in render(DEPLOY_DIR)] + [("examples", obj) for obj in render(EXAMPLES_DIR)]
+    rendered = [(where, obj) for where, directory in (
+        ("base", DEPLOY_DIR), ("examples", EXAMPLES_DIR), ("snapshot-metadata", SNAPSHOT_METADATA_DIR),
+        ("cert-manager", CERT_MANAGER_DIR)) for obj in render(directory)]
+    return rendered + [("snapshot-metadata", obj) for obj in load_yaml_documents(SNAPSHOT_METADATA_SERVICE)]
 
 
 def _id(item: tuple[str, Obj]) -> str:
@@ -50,7 +55,7 @@ def test_namespace_matches_scope(item: tuple[str, Obj]) -> None:
     namespace = obj["metadata"].get("namespace")
     if obj["kind"] in CLUSTER_SCOPED:
         assert namespace is None, "cluster-scoped objects carry no namespace"
-    elif where == "base":
+    elif where != "examples":
         assert namespace == "csi-qsd"
     else:
         assert namespace is None, "examples go into the namespace they are applied to"
