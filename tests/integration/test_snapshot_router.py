@@ -11,10 +11,8 @@ owning node answers on its own socket; errors keep their codes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -29,22 +27,11 @@ from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.router.config import DEFAULT_SERVER_NAME
 from csi_qsd.tls import PemFiles, channel_credentials
 from tests.certs import Pki, mint
-from tests.harness import DriverProcess, Sandbox, free_port, sandbox, terminate, until
+from tests.harness import until
+from tests.router_cluster import Node, Router, node_plugin
 
 MIB = 1 << 20
 SIZE = 64 * MIB
-
-
-@dataclasses.dataclass
-class Node:
-    """One node plugin under test: its process, its own CSI socket, its listener, and what it holds."""
-
-    name: str
-    box: Sandbox
-    process: DriverProcess
-    address: str
-    csi: CSIClient
-    snapshots: list[str] = dataclasses.field(default_factory=list)
 
 
 def _write(device: Path, offset: int, length: int, seed: int) -> None:
@@ -70,42 +57,6 @@ async def _fill(node: Node, seed: int) -> None:
     node.snapshots.append((await node.csi.create_snapshot(f"s2-{node.name}", vid)).snapshot_id)
 
 
-class Router:
-    """`csi-qsd snapshot-metadata-router` as a child process, with a CSI client on its socket."""
-
-    def __init__(self, root: Path, tls: PemFiles, nodes: list[Node]) -> None:
-        self.endpoint = f"unix://{root / 'router.sock'}"
-        self.log_path = root / "router.log"
-        self.argv = [sys.executable, "-m", "csi_qsd.cli", "snapshot-metadata-router", "--endpoint", self.endpoint,
-                     "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca),
-                     "--node-timeout", "3", "--log-level", "debug",
-                     *(arg for n in nodes for arg in ("--node", f"{n.name}={n.address}"))]
-        self.proc: asyncio.subprocess.Process | None = None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    async def start(self) -> CSIClient:
-        with open(self.log_path, "ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(*self.argv, stdout=log, stderr=log,
-                                                             start_new_session=True)
-        client = CSIClient(self.endpoint, timeout=30)
-        proc = self.proc
-
-        async def ready() -> bool:
-            assert proc.returncode is None, f"router exited {proc.returncode}: {self.log()}"
-            try:
-                return await client.probe()
-            except grpc.aio.AioRpcError:
-                return False
-
-        await until(ready, lambda: f"the router's Probe; its log:\n{self.log()}", 30)
-        return client
-
-    async def stop(self) -> None:
-        await terminate(self.proc)
-
-
 @dataclasses.dataclass
 class Cluster:
     pki: Pki
@@ -114,25 +65,10 @@ class Cluster:
     routed: CSIClient
 
 
-@contextlib.asynccontextmanager
-async def _node(name: str, pki: Pki) -> AsyncIterator[Node]:
-    with sandbox() as box:
-        address = f"127.0.0.1:{free_port()}"
-        process = DriverProcess(box, "--node-id", name, "--metadata-address", address,
-                                "--metadata-cert", str(pki.node.cert), "--metadata-key", str(pki.node.key),
-                                "--metadata-client-ca", str(pki.node.ca))
-        try:
-            await process.start()
-            async with CSIClient(box.endpoint, timeout=60) as csi:
-                yield Node(name, box, process, address, csi)
-        finally:
-            await process.stop()
-
-
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     pki = mint(tmp_path / "pki")
-    async with _node("node-a", pki) as a, _node("node-b", pki) as b:
+    async with node_plugin("node-a", pki) as a, node_plugin("node-b", pki) as b:
         await asyncio.gather(_fill(a, 1), _fill(b, 2))
         router = Router(tmp_path, pki.router, [a, b])
         try:

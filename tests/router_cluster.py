@@ -1,0 +1,87 @@
+"""Node plugins with their metadata listeners and the snapshot-metadata router, as processes.
+
+For the router's integration tests and its benchmark: each node is a
+`csi-qsd serve` with its own sandbox (state dir, QSD, kubelet root) and a
+mutual-TLS listener on 127.0.0.1; the router is `csi-qsd
+snapshot-metadata-router` with a static node map.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.tls import PemFiles
+from tests.certs import Pki
+from tests.harness import DriverProcess, Sandbox, free_port, sandbox, terminate, until
+
+
+@dataclasses.dataclass
+class Node:
+    """One node plugin under test: its process, its own CSI socket, its listener, and what it holds."""
+
+    name: str
+    box: Sandbox
+    process: DriverProcess
+    address: str
+    csi: CSIClient
+    snapshots: list[str] = dataclasses.field(default_factory=list)
+
+
+class Router:
+    """`csi-qsd snapshot-metadata-router` as a child process, with a CSI client on its socket."""
+
+    def __init__(self, root: Path, tls: PemFiles, nodes: list[Node], *extra: str) -> None:
+        self.endpoint = f"unix://{root / 'router.sock'}"
+        self.log_path = root / "router.log"
+        self.argv = [sys.executable, "-m", "csi_qsd.cli", "snapshot-metadata-router", "--endpoint", self.endpoint,
+                     "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-ca", str(tls.ca),
+                     "--node-timeout", "3", "--log-level", "debug",
+                     *(arg for n in nodes for arg in ("--node", f"{n.name}={n.address}")), *extra]
+        self.proc: asyncio.subprocess.Process | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    async def start(self) -> CSIClient:
+        with open(self.log_path, "ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(*self.argv, stdout=log, stderr=log,
+                                                             start_new_session=True)
+        client = CSIClient(self.endpoint, timeout=30)
+        proc = self.proc
+
+        async def ready() -> bool:
+            assert proc.returncode is None, f"router exited {proc.returncode}: {self.log()}"
+            try:
+                return await client.probe()
+            except grpc.aio.AioRpcError:
+                return False
+
+        await until(ready, lambda: f"the router's Probe; its log:\n{self.log()}", 30)
+        return client
+
+    async def stop(self) -> None:
+        await terminate(self.proc)
+
+
+
+@contextlib.asynccontextmanager
+async def node_plugin(name: str, pki: Pki) -> AsyncIterator[Node]:
+    with sandbox() as box:
+        address = f"127.0.0.1:{free_port()}"
+        process = DriverProcess(box, "--node-id", name, "--metadata-address", address,
+                                "--metadata-cert", str(pki.node.cert), "--metadata-key", str(pki.node.key),
+                                "--metadata-client-ca", str(pki.node.ca))
+        try:
+            await process.start()
+            async with CSIClient(box.endpoint, timeout=60) as csi:
+                yield Node(name, box, process, address, csi)
+        finally:
+            await process.stop()
