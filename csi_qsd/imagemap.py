@@ -1,19 +1,22 @@
-"""Allocation maps of qcow2 images, read from the image files with `qemu-img map`.
+"""Allocation maps of qcow2 images, read from the image files.
 
 Snapshot images are frozen (QSD holds them read-only as backing files, or not
 at all), so reading their metadata beside a running QSD is safe; `-U` is
-needed because QSD holds the image lock. One layer is opened with
-`"backing": null`, so its map shows only the clusters that layer holds;
-measured on a 10 GiB image with 26 214 scattered 4 KiB writes: 0.22 s for
-`qemu-img map` and 0.2 s to parse its 45 000 records.
+needed because QSD holds the image lock. One layer's map shows only the
+clusters that layer holds: read from its L2 tables (`csi_qsd.qcow2_layer`)
+where the reader knows the image's features, else with `qemu-img map` of
+the image opened with `"backing": null`. Measured on a 10 GiB layer with 4 KiB
+subclusters and 26 000 scattered 4 KiB writes: 0.07 s from the tables;
+`qemu-img map` 0.3 s plus 0.3 s to parse its 83 000 records.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
-from csi_qsd import extents
+from csi_qsd import extents, qcow2_layer
 from csi_qsd.extents import Extent
 from csi_qsd.sys.run import run
 
@@ -32,6 +35,17 @@ async def layer_allocation(qemu_img: str, image: Path) -> list[Extent]:
 
     Raises HostCommandError if the image cannot be read.
     """
+    try:
+        found = await asyncio.to_thread(qcow2_layer.read_layer, image)
+    except OSError:
+        found = None  # qemu-img tells what is wrong with the file, in a HostCommandError
+    if found is not None:
+        return found
+    return await mapped_layer(qemu_img, image)
+
+
+async def mapped_layer(qemu_img: str, image: Path) -> list[Extent]:
+    """`layer_allocation` as `qemu-img map` reports it. Raises HostCommandError."""
     _, out = await run(qemu_img, "map", "--output=json", "-U", layer_spec(image), timeout=MAP_TIMEOUT)
     return extents.parse_map(out)
 
