@@ -69,6 +69,15 @@ def _device_pool(text: str) -> DevicePoolSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _env_device_pools(parser: argparse.ArgumentParser) -> list[DevicePoolSpec]:
+    """The pools in the environment; a bad one is a usage error naming the variable, not a traceback."""
+    name = env_name("--device-pool")
+    try:
+        return [_device_pool(text) for text in os.environ.get(name, "").split()]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"{name}: {exc}")
+
+
 def _node_address(text: str) -> NodeAddress:
     try:
         return NodeAddress.parse(text)
@@ -100,17 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
             "loop devices of container volumes: auto (direct I/O where QSD's FUSE export is known to keep "
             "parallel writes intact, >= 10.0.8), direct or buffered", choices=[m.value for m in LoopIO])
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
-    serve.add_argument("--device-pool", action="append", type=_device_pool, metavar="NAME=PATH[,force]",
-                       default=[_device_pool(t) for t in os.environ.get(env_name("--device-pool"), "").split()],
+    serve.add_argument("--device-pool", action="append", type=_device_pool, metavar="NAME=PATH|nvme://PCI[/NS][,force]",
+                       default=_env_device_pools(serve),
                        help="a whole block device carved into volumes, chosen with the StorageClass parameter "
-                            "'pool: NAME'; PATH a stable name such as /dev/disk/by-id/…; ',force' takes a device "
+                            "'pool: NAME'; PATH a stable name such as /dev/disk/by-id/…, or nvme://PCI[/NAMESPACE] "
+                            "(e.g. nvme://0000:01:00.0/1) for a controller bound to vfio-pci that QSD drives "
+                            "itself (VM volumes only); ',force' takes a device "
                             f"holding a partition table or filesystem (repeatable; env {env_name('--device-pool')}, "
                             "space-separated)")
     _option(serve, "--qmp-timeout", "10", "seconds QSD may take to answer a QMP command; a QSD that stays "
             "silent longer is treated as dead: logged, killed and replaced", type=_seconds)
 
     _option(serve, "--metadata-address", "", "host:port of the mutual-TLS listener that serves snapshot metadata "
-            "to `csi-qsd snapshot-metadata-router` (empty: off; off with a warning while a file below is missing)")
+            "to `csi-qsd snapshot-metadata-router` (empty: off; starts once the three files below exist)")
     _option(serve, "--metadata-cert", "", "the listener's certificate (PEM)")
     _option(serve, "--metadata-key", "", "its private key (PEM)")
     _option(serve, "--metadata-client-ca", "", "CA (PEM) that must have signed the router's client certificate")

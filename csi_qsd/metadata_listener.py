@@ -6,11 +6,13 @@ forwards each call to the node that holds the snapshot, over this listener.
 It serves the SnapshotMetadata service, Identity, and of the Controller
 service only GetSnapshot (so the router can ask which node holds a snapshot):
 nothing that changes a volume is reachable from the network. Off unless
-`--metadata-address` is given with a certificate, key and client CA.
+`--metadata-address` is given with a certificate, key and client CA; waits
+for those files when they are not there yet.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -38,39 +40,75 @@ def _get_snapshot_only(controller: ControllerService) -> grpc.GenericRpcHandler:
     })
 
 
-@contextlib.asynccontextmanager
-async def serving_metadata_listener(
-    config: Config, identity: IdentityService, controller: ControllerService, metadata: SnapshotMetadataService,
-) -> AsyncIterator[None]:
-    """Serve the listener while the context is open; nothing when it is not configured or has no certificate.
+# Kubelet projects a Secret created after the pod started within about a minute (its sync period).
+FILES_CHECK_INTERVAL = 15.0
 
-    The certificate Secret is optional in the manifests, so a missing file
-    turns the listener off with a warning instead of stopping the plugin.
-    Raises StartupError when the address cannot be bound.
-    """
-    files = config.metadata_tls
-    if not config.metadata_address or files is None:
-        yield
-        return
-    missing = files.missing()
-    if missing:
-        log.warning("event=metadata_listener_off address=%s missing=%s", config.metadata_address,
-                    ",".join(map(str, missing)))
-        yield
-        return
+
+def _server(config: Config, identity: IdentityService, controller: ControllerService,
+            metadata: SnapshotMetadataService) -> grpc.aio.Server:
+    """The listener's server, bound. Raises StartupError when the address cannot be bound."""
+    assert config.metadata_tls is not None
     server = grpc.aio.server()
     pb_grpc.add_IdentityServicer_to_server(identity, server)
     pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
     server.add_generic_rpc_handlers((_get_snapshot_only(controller),))
     try:
-        port = server.add_secure_port(config.metadata_address, server_credentials(files))
+        port = server.add_secure_port(config.metadata_address, server_credentials(config.metadata_tls))
     except (OSError, RuntimeError) as exc:
         raise StartupError(f"cannot serve snapshot metadata on {config.metadata_address!r}: {exc}") from exc
     if not port:
         raise StartupError(f"cannot serve snapshot metadata on {config.metadata_address!r}")
-    await server.start()
-    log.info("event=metadata_listener address=%s cert=%s client_ca=%s", config.metadata_address, files.cert, files.ca)
+    return server
+
+
+@contextlib.asynccontextmanager
+async def serving_metadata_listener(
+    config: Config, identity: IdentityService, controller: ControllerService, metadata: SnapshotMetadataService,
+    *, check_interval: float = FILES_CHECK_INTERVAL,
+) -> AsyncIterator[None]:
+    """Serve the listener while the context is open; nothing when it is not configured.
+
+    The certificate Secret is optional in the manifests and may be created
+    after the plugin started: while a file is missing the listener is off
+    (logged once) and starts as soon as all three are there, checked every
+    `check_interval` seconds. Raises StartupError when the address cannot be
+    bound at start; a later failure to bind is logged and ends the wait.
+    """
+    files = config.metadata_tls
+    if not config.metadata_address or files is None:
+        yield
+        return
+    servers: list[grpc.aio.Server] = []
+
+    async def start() -> None:
+        server = _server(config, identity, controller, metadata)
+        await server.start()
+        servers.append(server)
+        log.info("event=metadata_listener address=%s cert=%s client_ca=%s", config.metadata_address, files.cert,
+                 files.ca)
+
+    async def start_when_files_appear() -> None:
+        while files.missing():
+            await asyncio.sleep(check_interval)
+        try:
+            await start()
+        except StartupError as exc:
+            log.error("event=metadata_listener_failed error=%r", str(exc))
+
+    waiter: asyncio.Task[None] | None = None
+    missing = files.missing()
+    if missing:
+        log.warning("event=metadata_listener_waiting address=%s missing=%s", config.metadata_address,
+                    ",".join(map(str, missing)))
+        waiter = asyncio.create_task(start_when_files_appear(), name="metadata-listener-wait")
+    else:
+        await start()
     try:
         yield
     finally:
-        await server.stop(grace=5)
+        if waiter is not None:
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+        for server in servers:
+            await server.stop(grace=5)

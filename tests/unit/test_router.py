@@ -14,15 +14,18 @@ from pathlib import Path
 import grpc
 import pytest
 
+from csi_qsd.config import Config
+from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import NotFound, Unavailable
+from csi_qsd.metadata_listener import serving_metadata_listener
 from csi_qsd.router.config import NodeAddress, RouterConfig
 from csi_qsd.router.nodes import Node, NodeDirectory
 from csi_qsd.router.owners import Owners
 from csi_qsd.tls import PemFiles, channel_credentials, server_credentials
 from tests.certs import Authority, mint
-from tests.harness import free_port
+from tests.harness import free_port, until
 
 HELD = "snap-" + "a" * 24
 
@@ -149,3 +152,19 @@ async def test_listener_takes_new_certificates_without_restart(tmp_path: Path) -
             shutil.copy(source, target)
         assert await _held(address, router), "a client of the new CA gets in"
         assert not await _held(address, pki.router), "the old CA's client no longer does"
+
+
+async def test_listener_starts_when_its_secret_arrives(tmp_path: Path) -> None:
+    """The Secret is optional in the DaemonSet: a plugin started before it serves once kubelet projects it."""
+    pki = mint(tmp_path / "pki")
+    live = PemFiles(tmp_path / "tls" / "tls.crt", tmp_path / "tls" / "tls.key", tmp_path / "tls" / "ca.crt")
+    address = f"127.0.0.1:{free_port()}"
+    config = Config(state_dir=tmp_path / "state", metadata_address=address, metadata_tls=live)
+    identity = IdentityService("csi-qsd.io", lambda: True)
+    async with serving_metadata_listener(config, identity, _Holder({HELD}), pb_grpc.SnapshotMetadataServicer(),
+                                         check_interval=0.05):
+        assert not await _held(address, pki.router)
+        live.cert.parent.mkdir()
+        for source, target in zip((pki.node.cert, pki.node.key, pki.node.ca), (live.cert, live.key, live.ca)):
+            shutil.copy(source, target)
+        await until(lambda: _held(address, pki.router), "the listener to start on the new files", 10)
