@@ -22,15 +22,9 @@ from qemu.qmp import EventListener, ExecuteError, QMPClient, QMPError, Runstate
 
 from csi_qsd.errors import QSDError, QSDUnavailable
 from csi_qsd.qsd.graph import QMPArgs
+from csi_qsd.qsd.view import EVENTS, BlockExportInfo, GraphView
 
 log = logging.getLogger(__name__)
-
-
-class BlockExportInfo(TypedDict):
-    id: str
-    type: str
-    node_name: str
-    shutting_down: bool
 
 
 class BlockNodeInfo(TypedDict):
@@ -137,6 +131,8 @@ class QSDClient:
         self.session = 0
         #: Called (synchronously) when QSD leaves a command unanswered past the timeout.
         self.on_no_answer: Callable[[NoAnswer], None] | None = None
+        self._view = GraphView()
+        self._events: EventListener | None = None
 
     @property
     def connected(self) -> bool:
@@ -176,6 +172,9 @@ class QSDClient:
             await self._reset()
             raise QSDError(f"cannot reach qemu-storage-daemon at {socket}: {exc or type(exc).__name__}") from exc
         self._last_answer = loop.time()
+        self._view.forget()
+        self._events = EventListener(EVENTS)
+        self._qmp.register_listener(self._events)
 
     async def disconnect(self) -> None:
         await self._reset()
@@ -197,7 +196,21 @@ class QSDClient:
         started = loop.time()
         self._in_flight[token] = InFlight(command, started, self.session)
         try:
-            result = await asyncio.wait_for(self._qmp.execute(command, arguments), self._timeout)
+            result = await self._send(command, arguments, started)
+        except BaseException:
+            self._view.failed(command)
+            raise
+        finally:
+            del self._in_flight[token]
+        self._last_answer = loop.time()
+        self._view.confirmed(command, arguments, self._take_events())
+        return result
+
+    async def _send(self, command: str, arguments: QMPArgs | None, started: float) -> Any:
+        """One command on the wire, its failures translated into the driver's errors."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(self._qmp.execute(command, arguments), self._timeout)
         except ExecuteError as exc:
             self._last_answer = loop.time()
             raise QSDError(f"qemu-storage-daemon refused {command}: {exc}", error_class=exc.error_class) from exc
@@ -213,10 +226,16 @@ class QSDClient:
             raise QSDUnavailable(
                 f"qemu-storage-daemon went away during {command} ({exc}); it is being restarted, retry shortly"
             ) from exc
-        finally:
-            del self._in_flight[token]
-        self._last_answer = loop.time()
-        return result
+
+    def _take_events(self) -> set[str]:
+        """Hand the events QSD sent since the last look to the view; the IDs of exports that ended among them."""
+        ended: set[str] = set()
+        for event in self._events.clear() if self._events is not None else []:
+            name, data = str(event["event"]), cast(dict[str, Any], event.get("data", {}))
+            if name == "BLOCK_EXPORT_DELETED":
+                ended.add(str(data.get("id")))
+            self._view.event(name, data)
+        return ended
 
     async def version(self) -> tuple[int, int, int]:
         """QSD's QEMU version (major, minor, micro), as it reports itself over QMP."""
@@ -231,11 +250,22 @@ class QSDClient:
     # graph --------------------------------------------------------------
 
     async def node_names(self) -> set[str]:
-        """Names of every named node, cheaply: the graph without image details.
+        """Names of every named node, from the client's record (`view.GraphView`), listed when it has none."""
+        self._take_events()
+        if self._view.nodes is not None:
+            return set(self._view.nodes)
+        epoch = self._view.epoch
+        names = await self._list_node_names()
+        if self._view.epoch == epoch:
+            self._view.nodes = set(names)
+        return names
+
+    async def _list_node_names(self) -> set[str]:
+        """Every named node, asked of QSD: the debug graph query carries names only.
 
         `query-named-block-nodes` carries full image info for every node
-        (hundreds of KiB with hundreds of volumes); the debug graph query
-        carries names only. Falls back if this QSD lacks it.
+        (hundreds of KiB with hundreds of volumes); it is the fallback for a
+        QSD that lacks the debug query.
         """
         try:
             graph = await self.execute("x-debug-query-block-graph")
@@ -267,24 +297,42 @@ class QSDClient:
         return found
 
     async def exports(self) -> dict[str, BlockExportInfo]:
+        """Every export by ID, from the client's record, listed when it has none."""
+        self._take_events()
+        if self._view.exports is not None:
+            return {key: BlockExportInfo(**value) for key, value in self._view.exports.items()}
+        epoch = self._view.epoch
         raw = await self.execute("query-block-exports")
-        return {
+        listed = {
             item["id"]: BlockExportInfo(
                 id=item["id"], type=item["type"], node_name=item["node-name"],
                 shutting_down=item["shutting-down"],
             )
             for item in raw
         }
+        if self._view.epoch == epoch:
+            self._view.exports = {key: BlockExportInfo(**value) for key, value in listed.items()}
+        return listed
+
+    async def _objects(self) -> dict[str, str]:
+        """QOM objects under /objects (id -> child type), from the client's record, listed when it has none."""
+        self._take_events()
+        if self._view.objects is not None:
+            return dict(self._view.objects)
+        epoch = self._view.epoch
+        items = await self.execute("qom-list", {"path": "/objects"})
+        listed = {str(item["name"]): str(item.get("type", "")) for item in items}
+        if self._view.epoch == epoch:
+            self._view.objects = dict(listed)
+        return listed
 
     async def iothreads(self) -> set[str]:
         """IDs of the iothread objects (QSD has no query-iothreads; the QOM tree lists them)."""
-        items = await self.execute("qom-list", {"path": "/objects"})
-        return {item["name"] for item in items if item.get("type") == "child<iothread>"}
+        return {name for name, kind in (await self._objects()).items() if kind == "child<iothread>"}
 
     async def throttle_groups(self) -> set[str]:
         """IDs of the throttle-group objects (from the QOM tree, like iothreads)."""
-        items = await self.execute("qom-list", {"path": "/objects"})
-        return {item["name"] for item in items if item.get("type") == "child<throttle-group>"}
+        return {name for name, kind in (await self._objects()).items() if kind == "child<throttle-group>"}
 
     async def throttle_limits(self, group: str) -> QMPArgs:
         """A throttle group's limits as QEMU holds them (ThrottleLimits, every field)."""
@@ -373,6 +421,10 @@ class QSDClient:
     # plumbing -----------------------------------------------------------
 
     async def _reset(self) -> None:
+        self._view.forget()
+        if self._events is not None:
+            self._qmp.remove_listener(self._events)
+            self._events = None
         try:
             await self._qmp.disconnect()
         except Exception as exc:  # disconnect re-raises whatever ended the session (EOF, reset, ...)

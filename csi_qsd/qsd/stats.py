@@ -8,7 +8,8 @@ node-name scheme.
 from __future__ import annotations
 
 from csi_qsd.qsd import graph
-from csi_qsd.qsd.client import BlockExportInfo, NodeStats, QSDClient
+from csi_qsd.qsd.client import NodeStats, QSDClient
+from csi_qsd.qsd.view import BlockExportInfo
 
 
 def top_node_stats(exports: dict[str, BlockExportInfo], stats: dict[str, NodeStats]) -> dict[str, NodeStats]:
