@@ -1,32 +1,43 @@
 """Changed-block tracking benchmark: GetMetadataDelta beside comparing two snapshots block by block.
 
-Runs `csi-qsd serve` as a separate process. One qcow2 volume (10 GiB by
-default) is staged and published as a raw block volume; snapshot S0 is cut,
-then 1% of its 4 KiB blocks are overwritten at random offsets scattered over
-the whole volume (O_DIRECT through the published device, one fsync at the
-end), and snapshot S1 is cut. Then, in the same run:
+Runs `csi-qsd serve` as a separate process. For each changed-block
+granularity (the default 64 KiB and `changedBlockGranularity: 4Ki`) one
+qcow2 volume (10 GiB by default) is staged and published as a raw block
+volume; snapshot S0 is cut, then 1% of its 4 KiB blocks are overwritten at
+random offsets scattered over the whole volume (O_DIRECT through the
+published device, one fsync at the end; the same offsets on both volumes),
+and snapshot S1 is cut. Then, in the same run:
 
     GetMetadataDelta(S0, S1)          the driver: qcow2 allocation maps of the layers between them
     block-by-block comparison         both snapshots read whole (qemu-nbd, 4 MiB requests) and
-                                      compared per 64 KiB: the answer a tool without CBT computes
-    incremental backup                `csi_qsd.backup` of the delta: bytes read vs bytes written
+                                      compared per 4 KiB: the answer a tool without CBT computes
+    incremental backup                `csi_qsd.backup` of the delta: bytes read vs bytes changed
 
-The comparison must find no changed block the delta missed. Each scattered
-4 KiB write allocates a 64 KiB qcow2 cluster, so the delta (and the
-backup) is at cluster granularity: 1% of 4 KiB blocks is ~15% of clusters.
-The target is < 1 s for the delta. Needs root and /dev/fuse; the sandbox and
-driver are removed afterwards. Usage:
+The comparison must find no changed block the delta missed. At 64 KiB each
+scattered 4 KiB write allocates a whole cluster, so the delta and the
+backup are ~15× the changed bytes; at 4 KiB (extended L2 subclusters) they
+are the changed bytes. Targets: the delta < 1 s and ≥ 100× faster than the
+comparison; the backup reads ≤ 1.1× the changed bytes.
 
-    .venv/bin/python -m e2e.bench.cbt [--size-gib 10] [--percent 1]
+Then the write cost of the finer layout: fio 4 KiB random writes (QD16,
+O_DIRECT, through the published block device) on a fresh volume of each
+granularity, and again after a snapshot (every write then lands in a new
+overlay). Needs root, /dev/fuse and fio; the sandbox and driver are removed
+afterwards. Usage:
+
+    .venv/bin/python -m e2e.bench.cbt [--size-gib 10] [--percent 1] [--fio-seconds 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import mmap
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,18 +47,35 @@ from csi_qsd.config import Config
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.catalog import Catalog
 from csi_qsd.tools import bundled
-from e2e.bench.common import GIB, MIB, stop_driver_and_qsd
-from tests.harness import DriverProcess, sandbox
+from e2e.bench.common import GIB, KIB, MIB, stop_driver_and_qsd, table
+from tests.harness import DriverProcess, Sandbox, sandbox
 
-KIB = 1 << 10
-CLUSTER = 64 * KIB
-TARGET_SECONDS = 1.0
+BLOCK = 4 * KIB
+DELTA_TARGET_SECONDS = 1.0
+SPEEDUP_TARGET = 100
+BACKUP_READ_TARGET = 1.1
+FIO_SIZE = 2 * GIB
+GRANULARITIES = {"64 KiB (default)": 64 * KIB, "4 KiB": 4 * KIB}
 
 
-def scatter(device: Path, size: int, count: int, seed: int = 1) -> list[int]:
-    rng = random.Random(seed)
-    offsets = sorted({rng.randrange(0, size // (4 * KIB)) * 4 * KIB for _ in range(count)})
-    buf = mmap.mmap(-1, 4 * KIB)
+@dataclasses.dataclass(frozen=True)
+class Result:
+    granularity: int
+    changed: int  # 4 KiB blocks whose content differs between S0 and S1
+    reported_bytes: int
+    ranges: int
+    delta_seconds: list[float]
+    comparison_seconds: float
+    backup_seconds: float
+    backup_read: int
+
+    @property
+    def delta(self) -> float:
+        return min(self.delta_seconds)
+
+
+def scatter(device: Path, offsets: list[int]) -> None:
+    buf = mmap.mmap(-1, BLOCK)
     fd = os.open(device, os.O_RDWR | os.O_DIRECT)
     try:
         for i, offset in enumerate(offsets):
@@ -56,11 +84,20 @@ def scatter(device: Path, size: int, count: int, seed: int = 1) -> list[int]:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return offsets
+
+
+def differing_blocks(at: int, old: bytes, new: bytes, out: set[int]) -> None:
+    """4 KiB blocks that differ, found through 64 KiB slices first (most are equal)."""
+    coarse = 64 * KIB
+    for i in range(0, len(new), coarse):
+        if old[i:i + coarse] != new[i:i + coarse]:
+            for j in range(i, min(i + coarse, len(new)), BLOCK):
+                if old[j:j + BLOCK] != new[j:j + BLOCK]:
+                    out.add((at + j) // BLOCK)
 
 
 async def compare_block_by_block(image0: Path, image1: Path, size: int, qemu_nbd: str) -> set[int]:
-    """Clusters whose content differs, reading both snapshots whole."""
+    """4 KiB blocks whose content differs, reading both snapshots whole."""
     changed: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="cbt-bench-") as work:
         async with (
@@ -73,66 +110,129 @@ async def compare_block_by_block(image0: Path, image1: Path, size: int, qemu_nbd
                 length = min(backup.CHUNK, size - at)
                 old, new = await a.read(at, length), await b.read(at, length)
                 if old != new:
-                    for i in range(0, length, CLUSTER):
-                        if old[i:i + CLUSTER] != new[i:i + CLUSTER]:
-                            changed.add((at + i) // CLUSTER)
+                    differing_blocks(at, old, new, changed)
     return changed
 
 
-async def main(size: int, percent: float) -> None:
+async def published(csi: CSIClient, box: Sandbox, name: str, size: int, granularity: int) -> tuple[str, Path]:
+    parameters = {"changedBlockGranularity": str(granularity)}
+    vid = (await csi.create_volume(name, size, parameters, block=True)).volume_id
+    staging, target = box.staging(name), box.target(name)
+    await csi.stage(vid, str(staging), block=True)
+    await csi.publish(vid, str(staging), str(target), block=True)
+    return vid, target
+
+
+async def release(csi: CSIClient, box: Sandbox, name: str, vid: str) -> None:
+    await csi.unpublish(vid, str(box.target(name)))
+    await csi.unstage(vid, str(box.staging(name)))
+
+
+async def measure(csi: CSIClient, box: Sandbox, size: int, granularity: int, offsets: list[int]) -> Result:
+    name = f"cbt-{granularity // KIB}k"
+    vid, device = await published(csi, box, name, size, granularity)
+    s0 = (await csi.create_snapshot(f"{name}-0", vid)).snapshot_id
+    await asyncio.to_thread(scatter, device, offsets)
+    s1 = (await csi.create_snapshot(f"{name}-1", vid)).snapshot_id
+
+    delta_times = []
+    for _ in range(3):
+        started = time.monotonic()
+        _, ranges = await csi.metadata_delta(s0, s1)
+        delta_times.append(time.monotonic() - started)
+    async with Catalog(Config(state_dir=box.state_dir).catalog_path) as catalog:
+        rec0, rec1 = await catalog.snapshot(s0), await catalog.snapshot(s1)
+    assert rec0 is not None and rec1 is not None
+    qemu_nbd = bundled("qemu-nbd")
+    started = time.monotonic()
+    truth = await compare_block_by_block(rec0.image, rec1.image, size, qemu_nbd)
+    comparison = time.monotonic() - started
+    reported = extents.blocks(ranges, BLOCK)
+    assert truth <= reported, f"{len(truth - reported)} changed blocks missing from the delta"
+    assert all(o % granularity == 0 and n % granularity == 0 for o, n in ranges), "a range off the granularity"
+
+    out = box.root / f"{name}.qcow2"
+    started = time.monotonic()
+    report = await backup.backup(rec1.image, ranges, size, out, snapshot_id=s1, base_snapshot_id=s0,
+                                 qemu_img=bundled("qemu-img"), qemu_nbd=qemu_nbd)
+    backup_seconds = time.monotonic() - started
+    out.unlink()
+    await release(csi, box, name, vid)
+    return Result(granularity, len(truth), extents.total(ranges), len(ranges), delta_times, comparison,
+                  backup_seconds, report.bytes_read)
+
+
+async def fio_randwrite(device: Path, seconds: int) -> float:
+    """IOPS of 4 KiB random writes, QD16, O_DIRECT, over the whole device."""
+    proc = await asyncio.create_subprocess_exec(
+        "fio", "--name=w", f"--filename={device}", "--rw=randwrite", "--bs=4k", "--iodepth=16",
+        "--ioengine=libaio", "--direct=1", "--randrepeat=0", "--norandommap", "--time_based",
+        f"--runtime={seconds}", "--output-format=json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"fio failed: {err.decode(errors='replace')[-2000:]}")
+    return float(json.loads(out)["jobs"][0]["write"]["iops"])
+
+
+async def write_cost(csi: CSIClient, box: Sandbox, granularity: int, seconds: int) -> tuple[float, float]:
+    """(IOPS on a fresh volume, IOPS after a snapshot) of 4 KiB random writes."""
+    name = f"fio-{granularity // KIB}k"
+    vid, device = await published(csi, box, name, FIO_SIZE, granularity)
+    fresh = await fio_randwrite(device, seconds)
+    await csi.create_snapshot(f"{name}-0", vid)
+    after = await fio_randwrite(device, seconds)
+    await release(csi, box, name, vid)
+    return fresh, after
+
+
+def report(size: int, percent: float, written: int, results: dict[str, Result]) -> None:
+    changed = next(iter(results.values())).changed * BLOCK
+    print(f"\nvolume {size / GIB:.0f} GiB, {percent}% of its 4 KiB blocks rewritten at random: {written} writes, "
+          f"{changed / MIB:.1f} MiB changed (block-by-block truth at 4 KiB)")
+    rows = []
+    for label, r in results.items():
+        rows.append([
+            label, f"{r.reported_bytes / MIB:.1f} MiB in {r.ranges}",
+            f"{r.delta:.3f} s ({', '.join(f'{t:.3f}' for t in r.delta_seconds)})",
+            f"{r.comparison_seconds:.1f} s", f"{r.comparison_seconds / r.delta:.0f}x",
+            f"{r.backup_read / MIB:.1f} MiB in {r.backup_seconds:.1f} s", f"{r.backup_read / changed:.2f}x",
+        ])
+    print(table(["granularity", "delta reports (ranges)", "GetMetadataDelta (3 runs)", "block by block",
+                 "speed-up", "incremental backup read", "read / changed"], rows))
+    fine = results["4 KiB"]
+    checks = {
+        f"4 KiB: GetMetadataDelta < {DELTA_TARGET_SECONDS:.0f} s": fine.delta < DELTA_TARGET_SECONDS,
+        f"4 KiB: ≥ {SPEEDUP_TARGET}x faster than block by block": fine.comparison_seconds / fine.delta >= SPEEDUP_TARGET,
+        f"4 KiB: backup reads ≤ {BACKUP_READ_TARGET}x the changed bytes": fine.backup_read <= BACKUP_READ_TARGET * changed,
+    }
+    for what, ok in checks.items():
+        print(f"  {'PASS' if ok else 'MISS'}  {what}")
+
+
+async def main(size: int, percent: float, fio_seconds: int) -> None:
     with sandbox() as box:
         driver = DriverProcess(box, "--log-level", "info")
         await driver.start()
         try:
             async with CSIClient(box.endpoint, timeout=600) as csi:
-                vid = (await csi.create_volume("pvc-cbt-bench", size, block=True)).volume_id
-                staging, target = box.staging("cbt"), box.target("cbt")
-                await csi.stage(vid, str(staging), block=True)
-                await csi.publish(vid, str(staging), str(target), block=True)
-                s0 = (await csi.create_snapshot("cbt-0", vid)).snapshot_id
-                count = int(size // (4 * KIB) * percent / 100)
-                started = time.monotonic()
-                offsets = await asyncio.to_thread(scatter, target, size, count)
-                print(f"wrote {len(offsets)} scattered 4 KiB blocks ({len(offsets) * 4 * KIB / MIB:.0f} MiB) "
-                      f"in {time.monotonic() - started:.1f} s")
-                s1 = (await csi.create_snapshot("cbt-1", vid)).snapshot_id
-
-                delta_times = []
-                for _ in range(3):
-                    started = time.monotonic()
-                    _, ranges = await csi.metadata_delta(s0, s1)
-                    delta_times.append(time.monotonic() - started)
-                delta = min(delta_times)
-                async with Catalog(Config(state_dir=box.state_dir).catalog_path) as catalog:
-                    rec0, rec1 = await catalog.snapshot(s0), await catalog.snapshot(s1)
-                assert rec0 is not None and rec1 is not None
-                qemu_nbd = bundled("qemu-nbd")
-                started = time.monotonic()
-                truth = await compare_block_by_block(rec0.image, rec1.image, size, qemu_nbd)
-                comparison = time.monotonic() - started
-                reported = extents.blocks(ranges, CLUSTER)
-                written = extents.blocks([(o, 4 * KIB) for o in offsets], CLUSTER)
-                assert truth <= reported, f"{len(truth - reported)} changed clusters missing from the delta"
-
-                out = box.root / "inc.qcow2"
-                started = time.monotonic()
-                report = await backup.backup(rec1.image, ranges, size, out, snapshot_id=s1, base_snapshot_id=s0,
-                                             qemu_img=bundled("qemu-img"), qemu_nbd=qemu_nbd)
-                backup_seconds = time.monotonic() - started
-                print(f"volume {size / GIB:.0f} GiB, {percent}% of 4 KiB blocks changed: {len(written)} clusters "
-                      f"touched, {len(truth)} differ, {len(reported)} reported in {len(ranges)} ranges "
-                      f"(exact: {reported == written})")
-                verdict = "PASS" if delta < TARGET_SECONDS else "MISS"
-                print(f"GetMetadataDelta      {delta:8.3f} s  (best of 3: {', '.join(f'{t:.3f}' for t in delta_times)}) "
-                      f"target < {TARGET_SECONDS:.0f} s: {verdict}")
-                print(f"block-by-block        {comparison:8.3f} s  (both snapshots read whole)")
-                print(f"ratio                 {comparison / delta:8.0f}x faster with the delta")
-                print(f"incremental backup    {backup_seconds:8.3f} s  read {report.bytes_read / MIB:.1f} MiB "
-                      f"for {len(offsets) * 4 * KIB / MIB:.1f} MiB written in 4 KiB blocks "
-                      f"({len(truth) * CLUSTER / MIB:.1f} MiB of 64 KiB clusters differ; "
-                      f"{report.bytes_read / (len(truth) * CLUSTER):.2f}x of that); the volume is {size / MIB:.0f} MiB")
-                await csi.unpublish(vid, str(target))
-                await csi.unstage(vid, str(staging))
+                rng = random.Random(1)
+                count = int(size // BLOCK * percent / 100)
+                offsets = sorted({rng.randrange(0, size // BLOCK) * BLOCK for _ in range(count)})
+                results: dict[str, Result] = {}
+                for label, granularity in GRANULARITIES.items():
+                    results[label] = await measure(csi, box, size, granularity, offsets)
+                    print(f"measured {label}", file=sys.stderr)
+                report(size, percent, len(offsets), results)
+                if fio_seconds:
+                    rows = []
+                    for label, granularity in GRANULARITIES.items():
+                        fresh, after = await write_cost(csi, box, granularity, fio_seconds)
+                        rows.append([label, f"{fresh:.0f}", f"{after:.0f}"])
+                    print(f"\nfio 4 KiB random writes, QD16, O_DIRECT, {fio_seconds} s each, "
+                          f"{FIO_SIZE / GIB:.0f} GiB block volume (IOPS):")
+                    print(table(["granularity", "fresh volume", "after a snapshot"], rows))
         finally:
             await stop_driver_and_qsd(driver)
 
@@ -141,5 +241,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=10)
     parser.add_argument("--percent", type=float, default=1.0)
+    parser.add_argument("--fio-seconds", type=int, default=15, help="0: skip the write-cost runs")
     args = parser.parse_args()
-    asyncio.run(main(int(args.size_gib * GIB), args.percent))
+    asyncio.run(main(int(args.size_gib * GIB), args.percent, args.fio_seconds))
