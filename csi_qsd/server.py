@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -34,9 +34,11 @@ from csi_qsd.limits import VolumeLimits
 from csi_qsd.live import LiveImages
 from csi_qsd.locks import KeyedLocks
 from csi_qsd.metadata_listener import serving_metadata_listener
-from csi_qsd.pools.device import open_device_pools
+from csi_qsd.pools.device import DevicePool
+from csi_qsd.pools.device_pools import open_device_pools
 from csi_qsd.pools.files import FilePool
-from csi_qsd.qsd.daemon import QSDDaemon
+from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.daemon import QSDDaemon, Rebuild
 from csi_qsd.snapshots import Snapshots
 from csi_qsd.staging import NodeVolumes
 from csi_qsd.volumes import Volumes
@@ -69,6 +71,15 @@ def node_features() -> dict[str, bool]:
     return {"fuse": Path("/dev/fuse").exists(), "vhost-user-blk": True}
 
 
+def attaching(pools: list[DevicePool], rebuild: Rebuild) -> Rebuild:
+    """The graph rebuild, after each pool has opened in QSD what its volumes stand on (a fresh QSD has none)."""
+    async def run(client: QSDClient) -> Callable[[], Awaitable[None]] | None:
+        for pool in pools:
+            await pool.attach(client)
+        return await rebuild(client)
+    return run
+
+
 @contextlib.asynccontextmanager
 async def running_driver(config: Config) -> AsyncIterator[Driver]:
     """The driver's domain, reconciled and connected to QSD, without the gRPC server."""
@@ -80,7 +91,8 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
     async with Catalog(config.catalog_path) as catalog:
         locks = KeyedLocks("volume")
         failpoints = Failpoints.parse(config.failpoints)
-        device_pools = {p.id: p for p in await open_device_pools(config.device_pools, catalog, failpoints)}
+        device_pools = {
+            p.id: p for p in await open_device_pools(config.device_pools, catalog, config.state_dir, failpoints)}
         volumes = Volumes(catalog, pool, locks, failpoints, pools=device_pools)
         await volumes.reconcile()
         daemon = QSDDaemon(config)
@@ -88,7 +100,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         await snapshots.reconcile()
-        await daemon.start(node.rebuild)
+        await daemon.start(attaching(list(device_pools.values()), node.rebuild))
         try:
             yield Driver(config, catalog, daemon, volumes, node, snapshots, HealthView(catalog, exports),
                          VolumeLimits(catalog, daemon, locks))

@@ -4,8 +4,10 @@ A pool hands out storage references (an image path in the file pool; a
 device pool's names an extent), creates, grows, layers and deletes what they
 name, reports capacity, and names what QSD opens for a reference
 (`csi_qsd.qsd.storage`). The domain never looks inside a reference. Pools
-never touch QSD; only a device pool touches the catalog, and only its own
-rows of the `extents` table, which are its allocation state.
+never change the graph of a volume; only a device pool touches the catalog,
+and only its own rows of the `extents` table, which are its allocation
+state. A pool whose device only QSD can reach (the userspace NVMe way in)
+reads and zeroes it through QSD once `attach` has handed it the client.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from csi_qsd.params import ImageFormat, VolumeParameters
+from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import Storage
 
 
@@ -32,6 +35,13 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     def prepare(self) -> None:
         """Make the pool usable (directories, device checks); safe to repeat."""
+
+    async def attach(self, client: QSDClient) -> None:
+        """Open in QSD what the pool's volumes stand on, before each graph rebuild; idempotent.
+
+        The default (files, host block devices) needs nothing: each volume
+        opens its own file or device. Raises StartupError if QSD cannot.
+        """
 
     @abc.abstractmethod
     def usage(self) -> PoolUsage: ...

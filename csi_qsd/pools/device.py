@@ -29,6 +29,11 @@ What must never happen, and how it is prevented:
   so the added range needs no scrub before the volume sees it.
 * **A vanished device hangs the control plane.** `check` looks at udev's
   view (pyudev) and the stable path only, never does I/O on the device.
+
+This module reaches the device as the host's block device. The userspace
+NVMe way in (`nvme.py`) overrides only the few methods that touch the
+device (`describe`, `_read_label`, `_foreign_data`, `_zero`,
+`_write_label`, `device_problem`) to go through QSD instead.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.pools import extents
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.pools.extents import Extent, Layout
-from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice
+from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice, WholeDevice
 from csi_qsd.sys.run import run
 
 log = logging.getLogger(__name__)
@@ -164,37 +169,37 @@ class DevicePool(Pool):
         self._device: BlockDevice | None = None
         self._layout: Layout | None = None
         self._rows: dict[int, ExtentRecord] = {}
-        self._host = HostDevice(path=spec.path)
+        self._host: WholeDevice = HostDevice(path=spec.path)
 
     # start-up -----------------------------------------------------------
 
     async def open(self) -> None:
         """Find and check the device, label it on first use, finish interrupted scrubs. Raises StartupError."""
-        device = await asyncio.to_thread(find_block_device, self.spec.path)
+        self._device = await asyncio.to_thread(find_block_device, self.spec.path)
+        await self._open_device(self._device.size, self._device.optimal_io_size)
+
+    async def _open_device(self, size: int, optimal_io_size: int) -> None:
+        """The checks and bookkeeping of `open` once the device's size is known, whatever the way in."""
         rows = await self._catalog.extents(self.id)
-        label = await asyncio.to_thread(read_label, device.node)
+        where = self.describe()
+        label = await self._read_label()
         if label is None:
             if rows:
                 raise StartupError(
-                    f"device pool {self.id}: the catalog records {len(rows)} extents on it, but {self.spec.path} "
-                    f"({device.node}) carries no csi-qsd label: is it the right device?"
+                    f"device pool {self.id}: the catalog records {len(rows)} extents on it, but {where} "
+                    "carries no csi-qsd label: is it the right device?"
                 )
-            label = await self._initialise(device)
+            label = await self._initialise(size, optimal_io_size)
         elif label.get("pool") != self.id:
-            raise StartupError(
-                f"device {self.spec.path} ({device.node}) belongs to device pool {label.get('pool')!r}, "
-                f"not {self.id!r}"
-            )
+            raise StartupError(f"device {where} belongs to device pool {label.get('pool')!r}, not {self.id!r}")
         alignment = label.get("alignment")
         if not isinstance(alignment, int):
-            raise StartupError(f"device pool {self.id}: label on {device.node} has no alignment")
-        layout = Layout(device.size, alignment)
+            raise StartupError(f"device pool {self.id}: label on {where} has no alignment")
+        layout = Layout(size, alignment)
         end = max((row.start + row.length for row in rows), default=0)
         if end > layout.data_end:
-            raise StartupError(
-                f"device pool {self.id}: {device.node} has {device.size} bytes, extents reach {end}: device shrank?"
-            )
-        self._device, self._layout = device, layout
+            raise StartupError(f"device pool {self.id}: {where} has {size} bytes, extents reach {end}: device shrank?")
+        self._layout = layout
         self._rows = {row.start: row for row in rows}
         for row in rows:
             if row.state is ExtentState.USED and await self._catalog.volume(row.volume_id) is None:
@@ -203,29 +208,53 @@ class DevicePool(Pool):
                 await self._release(row.volume_id)
         await self._scrub_pending()
         usage = self.usage()
-        log.info("event=device_pool_open pool=%s path=%s node=%s bytes=%d free=%d alignment=%d volumes=%d",
-                 self.id, self.spec.path, device.node, usage.total, usage.available, layout.alignment,
+        log.info("event=device_pool_open pool=%s device=%r bytes=%d free=%d alignment=%d volumes=%d",
+                 self.id, where, usage.total, usage.available, layout.alignment,
                  sum(r.state is ExtentState.USED for r in self._rows.values()))
 
-    async def _initialise(self, device: BlockDevice) -> dict[str, object]:
+    async def _initialise(self, size: int, optimal_io_size: int) -> dict[str, object]:
         """Take a device for this pool: refuse foreign data unless forced, zero it, then label it."""
-        await asyncio.to_thread(claim_exclusively, device.node)
-        found = await foreign_signatures(device.node)
+        where = self.describe()
+        found = await self._foreign_data()
         if found and not self.spec.force:
             raise StartupError(
-                f"device {self.spec.path} ({device.node}) holds data ({found}); csi-qsd will not overwrite it. "
-                f"Wipe it, or configure --device-pool {self.id}={self.spec.path},force"
+                f"device {where} holds data ({found}); csi-qsd will not overwrite it. "
+                f"Wipe it, or configure --device-pool {self.id}={self.spec.source},force"
             )
-        layout = Layout(device.size, extents.alignment_for(device.optimal_io_size))
+        layout = Layout(size, extents.alignment_for(optimal_io_size))
         if layout.data_size <= 0:
-            raise StartupError(f"device {device.node} is too small for a device pool ({device.size} bytes)")
-        log.warning("event=device_pool_initialise pool=%s node=%s foreign=%r forced=%s", self.id, device.node,
+            raise StartupError(f"device {where} is too small for a device pool ({size} bytes)")
+        log.warning("event=device_pool_initialise pool=%s device=%r foreign=%r forced=%s", self.id, where,
                     found, self.spec.force)
         # Zero first, label last: a crash in between leaves an unlabelled device that is initialised again.
-        await zero_range(device.node, 0, layout.data_end)
+        await self._zero(0, layout.data_end)
         label: dict[str, object] = {"version": LABEL_VERSION, "pool": self.id, "alignment": layout.alignment}
-        await asyncio.to_thread(write_label, device.node, label)
+        await self._write_label(label)
         return label
+
+    # the device as this way in reaches it: the host's block device (the NVMe way in overrides these)
+
+    def describe(self) -> str:
+        """The device for messages: its configured name and what it is now."""
+        return f"{self.spec.path} ({self.device.node})"
+
+    async def _read_label(self) -> dict[str, object] | None:
+        return await asyncio.to_thread(read_label, self.device.node)
+
+    async def _foreign_data(self) -> str:
+        """What the device holds that is not ours ('' if nothing); refuses a device in use always."""
+        await asyncio.to_thread(claim_exclusively, self.device.node)
+        return await foreign_signatures(self.device.node)
+
+    async def _zero(self, start: int, length: int) -> None:
+        await zero_range(self.device.node, start, length)
+
+    async def _write_label(self, label: dict[str, object]) -> None:
+        await asyncio.to_thread(write_label, self.device.node, label)
+
+    def same_device(self, other: "DevicePool") -> bool:
+        """True if `other` opened the very device this pool did (two pools on one device are refused)."""
+        return type(other) is type(self) and other.device.rdev == self.device.rdev
 
     def prepare(self) -> None:
         """Nothing: `open()` checks the device, as it needs the catalog."""
@@ -350,7 +379,7 @@ class DevicePool(Pool):
         for row in sorted(self._rows.values(), key=lambda r: r.start):
             if row.state is not ExtentState.SCRUBBING:
                 continue
-            await zero_range(self.device.node, row.start, row.length)
+            await self._zero(row.start, row.length)
             self._failpoints.hit("extent.after_scrub")
             await self._catalog.drop_extent(self.id, row.start)
             del self._rows[row.start]
@@ -371,7 +400,7 @@ class DevicePool(Pool):
         return ExtentOnDevice(self._host, extent.start, extent.length)
 
     async def check(self, image: Path, *, in_use: bool) -> str:
-        gone = await asyncio.to_thread(self._device_problem)
+        gone = await asyncio.to_thread(self.device_problem)
         if gone:
             return gone
         if self.extent_of(self._volume_of(image)) is None:
@@ -386,7 +415,7 @@ class DevicePool(Pool):
                 return Extent(row.start, row.length)
         return None
 
-    def _device_problem(self) -> str:
+    def device_problem(self) -> str:
         """Why the device is unusable now, from udev and the stable path alone (no I/O on the device)."""
         device = self.device
         try:
@@ -405,18 +434,3 @@ class DevicePool(Pool):
         if image.parent != Path(f"{REFERENCE_PREFIX}{self.id}"):
             raise FailedPrecondition(f"{image} is not a reference of device pool {self.id}")
         return image.name
-
-
-async def open_device_pools(
-    specs: tuple[DevicePoolSpec, ...], catalog: Catalog, failpoints: Failpoints = NO_FAILPOINTS,
-) -> list[DevicePool]:
-    """Open every configured device pool; two pools on one device are refused."""
-    pools: list[DevicePool] = []
-    for spec in specs:
-        pool = DevicePool(spec, catalog, failpoints)
-        await pool.open()
-        clash = next((p for p in pools if p.device.rdev == pool.device.rdev), None)
-        if clash is not None:
-            raise StartupError(f"device pools {clash.id} and {pool.id} name the same device {pool.device.node}")
-        pools.append(pool)
-    return pools

@@ -3,7 +3,9 @@
 A pool turns its opaque storage reference into one of these; only this
 module (with graph.py) knows the QMP that opens it. A new pool kind adds
 its class here: `ImageFile` for the file pool, `ExtentOnDevice` (a raw
-window, offset/size, on a host device) for device pools.
+window, offset/size, on a whole device) for device pools, whose device is
+a `HostDevice` (a kernel block device, one node per volume) or an
+`NvmeNamespace` (QEMU's userspace NVMe driver over VFIO, one shared node).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class HostDevice:
     path: Path
     aio: str = "native"
 
-    def blockdev(self) -> QMPArgs:
+    def child(self, *, read_only: bool) -> QMPArgs:
         """An unnamed `host_device` child for one volume's extent node.
 
         One per volume rather than one shared node: a writable FUSE export
@@ -65,14 +67,46 @@ class HostDevice:
             "aio": self.aio,
             "discard": "unmap",
             "locking": "off",
+            "read-only": read_only,
         }
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtentOnDevice:
-    """A raw window of `size` bytes at `offset` on a host device: one volume of a device pool."""
+class NvmeNamespace:
+    """A namespace of a PCI NVMe controller driven by QSD itself over VFIO (the device bound to vfio-pci).
 
-    device: HostDevice
+    VFIO gives the controller to one process once, so the namespace is one
+    named node that every volume's window shares, added when the pool opens
+    (`base_blockdev`). On a shared node only exports that take no RESIZE
+    permission can coexist: a writable FUSE export takes RESIZE down its
+    chain and a `raw` window shares none, so QSD 10.0.13 refuses the second
+    window ("Permission conflict on node ...: permissions 'resize' are both
+    required by node ... and unshared by node ..."). The pool therefore
+    serves VM volumes (vhost-user-blk) only.
+    """
+
+    pci: str
+    namespace: int
+    node_name: str
+
+    def base_blockdev(self) -> QMPArgs:
+        """`blockdev-add` of the namespace: QEMU's userspace NVMe driver (polled queues, no kernel driver)."""
+        return {"driver": "nvme", "node-name": self.node_name, "device": self.pci, "namespace": self.namespace,
+                "discard": "unmap"}
+
+    def child(self, *, read_only: bool) -> str:
+        """The shared node, by name: read-only windows need no read-only node under them."""
+        return self.node_name
+
+
+WholeDevice = HostDevice | NvmeNamespace
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtentOnDevice:
+    """A raw window of `size` bytes at `offset` on a whole device: one volume of a device pool."""
+
+    device: WholeDevice
     offset: int
     size: int
 
@@ -81,12 +115,10 @@ class ExtentOnDevice:
 
     def protocol_blockdev(self, nodes: graph.VolumeNodes, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
         # QEMU's raw driver bounds every request to [offset, offset+size): a consumer cannot reach a neighbour.
-        device = self.device.blockdev()
-        device["read-only"] = read_only
         return {
             "driver": "raw",
             "node-name": nodes.file,
-            "file": device,
+            "file": self.device.child(read_only=read_only),
             "offset": self.offset,
             "size": self.size,
             "discard": params.discard.value,

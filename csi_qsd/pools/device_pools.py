@@ -1,0 +1,28 @@
+"""Open the configured device pools, each by its way in: the host's block device or QSD's NVMe driver."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from csi_qsd.catalog import Catalog
+from csi_qsd.config import DevicePoolSpec
+from csi_qsd.errors import StartupError
+from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.pools.device import DevicePool
+from csi_qsd.pools.nvme import NvmeDevicePool
+
+
+async def open_device_pools(
+    specs: tuple[DevicePoolSpec, ...], catalog: Catalog, state_dir: Path, failpoints: Failpoints = NO_FAILPOINTS,
+) -> list[DevicePool]:
+    """Open every configured device pool, by its way in; two pools on one device are refused."""
+    pools: list[DevicePool] = []
+    for spec in specs:
+        pool = (DevicePool(spec, catalog, failpoints) if spec.nvme is None
+                else NvmeDevicePool(spec, catalog, state_dir / "pools", failpoints))
+        await pool.open()
+        clash = next((p for p in pools if p.same_device(pool)), None)
+        if clash is not None:
+            raise StartupError(f"device pools {clash.id} and {pool.id} name the same device {pool.describe()}")
+        pools.append(pool)
+    return pools

@@ -1,0 +1,129 @@
+"""The NVMe way in without VFIO: the pool reaches its device only through QSD, a loop device standing in.
+
+`NvmeDevicePool` never touches its device from the host: the size comes
+from QMP, the label and foreign signatures from a read-only FUSE view of
+the shared node, scrubs from write-zeroes issued by QSD. Here the shared
+node is a `host_device` over a loop device instead of QEMU's `nvme`
+driver (no VFIO on these machines), so everything but the driver itself
+runs for real: the foreign-data refusal, the label, capacity from QMP,
+windows sharing the node, and a scrub beside a live window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from csi_qsd.config import DevicePoolSpec
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.errors import StartupError
+from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
+from csi_qsd.pools.device import LABEL_MAGIC
+from csi_qsd.pools.nvme import NvmeDevicePool
+from csi_qsd.qsd import graph
+from csi_qsd.qsd.graph import QMPArgs
+from csi_qsd.server import Driver
+from tests.harness import Sandbox, in_process_driver
+from tests.integration.test_device_pool import DEVICE_BYTES, MIB, PATTERN, FakeNVMe, nvme  # noqa: F401
+
+VM = VolumeParameters(format=ImageFormat.RAW, export=ExportKind.VHOST_USER_BLK)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopStandIn:
+    """The shared node as a host_device over the fake NVMe: what `NvmeNamespace` is with a real controller."""
+
+    path: Path
+    node_name: str
+
+    def base_blockdev(self) -> QMPArgs:
+        return {"driver": "host_device", "node-name": self.node_name, "filename": str(self.path),
+                "cache": {"direct": True}, "aio": "native", "locking": "off", "discard": "unmap"}
+
+    def child(self, *, read_only: bool) -> str:
+        return self.node_name
+
+
+class StandInPool(NvmeDevicePool):
+    """The NVMe pool with its shared node swapped for the stand-in, and udev's verdict taken as given."""
+
+    def __init__(self, box: Sandbox, driver: Driver, device: FakeNVMe, force: bool = False) -> None:
+        super().__init__(DevicePoolSpec.parse(f"fast=nvme://0000:01:00.0{',force' if force else ''}"),
+                         driver.catalog, box.state_dir / "pools")
+        self.namespace = LoopStandIn(device.node, self.namespace.node_name)  # type: ignore[assignment]
+        self._host = self.namespace
+
+    def device_problem(self) -> str:
+        return ""
+
+
+@pytest.fixture
+async def driver(box: Sandbox) -> AsyncIterator[tuple[Driver, CSIClient]]:
+    async with in_process_driver(box) as pair:
+        yield pair
+
+
+def direct_read(device: FakeNVMe, offset: int, length: int) -> bytes:
+    """Bytes as on the device (O_DIRECT, past the host's page cache, which QSD's writes also bypass)."""
+    whole = -(-length // 4096) * 4096
+    return subprocess.run(["dd", f"if={device.node}", "iflag=direct,skip_bytes,count_bytes", f"skip={offset}",
+                           f"count={whole}", "bs=64k", "status=none"], check=True, capture_output=True).stdout[:length]
+
+
+def direct_write(device: FakeNVMe, offset: int, data: bytes) -> None:
+    subprocess.run(["dd", f"of={device.node}", "oflag=direct,seek_bytes", f"seek={offset}", "bs=64k",
+                    "conv=notrunc", "status=none"], input=data, check=True)
+
+
+async def test_foreign_data_is_read_through_qsd_and_refused(
+    box: Sandbox, driver: tuple[Driver, CSIClient], nvme: FakeNVMe,  # noqa: F811
+) -> None:
+    subprocess.run(["mkfs.ext4", "-q", str(nvme.node)], check=True)
+    client = driver[0].daemon.client
+    pool = StandInPool(box, driver[0], nvme)
+    await pool.open()
+    with pytest.raises(StartupError, match=r"nvme://0000:01:00.0/1 holds data \(.*TYPE=ext4"):
+        await pool.attach(client)
+    assert not [name for name in await client.exports() if name.startswith("d-")], "the view was left behind"
+    forced = StandInPool(box, driver[0], nvme, force=True)
+    await forced.open()
+    await forced.attach(client)
+    assert direct_read(nvme, 0, len(LABEL_MAGIC)) == LABEL_MAGIC
+    assert forced.layout.device_size == DEVICE_BYTES  # from QMP: query-named-block-nodes
+    assert forced.usage().available == forced.layout.data_size
+
+
+async def test_scrub_through_qsd_beside_a_live_window(
+    box: Sandbox, driver: tuple[Driver, CSIClient], nvme: FakeNVMe,  # noqa: F811
+) -> None:
+    client = driver[0].daemon.client
+    pool = StandInPool(box, driver[0], nvme)
+    await pool.open()
+    await pool.attach(client)
+    images = [pool.image_path(f"vol-00000000000000000000000{i}", ImageFormat.RAW) for i in (1, 2)]
+    for image in images:
+        await pool.create(image, 64 * MIB, VM)
+    starts = [pool.storage(image).offset for image in images]
+    for start in starts:
+        direct_write(nvme, start, PATTERN)
+    live = graph.nodes_for("vol-000000000000000000000002")
+    await client.blockdev_add(pool.storage(images[1]).protocol_blockdev(live, VM, read_only=False))
+    try:
+        await pool.delete(images[0])
+        assert direct_read(nvme, starts[0], len(PATTERN)) == bytes(len(PATTERN))
+        assert direct_read(nvme, starts[1], len(PATTERN)) == PATTERN
+        assert pool.usage().available == pool.layout.data_size - 64 * MIB
+    finally:
+        await client.blockdev_del(live.file)
+    # Reopened, the pool knows its label (read through QSD again) and keeps its extents; one whose volume
+    # the catalog does not know (never created here: these extents were taken by hand) is scrubbed.
+    again = StandInPool(box, driver[0], nvme)
+    await again.open()
+    await again.attach(client)
+    assert again.layout == pool.layout
+    assert again.extent_of("vol-000000000000000000000002") is None
+    assert direct_read(nvme, starts[1], len(PATTERN)) == bytes(len(PATTERN))
