@@ -17,6 +17,8 @@ from csi_qsd.pools.base import Pool
 
 log = logging.getLogger(__name__)
 
+MAX_CHAIN = 4096  # a longer chain in the catalog is a loop, not a chain
+
 
 async def reclaim(catalog: Catalog, pool: Pool, image: str) -> None:
     """Delete `image` if it belongs to a hidden snapshot with no dependants, then its backing, and so on."""
@@ -29,6 +31,18 @@ async def reclaim(catalog: Catalog, pool: Pool, image: str) -> None:
         await pool.delete(Path(image))
         await catalog.delete_snapshot(snapshot.id)
         image = snapshot.backing
+
+
+async def images_below(catalog: Catalog, image: str) -> list[Path]:
+    """The images `image` reads through, newest first, as the catalog records them (itself not included)."""
+    found: list[Path] = []
+    snapshot = await catalog.snapshot_by_image(image)
+    backing = snapshot.backing if snapshot is not None else ""
+    while backing and len(found) < MAX_CHAIN:
+        found.append(Path(backing))
+        below = await catalog.snapshot_by_image(backing)
+        backing = below.backing if below is not None else ""
+    return found
 
 
 async def depth(catalog: Catalog, volume: VolumeRecord) -> int:

@@ -9,13 +9,16 @@ volume's granularity (its qcow2 cluster or subcluster, `csi_qsd.granularity`;
 64 KiB by default), and survive a crash of QSD or the driver: no bitmap
 has to have been flushed, the images are the record.
 
-That boundary is lost where images were merged: a live flatten streams the
-older layers into the newest snapshot's image, an offline flatten rewrites
-the volume's top without a backing file. Then B's image is no longer a layer
-of T's chain, and the answer falls back to everything allocated in T's chain
-or in B's chain: a superset (an offset allocated in neither reads as zeros in
-both), never less. Each fallback is logged (`event=cbt_fallback`) and
-counted (`fallbacks`, exported as a Prometheus counter).
+Where a flatten merged the layers below a snapshot's image into it, B's
+image is no longer a layer of T's chain; the merged image then holds the
+records of the layers merged into it as persistent bitmaps
+(`csi_qsd.layer_bitmaps`), and the answer is the allocation of T's layers
+above the merged image plus the records of the merged layers newer than B:
+exact again. Where a record is missing or was lost to a crash, the answer
+falls back to everything allocated in T's chain or in B's chain: a superset
+(an offset allocated in neither reads as zeros in both), never less. Each
+fallback is logged (`event=cbt_fallback` with the reason) and counted
+(`fallbacks`, exported as a Prometheus counter).
 
 Snapshots of one volume are compared only with each other; the catalog's
 `backing` column is the chain. No gRPC types and no QMP here.
@@ -31,10 +34,11 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import TypeVar
 
-from csi_qsd import extents, imagemap, validate
+from csi_qsd import extents, image_bitmaps, imagemap, layer_bitmaps, validate
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState
 from csi_qsd.errors import HostCommandError, InvalidArgument, NotFound, OutOfRange
 from csi_qsd.extents import Extent
+from csi_qsd.tools import bundled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,9 +59,10 @@ class BlockMap:
 class ChangedBlocks:
     """Answers GetMetadataAllocated and GetMetadataDelta from the catalog and the image files."""
 
-    def __init__(self, catalog: Catalog, qemu_img: str) -> None:
+    def __init__(self, catalog: Catalog, qemu_img: str, qemu_nbd: str = "") -> None:
         self._catalog = catalog
         self._qemu_img = qemu_img
+        self._qemu_nbd = qemu_nbd or bundled("qemu-nbd")
         self.fallbacks = 0  # deltas answered with a superset; read by metrics
 
     async def allocated(self, snapshot_id: str, starting_offset: int) -> BlockMap:
@@ -92,16 +97,19 @@ class ChangedBlocks:
             raise InvalidArgument(f"base snapshot {base.id} must be older than target snapshot {target.id}")
         _check_offset(starting_offset, target.size)
         chain = await self._chain(target)
+        reason = ""
         if base.image in chain[1:]:
             layers = chain[:chain.index(base.image)]
             found = await self._reading([base, target], self._layers(layers))
             exact = True
         else:
+            merged, reason = await self._reading([base, target], self._across_merge(base, chain))
+            found, exact = merged or [], merged is not None
+        if not exact:
             self.fallbacks += 1
             log.warning(
                 "event=cbt_fallback base=%s target=%s reason=%r", base.id, target.id,
-                "the base's image is no longer a layer of the target's chain (merged by a flatten); "
-                "answering with everything allocated in either snapshot",
+                f"{reason}; answering with everything allocated in either snapshot",
             )
             both = await self._reading([base, target], asyncio.gather(
                 imagemap.chain_allocation(self._qemu_img, target.image),
@@ -136,6 +144,21 @@ class ChangedBlocks:
             below = await self._catalog.snapshot_by_image(backing)
             backing = below.backing if below is not None else ""
         return images
+
+    async def _across_merge(self, base: SnapshotRecord, chain: list[Path]) -> tuple[list[Extent] | None, str]:
+        """What changed after `base` where its image was merged into the bottom of `chain`; None and why if unknown."""
+        bottom = chain[-1]
+        records = image_bitmaps.bitmaps_of((await image_bitmaps.chain_info(self._qemu_img, bottom))[0])
+        needed = layer_bitmaps.needed_for(base.image.name, records)
+        if needed is None:
+            return None, "the base's image is no longer a layer of the target's chain and no merged image records it"
+        if needed.lost:
+            return None, needed.lost
+        above, merged = await asyncio.gather(
+            self._layers(chain[:-1]),
+            image_bitmaps.read(self._qemu_img, self._qemu_nbd, bottom, needed.names),
+        )
+        return extents.union(above, *merged), ""
 
     async def _layers(self, layers: list[Path]) -> list[Extent]:
         limit = asyncio.Semaphore(PARALLEL_MAPS)

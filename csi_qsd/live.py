@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from csi_qsd import chains
 from csi_qsd.catalog import Catalog, StageRecord, StageState, VolumeRecord
 from csi_qsd.errors import FailedPrecondition, QSDError, Unavailable
 from csi_qsd.exports.registry import ExportPaths
@@ -70,7 +71,8 @@ class LiveImages:
         if stage is None or stage.state is not StageState.STAGED or not volume.backing:
             return False
         self._require_qsd()
-        if not await attach.stream_into_backing(self._daemon.client, volume.id, Path(volume.backing)):
+        layers = await chains.images_below(self._catalog, volume.backing)
+        if not await attach.stream_into_backing(self._daemon.client, volume.id, Path(volume.backing), layers):
             raise FailedPrecondition(f"the backing image of volume {volume.id} is not open in qemu-storage-daemon")
         return True
 

@@ -344,7 +344,11 @@ class Snapshots:
                 return
 
     async def flatten(self, volume_id: str) -> None:
-        """Copy a volume's whole chain into its top image and drop the backing; live if staged."""
+        """Copy the chain below a volume's newest snapshot into that snapshot's image; live if staged.
+
+        The volume then reads through two images. The merged layers'
+        changed-block records are carried into the image (`csi_qsd.layer_bitmaps`).
+        """
         async with self._locks.hold(volume_id):
             volume = await self._catalog.volume(volume_id)
             if volume is None or not volume.backing:
@@ -356,6 +360,15 @@ class Snapshots:
                     await self._catalog.put_snapshots([dataclasses.replace(base, backing="")])
                     log.info("event=flatten_done volume_id=%s live=true into=%s", volume_id, base.id)
                     await chains.reclaim(self._catalog, self._pool, base.backing)
+                return
+            base = await self._catalog.snapshot_by_image(volume.backing)
+            if base is not None and base.backing:
+                # Into the newest snapshot's image, as live: a frozen image's own changed-block record
+                # stays exact, where the volume's top would have its record mixed with the merged data.
+                await self._pool.flatten(base.image)
+                await self._catalog.put_snapshots([dataclasses.replace(base, backing="")])
+                log.info("event=flatten_done volume_id=%s live=false into=%s", volume_id, base.id)
+                await chains.reclaim(self._catalog, self._pool, base.backing)
                 return
             await self._pool.flatten(volume.image)
             await self._catalog.update_volume(dataclasses.replace(volume, backing=""))

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from csi_qsd import image_bitmaps
 from csi_qsd.catalog import DEFAULT_POOL
 from csi_qsd.errors import ResourceExhausted
 from csi_qsd.granularity import qcow2_options
@@ -74,6 +75,8 @@ class FilePool(Pool):
             argv += ["-o", ",".join(options)]
         try:
             await run(*argv, str(tmp), str(size), timeout=3600)
+            if params.format is ImageFormat.QCOW2:
+                await image_bitmaps.add_tracking(self._qemu_img, tmp, params.granularity)
             await asyncio.to_thread(_fsync_and_rename, tmp, image)
         finally:
             tmp.unlink(missing_ok=True)
@@ -92,6 +95,7 @@ class FilePool(Pool):
             options = ",".join(["lazy_refcounts=off", *qcow2_options(granularity)])
             await run(self._qemu_img, "create", "-q", "-f", "qcow2", "-u", "-o", options,
                       "-b", backing.name, "-F", backing_format, str(tmp), str(size))
+            await image_bitmaps.add_tracking(self._qemu_img, tmp, granularity)
             await asyncio.to_thread(_fsync_and_rename, tmp, image)
         finally:
             tmp.unlink(missing_ok=True)
@@ -106,7 +110,9 @@ class FilePool(Pool):
         """Copy everything the backing chain holds into `image` and drop its backing (offline).
 
         qemu-img rewrites the header last, so a crash midway leaves the old, valid chain.
+        The layers' changed-block records are carried into `image` first.
         """
+        await image_bitmaps.carry_before_flatten(self._qemu_img, image)
         await run(self._qemu_img, "rebase", "-q", "-f", "qcow2", "-b", "", str(image), timeout=24 * 3600)
 
     async def delete(self, image: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from csi_qsd import layer_bitmaps
 from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph, vhost_greeting
@@ -219,18 +220,70 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
             await client.blockdev_del(name)
 
 
-async def stream_into_backing(client: QSDClient, volume_id: str, backing_image: Path) -> bool:
+async def stream_into_backing(
+    client: QSDClient, volume_id: str, backing_image: Path, layers: list[Path] | None = None,
+) -> bool:
     """Copy everything below the node that reads `backing_image` into it (block-stream); wait for the end.
 
-    False if QSD does not have that image open. The caller picks an
-    intermediate node on purpose: QSD 7.2's writable FUSE export holds the
-    'resize' permission that a stream into the top must deny.
+    `layers`: the images below it, newest first; their changed-block
+    records are carried into it first (`csi_qsd.layer_bitmaps`), in one
+    transaction. False if QSD does not have that image open. The caller
+    picks an intermediate node on purpose: QSD 7.2's writable FUSE export
+    holds the 'resize' permission that a stream into the top must deny.
     """
-    base = _format_node_of(await client.named_nodes(), str(backing_image))
+    named = await _named_with_bitmaps(client)
+    nodes = {name: info for name, (info, _) in named.items()}
+    base = _format_node_of(nodes, str(backing_image))
     if not base:
         return False
+    await carry_bitmaps(client, base, named, layers or [])
     await client.stream(f"stream-{volume_id}", base)
     return True
+
+
+async def carry_bitmaps(
+    client: QSDClient, target: str, named: dict[str, tuple[BlockNodeInfo, dict[str, layer_bitmaps.Bitmap]]],
+    layers: list[Path],
+) -> None:
+    """Before merging `layers` into node `target`: freeze its own record and copy theirs into it, atomically."""
+    nodes = {name: info for name, (info, _) in named.items()}
+    own = named[target][1]
+    actions: list[graph.QMPArgs] = []
+    if (mine := own.get(layer_bitmaps.OWN)) is not None and mine.consistent:
+        actions.append({"type": "block-dirty-bitmap-disable", "data": {"node": target, "name": layer_bitmaps.OWN}})
+    found: list[tuple[str, dict[str, layer_bitmaps.Bitmap]]] = []
+    sources: list[str] = []
+    for image in layers:
+        node = _format_node_of(nodes, str(image))
+        found.append((image.name, named[node][1] if node else {}))
+        sources.append(node)
+    for step in layer_bitmaps.plan_carry(found, set(own)):
+        actions.append({"type": "block-dirty-bitmap-add", "data": {
+            "node": target, "name": step.target, "granularity": step.granularity,
+            "persistent": True, "disabled": True}})
+        if step.source is not None:
+            actions.append({"type": "block-dirty-bitmap-merge", "data": {
+                "node": target, "target": step.target,
+                "bitmaps": [{"node": sources[step.layer], "name": step.source}]}})
+    if actions:
+        await client.execute("transaction", {"actions": actions})
+
+
+async def _named_with_bitmaps(
+    client: QSDClient,
+) -> dict[str, tuple[BlockNodeInfo, dict[str, layer_bitmaps.Bitmap]]]:
+    """Every named node (QEMU's own '#block' names included) with its persistent bitmaps."""
+    raw = await client.execute("query-named-block-nodes", {"flat": True})
+    found: dict[str, tuple[BlockNodeInfo, dict[str, layer_bitmaps.Bitmap]]] = {}
+    for item in raw:
+        info = BlockNodeInfo(node_name=item["node-name"], drv=item["drv"], file=item["file"], ro=item["ro"],
+                             virtual_size=int(item.get("image", {}).get("virtual-size", 0)))
+        bitmaps = {
+            b["name"]: layer_bitmaps.Bitmap(b["name"], int(b["granularity"]), not b.get("inconsistent", False))
+            for b in item.get("dirty-bitmaps", []) if b.get("persistent")
+        }
+        found[item["node-name"]] = (info, bitmaps)
+    return found
 
 
 def _format_node_of(nodes: dict[str, BlockNodeInfo], image: str) -> str:

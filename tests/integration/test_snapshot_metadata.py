@@ -180,7 +180,9 @@ async def test_delta_matches_the_truth_through_deletes_crashes_and_flattens(
     s4 = (await csi.create_snapshot("cbt-4", vid)).snapshot_id
     await check_delta(drv, csi, box, s3, s4, w4)
 
-    # A live flatten streams everything below s4 into s4's image: s4 stays a boundary, older ones do not.
+    # A live flatten streams everything below s4 into s4's image: s4 stays a boundary. The records of
+    # the merged layers go with it, but s4's own was the writable top when QSD was killed: QEMU marks
+    # that bitmap inconsistent, so a delta that needs it says so and answers a superset.
     await drv.snapshots.flatten(vid)
     dev.write(60 * MIB, 64 * KIB, 12)
     w5 = dev.cut()
@@ -190,7 +192,43 @@ async def test_delta_matches_the_truth_through_deletes_crashes_and_flattens(
     with caplog.at_level(logging.WARNING, logger="csi_qsd.changed_blocks"):
         superset = await check_delta(drv, csi, box, s3, s5, w4 | w5, exact=False, within_touched=False)
     assert drv.changed_blocks.fallbacks == 1 and "event=cbt_fallback" in caplog.text
+    assert "inconsistent" in caplog.text
     assert w4 | w5 <= superset
+
+    # A second live flatten merges s5 and s4 (with the records s4 carries) into s6: deltas from s5 and
+    # s4 stay exact through two merges; from s3 the lost record still says so.
+    dev.write(62 * MIB, 4 * KIB, 13)
+    w6 = dev.cut()
+    s6 = (await csi.create_snapshot("cbt-6", vid)).snapshot_id
+    await drv.snapshots.flatten(vid)
+    dev.write(2 * MIB + 64 * KIB, 128 * KIB, 14)
+    w7 = dev.cut()
+    s7 = (await csi.create_snapshot("cbt-7", vid)).snapshot_id
+    await check_delta(drv, csi, box, s5, s7, w6 | w7)
+    await check_delta(drv, csi, box, s4, s7, w5 | w6 | w7)
+    assert drv.changed_blocks.fallbacks == 1
+    await check_delta(drv, csi, box, s3, s7, w4 | w5 | w6 | w7, exact=False, within_touched=False)
+    assert drv.changed_blocks.fallbacks == 2
+
+    # An offline flatten (the volume unstaged) merges into the newest snapshot's image as well.
+    dev.write(3 * MIB, 64 * KIB, 15)
+    w8 = dev.cut()
+    s8 = (await csi.create_snapshot("cbt-8", vid)).snapshot_id
+    staging, target = box.staging("cbt"), box.target("cbt")
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
+    await drv.snapshots.flatten(vid)
+    snapshot8 = await drv.catalog.snapshot(s8)
+    assert snapshot8 is not None and snapshot8.backing == ""
+    await csi.stage(vid, str(staging), block=True)
+    await csi.publish(vid, str(staging), str(target), block=True)
+    dev.write(4 * MIB, 4 * KIB, 16)
+    w9 = dev.cut()
+    s9 = (await csi.create_snapshot("cbt-9", vid)).snapshot_id
+    await check_delta(drv, csi, box, s7, s9, w8 | w9)
+    await check_delta(drv, csi, box, s6, s9, w7 | w8 | w9)
+    await check_delta(drv, csi, box, s5, s9, w6 | w7 | w8 | w9)
+    assert drv.changed_blocks.fallbacks == 2
 
     # Resuming mid-volume and small messages give the same ranges.
     _, whole = await csi.metadata_delta(s0, s3)

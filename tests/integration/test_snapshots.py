@@ -165,6 +165,18 @@ async def test_snapshot_deleted_before_its_clone(box: Sandbox, driver: tuple[Dri
     assert pool_files(box) == [], "the last dependant took the hidden snapshot with it"
 
 
+async def snapshot_as_a_co_does(csi: CSIClient, name: str, volume_id: str) -> pb.Snapshot:
+    """CreateSnapshot, retried on ABORTED like the external-snapshotter: a background flatten may hold the volume."""
+    for _ in range(100):
+        try:
+            return await csi.create_snapshot(name, volume_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED:
+                raise
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"CreateSnapshot {name} stayed ABORTED for 10 s")
+
+
 async def test_deep_chains_are_flattened_live(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
     """Past MAX_CHAIN_DEPTH the chain is flattened in the background while the volume stays mounted."""
     drv, csi = driver
@@ -173,7 +185,7 @@ async def test_deep_chains_are_flattened_live(box: Sandbox, driver: tuple[Driver
     async with Mounted(box, csi, vid, "deep") as mount:
         for i in range(MAX_CHAIN_DEPTH + 1):
             write_synced(mount / f"file{i}", f"generation {i}".encode() * 1000)
-            snaps.append((await csi.create_snapshot(f"deep-{i}", vid)).snapshot_id)
+            snaps.append((await snapshot_as_a_co_does(csi, f"deep-{i}", vid)).snapshot_id)
         depths: list[int] = []
 
         async def flattened() -> bool:

@@ -1,0 +1,115 @@
+"""Layer bitmaps in image files, through qemu-img and qemu-nbd: for images QSD does not write.
+
+Adds the tracking bitmap to a new image, carries merged layers' records into
+an image before an offline flatten (`csi_qsd.layer_bitmaps` says which),
+and reads a record's ranges: qemu-nbd serves the frozen image read-only
+with the bitmap as a `qemu:dirty-bitmap:` context, and `qemu-img map` over
+that export reports its dirty ranges as `"data": false` (QEMU's
+`x-dirty-bitmap` reading aid). A frozen image may be open in QSD as a
+backing file, so reads share it (`force-share`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from csi_qsd import layer_bitmaps
+from csi_qsd.errors import HostCommandError
+from csi_qsd.extents import Extent
+from csi_qsd.layer_bitmaps import Bitmap
+from csi_qsd.sys.run import run
+
+NBD_START_SECONDS = 10.0
+
+
+def _alone(image: Path) -> str:
+    """`image` opened without its backing chain: a chain QSD has open (a live top) would refuse qemu-img's lock."""
+    return "json:" + json.dumps({"driver": "qcow2", "backing": None,
+                                 "file": {"driver": "file", "filename": str(image)}})
+
+
+async def add_tracking(qemu_img: str, image: Path, granularity: int) -> None:
+    """Give a new qcow2 image its own record: an enabled persistent bitmap QSD marks on every write."""
+    await run(qemu_img, "bitmap", "--add", "--enable", "-g", str(granularity), _alone(image), layer_bitmaps.OWN)
+
+
+def bitmaps_of(info: dict[str, Any]) -> dict[str, Bitmap]:
+    """The persistent bitmaps in one image's `qemu-img info` JSON; in-use ones are inconsistent."""
+    found = info.get("format-specific", {}).get("data", {}).get("bitmaps", []) or []
+    return {b["name"]: Bitmap(b["name"], int(b["granularity"]), "in-use" not in b.get("flags", []))
+            for b in found}
+
+
+async def chain_info(qemu_img: str, image: Path) -> list[dict[str, Any]]:
+    """`qemu-img info` of `image` and every image below it, newest first."""
+    _, out = await run(qemu_img, "info", "-U", "--backing-chain", "--output=json", str(image))
+    parsed = json.loads(out)
+    return parsed if isinstance(parsed, list) else [parsed]
+
+
+async def carry_before_flatten(qemu_img: str, image: Path) -> None:
+    """Freeze `image`'s own record and copy the records of every layer below it into it (offline).
+
+    Each step is one qemu-img call and idempotent: a flatten cut off here is
+    redone from the start, skipping the records already carried.
+    """
+    chain = await chain_info(qemu_img, image)
+    own = bitmaps_of(chain[0])
+    layers = [(Path(entry["filename"]).name, bitmaps_of(entry)) for entry in chain[1:]]
+    if (mine := own.get(layer_bitmaps.OWN)) is not None and mine.consistent:
+        await run(qemu_img, "bitmap", "--disable", _alone(image), layer_bitmaps.OWN)
+    for step in layer_bitmaps.plan_carry(layers, set(own)):
+        argv = [qemu_img, "bitmap", "--add", "-g", str(step.granularity)]
+        if step.source is not None:
+            source = chain[1 + step.layer]
+            argv += ["--merge", step.source, "-b", source["filename"], "-F", source["format"]]
+        await run(*argv, "--disable", _alone(image), step.target)
+
+
+@contextlib.asynccontextmanager
+async def _served(qemu_nbd: str, image: Path, names: list[str]) -> AsyncIterator[Path]:
+    """qemu-nbd serving `image` read-only with the bitmaps `names`, on a private socket, until exit."""
+    with tempfile.TemporaryDirectory(prefix="csi-qsd-bitmap-") as work:
+        socket, pid_file = Path(work) / "nbd.sock", Path(work) / "pid"
+        spec = json.dumps({"driver": "qcow2", "read-only": True, "force-share": True,
+                           "file": {"driver": "file", "filename": str(image)}})
+        argv = [qemu_nbd, "--fork", "--persistent", "--read-only", "--pid-file", str(pid_file),
+                "--socket", str(socket)]
+        for name in names:
+            argv += ["--bitmap", name]
+        await run(*argv, f"json:{spec}", timeout=NBD_START_SECONDS)
+        pid = int(pid_file.read_text())
+        try:
+            yield socket
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            for _ in range(100):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                await asyncio.sleep(0.02)
+
+
+async def read(qemu_img: str, qemu_nbd: str, image: Path, names: list[str]) -> list[list[Extent]]:
+    """The dirty ranges of each bitmap `names` of a frozen `image`, in that order."""
+    async with _served(qemu_nbd, image, names) as socket:
+        found = []
+        for name in names:
+            opts = f"driver=nbd,server.type=unix,server.path={socket},x-dirty-bitmap=qemu:dirty-bitmap:{name}"
+            _, out = await run(qemu_img, "map", "--output=json", "--image-opts", opts, timeout=3600)
+            try:
+                entries = json.loads(out)
+            except json.JSONDecodeError as exc:
+                raise HostCommandError(f"qemu-img map of bitmap {name} of {image}: {exc}") from exc
+            found.append([(int(e["start"]), int(e["length"])) for e in entries if not e["data"]])
+        return found
