@@ -76,6 +76,12 @@ def status_field_kib(pid: int, field: str = "VmRSS") -> int:
     raise OSError(f"/proc/{pid}/status has no {field}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far, all its threads. Raises OSError if gone."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def open_fds(pid: int) -> int:
     """How many file descriptors process `pid` holds (a leak shows up here first)."""
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))

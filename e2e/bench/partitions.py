@@ -1,17 +1,24 @@
 """Device-pool partitions: fio on a partition volume as a pod sees it vs the same region of the device, one run.
 
-Run as ``.venv/bin/python -m e2e.bench.partitions [--runtime 5]`` (root). It
-prints figures, never pass/fail.
+Run as ``.venv/bin/python -m e2e.bench.partitions [--runtime 5] [--rounds 3]``
+(root). It prints figures, never pass/fail.
 
 The "NVMe" is a loop device (direct I/O) over a sparse file. The driver
 serves it as device pool ``bench`` and creates block volumes on it through
 CSI (stage and publish with the block access type: QSD's FUSE export of the
 extent, a loop device on it, the device file bind-mounted at the target).
-Table 1: the same fio jobs (O_DIRECT, libaio) on a partition's target and on
-the same byte range of the device directly (``--offset`` = the extent's
-start). Table 2: 1, 2 and 4 partitions driven at once (4k random read QD32
-on each), aggregate IOPS beside one partition alone, and the device
-directly over the same regions at once.
+Table 1: the same fio jobs (O_DIRECT, libaio) on a partition's target and,
+right after, on the same byte range of the device directly (``--offset`` =
+the extent's start), with QSD's CPU use during the partition's job. Table
+2: 1, 2 and 4 partitions driven at once (4k random read QD32 on each),
+aggregate IOPS beside one partition alone, and beside the device driven
+directly over the same regions at once. Every figure is the median of the
+rounds; each round measures a partition and its baseline back to back, so
+load from elsewhere on the machine hits both alike.
+
+A VM reaches a partition over vhost-user-blk, which this bench does not
+drive: no userspace vhost-user-blk client exists here, and a guest under
+TCG measures the emulated CPU rather than the export.
 """
 
 from __future__ import annotations
@@ -20,34 +27,42 @@ import argparse
 import asyncio
 import json
 import sqlite3
+import statistics
 import subprocess
 import tempfile
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from csi_qsd.csi_client import CSIClient
-from e2e.bench.common import ratio, table
-from tests.harness import DriverProcess, sandbox
+from csi_qsd.tools import bundled
+from e2e.bench.common import Job, cpu_seconds, ratio, table
+from tests.harness import DriverProcess, qsd_pid, sandbox
 
 MIB = 1 << 20
 REGION = 256 * MIB
-JOBS = {
-    "4k randread QD32": ("randread", "4k", 32),
-    "4k randwrite QD32": ("randwrite", "4k", 32),
-    "1M write QD8": ("write", "1M", 8),
-}
+JOBS = [
+    Job("4k randread QD32", "randread", "4k", 32),
+    Job("4k randwrite QD32", "randwrite", "4k", 32),
+    Job("1M write QD8", "write", "1M", 8),
+]
+AT_ONCE = (1, 2, 4)
 
 
-async def fio(filename: Path, rw: str, bs: str, depth: int, runtime: int, offset: int = 0) -> float:
-    """IOPS of one fio job on [offset, offset+REGION) of `filename`."""
+async def fio(filename: Path, job: Job, runtime: int, offset: int = 0) -> float:
+    """IOPS (random jobs) or MiB/s (sequential jobs) of one fio job on [offset, offset+REGION) of `filename`."""
     proc = await asyncio.create_subprocess_exec(
-        "fio", "--name=j", f"--filename={filename}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={depth}",
-        "--ioengine=libaio", "--direct=1", f"--offset={offset}", f"--size={REGION}", "--time_based",
-        f"--runtime={runtime}", "--output-format=json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        "fio", "--name=j", f"--filename={filename}", f"--rw={job.rw}", f"--bs={job.bs}",
+        f"--iodepth={job.iodepth}", "--ioengine=libaio", "--direct=1", f"--offset={offset}", f"--size={REGION}",
+        "--time_based", f"--runtime={runtime}", "--output-format=json",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"fio failed: {err.decode()}")
-    job = json.loads(out)["jobs"][0]
-    return float(job["read"]["iops"] + job["write"]["iops"])
+    result = json.loads(out)["jobs"][0]
+    if job.sequential:
+        return float(result["read"]["bw_bytes"] + result["write"]["bw_bytes"]) / MIB
+    return float(result["read"]["iops"] + result["write"]["iops"])
 
 
 async def fill(filename: Path, offset: int) -> None:
@@ -58,7 +73,18 @@ async def fill(filename: Path, offset: int) -> None:
     await proc.wait()
 
 
-async def bench(runtime: int) -> str:
+async def cpu_share(pid: int, work: Awaitable[float], runtime: int) -> tuple[float, float]:
+    """`work`'s result and the share of one CPU that process `pid` used meanwhile."""
+    before = cpu_seconds(pid)
+    value = await work
+    return value, (cpu_seconds(pid) - before) / runtime
+
+
+def figure(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+async def bench(runtime: int, rounds: int) -> str:
     work = Path(tempfile.mkdtemp(prefix="cqbench", dir="/tmp"))
     backing = work / "nvme.img"
     with open(backing, "wb") as f:
@@ -72,7 +98,7 @@ async def bench(runtime: int) -> str:
             try:
                 async with CSIClient(box.endpoint, timeout=120) as csi:
                     targets: list[tuple[Path, int]] = []
-                    for i in range(4):
+                    for i in range(max(AT_ONCE)):
                         vol = await csi.create_volume(f"pvc-part-{i}", REGION, {"pool": "bench"}, block=True)
                         staging, target = box.staging(f"p{i}"), box.target(f"p{i}")
                         await csi.stage(vol.volume_id, str(staging), block=True)
@@ -84,26 +110,11 @@ async def bench(runtime: int) -> str:
                         targets.append((target, start))
                     for target, start in targets:
                         await fill(target, 0)
-                    rows = []
-                    target, start = targets[0]
-                    for name, (rw, bs, depth) in JOBS.items():
-                        part = await fio(target, rw, bs, depth, runtime)
-                        direct = await fio(node, rw, bs, depth, runtime, start)
-                        rows.append([name, f"{part:,.0f}", f"{direct:,.0f}", ratio(part, direct)])
-                    first = table(["job (IOPS)", "partition volume", "device region", "ratio"], rows)
-                    rows = []
-                    one = 0.0
-                    for count in (1, 2, 4):
-                        parts = await asyncio.gather(*(fio(t, "randread", "4k", 32, runtime)
-                                                       for t, _ in targets[:count]))
-                        directs = await asyncio.gather(*(fio(node, "randread", "4k", 32, runtime, s)
-                                                         for _, s in targets[:count]))
-                        one = one or sum(parts)
-                        rows.append([str(count), f"{sum(parts):,.0f}", ratio(sum(parts), one),
-                                     f"{sum(directs):,.0f}", ratio(sum(parts), sum(directs))])
-                    second = table(["partitions at once", "aggregate IOPS", "vs one", "device regions at once",
-                                    "ratio"], rows)
-                    return f"{first}\n\n4k randread QD32 on each partition:\n{second}\n"
+                    pid = qsd_pid(box)
+                    assert pid is not None
+                    version = subprocess.run([bundled("qemu-storage-daemon"), "--version"], capture_output=True,
+                                             text=True).stdout.split("\n")[0]
+                    return await measure(targets, node, pid, runtime, rounds, version)
             finally:
                 await driver.stop()  # the sandbox's cleanup takes down its QSD, mounts and loop devices
     finally:
@@ -112,12 +123,54 @@ async def bench(runtime: int) -> str:
         work.rmdir()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime: int, rounds: int,
+                  version: str) -> str:
+    samples: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    for _ in range(rounds):
+        target, start = targets[0]
+        for job in JOBS:
+            part, cpu = await cpu_share(pid, fio(target, job, runtime), runtime)
+            add(f"{job.name}/part", part)
+            add(f"{job.name}/cpu", cpu)
+            add(f"{job.name}/device", await fio(node, job, runtime, start))
+        read = JOBS[0]
+        for count in AT_ONCE:
+            parts = await asyncio.gather(*(fio(t, read, runtime) for t, _ in targets[:count]))
+            add(f"{count}/part", sum(parts))
+            directs = await asyncio.gather(*(fio(node, read, runtime, s) for _, s in targets[:count]))
+            add(f"{count}/device", sum(directs))
+    med = {key: statistics.median(values) for key, values in samples.items()}
+    rows = [[job.label, figure(med[f"{job.name}/device"]), figure(med[f"{job.name}/part"]),
+             ratio(med[f"{job.name}/part"], med[f"{job.name}/device"]), f"{med[f'{job.name}/cpu']:.0%}"]
+            for job in JOBS]
+    first = table(["job", "device region (baseline)", "partition volume", "ratio", "QSD CPU"], rows)
+    one = med["1/part"]
+    rows = [[str(count), figure(med[f"{count}/device"]), figure(med[f"{count}/part"]),
+             ratio(med[f"{count}/part"], med[f"{count}/device"]), ratio(med[f"{count}/part"], one)]
+            for count in AT_ONCE]
+    second = table(["partitions at once", "device regions at once (baseline)", "aggregate IOPS", "ratio",
+                    "vs one partition"], rows)
+    return (f"{version}; block volumes (FUSE export > direct-I/O loop device); median of {rounds} rounds x "
+            f"{runtime} s per job, each partition figure and its baseline back to back\n\n{first}\n\n"
+            f"4k randread QD32 on each partition at once (IOPS):\n{second}\n")
+
+
+def run_cli(doc: str, run: Callable[[int, int], Coroutine[Any, Any, str]], argv: list[str] | None) -> int:
+    """Parse --runtime and --rounds, run the bench, print its tables (this one's and partition_knobs')."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--runtime", type=int, default=5, help="seconds per fio job")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every job (medians are printed)")
     args = parser.parse_args(argv)
-    print(asyncio.run(bench(args.runtime)))
+    print(asyncio.run(run(args.runtime, args.rounds)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(__doc__ or "", bench, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,195 @@
+"""Where a partition volume's time goes: one QSD graph knob at a time, each beside the device region, one run.
+
+Run as ``.venv/bin/python -m e2e.bench.partition_knobs [--runtime 5] [--rounds 3]``
+(root). It prints figures, never pass/fail.
+
+The "NVMe" is a loop device (direct I/O) over a sparse file, as in
+``e2e.bench.partitions``. Each variant is a bare QSD (no driver) holding one
+256 MiB extent in the shape the device pool gives it, changed in one place:
+the throttle filter, the `raw` window, the host_device's AIO engine or
+cache mode, the FUSE export's thread, the loop device's mode; `null-co`
+shows what the FUSE export and loop device cost with no storage at all.
+The last row takes QSD out: a direct-I/O loop device over the same range
+of the device (``losetup --offset --sizelimit``; this kernel has no
+device-mapper), for what the kernel alone gives. The jobs of
+``e2e.bench.partitions`` run on the volume and, right after, on the same
+byte range of the device; the table gives each variant's median over the
+rounds beside the device region's median of the same rounds, and QSD's CPU
+use during the volume's job (a share of one CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import statistics
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient
+
+from csi_qsd.tools import bundled
+from e2e.bench.common import cpu_seconds, ratio, table
+from e2e.bench.partitions import JOBS, fio, run_cli
+
+MIB = 1 << 20
+REGION = 256 * MIB
+OFFSET = 64 * MIB
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One change to the device pool's graph (or to the loop device over its export)."""
+
+    name: str
+    aio: str = "native"
+    direct: bool = True
+    throttle: bool = True
+    iothread: bool = False  # the FUSE export in QSD's iothread rather than its main loop
+    loop_direct: bool = True
+    null: bool = False  # no storage: null-co, what FUSE and the loop device cost alone
+    kernel: bool = False  # no QSD: a direct-I/O loop device over the extent itself, for reference
+
+    def nodes(self, device: Path) -> list[dict[str, Any]]:
+        """`blockdev-add` arguments, bottom up; the last is what the export stands on."""
+        if self.null:
+            return [{"driver": "null-co", "node-name": "top", "size": REGION, "read-zeroes": True}]
+        host = {"driver": "host_device", "filename": str(device), "cache": {"direct": self.direct},
+                "aio": self.aio, "discard": "unmap", "locking": "off"}
+        nodes: list[dict[str, Any]] = [
+            {"driver": "raw", "node-name": "file", "file": host, "offset": OFFSET, "size": REGION},
+            {"driver": "raw", "node-name": "fmt", "file": "file"},
+        ]
+        if self.throttle:
+            nodes.append({"driver": "throttle", "node-name": "thr", "throttle-group": "tg", "file": "fmt"})
+        return nodes
+
+
+VARIANTS = [
+    Variant("as served: throttle > raw > raw window > host_device (native, O_DIRECT)"),
+    Variant("no throttle filter", throttle=False),
+    Variant("aio io_uring", aio="io_uring"),
+    Variant("aio threads", aio="threads"),
+    Variant("cache.direct off (host page cache)", aio="threads", direct=False),
+    Variant("FUSE export in the iothread", iothread=True),
+    Variant("buffered loop device", loop_direct=False),
+    Variant("null-co (no storage: FUSE + loop alone)", null=True, throttle=False),
+    Variant("no QSD: direct-I/O loop device over the extent", kernel=True),
+]
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@contextlib.asynccontextmanager
+async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[tuple[Path, int | None]]:
+    """A bare QSD serving `variant` over FUSE, and a loop device on the export; yields it and QSD's PID."""
+    if variant.kernel:
+        carved = sh("losetup", "--find", "--show", "--direct-io=on", f"--offset={OFFSET}", f"--sizelimit={REGION}",
+                    str(device))
+        try:
+            yield Path(carved), None
+        finally:
+            subprocess.run(["losetup", "-d", carved], check=False)
+        return
+    qmp_path, export = work / "qmp.sock", work / "disk"
+    export.touch()
+    proc = await asyncio.create_subprocess_exec(
+        bundled("qemu-storage-daemon"), "--chardev", f"socket,id=m,path={qmp_path},server=on,wait=off",
+        "--monitor", "chardev=m", "--object", "iothread,id=io0", start_new_session=True)
+    qmp = QMPClient("bench")
+    loopdev = ""
+    try:
+        for attempt in range(100):  # the socket file appears just before QSD listens on it
+            try:
+                await qmp.connect(str(qmp_path))
+                break
+            except Exception:
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.05)
+        if variant.throttle:
+            await qmp.execute("object-add", {"qom-type": "throttle-group", "id": "tg", "limits": {}})
+        nodes = variant.nodes(device)
+        for spec in nodes:
+            await qmp.execute("blockdev-add", spec)
+        args: dict[str, Any] = {"type": "fuse", "id": "e", "node-name": nodes[-1].get("node-name", "top"),
+                                "mountpoint": str(export), "writable": True}
+        if variant.iothread:
+            args["iothread"] = "io0"
+        await qmp.execute("block-export-add", args)
+        loopdev = sh("losetup", "--find", "--show", f"--direct-io={'on' if variant.loop_direct else 'off'}",
+                     str(export))
+        yield Path(loopdev), proc.pid
+    finally:
+        if loopdev:
+            subprocess.run(["losetup", "-d", loopdev], check=False)
+        with contextlib.suppress(Exception):
+            await qmp.execute("quit")
+        with contextlib.suppress(Exception):
+            await qmp.disconnect()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        subprocess.run(["umount", "-l", str(export)], check=False, capture_output=True)
+        export.unlink(missing_ok=True)
+        qmp_path.unlink(missing_ok=True)  # left behind by a QSD that had to be killed
+
+
+async def bench(runtime: int, rounds: int) -> str:
+    work = Path(tempfile.mkdtemp(prefix="cqknobs", dir="/tmp"))
+    backing = work / "nvme.img"
+    with open(backing, "wb") as f:
+        f.truncate(OFFSET + REGION + 64 * MIB)
+    device = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)))
+    samples: dict[tuple[str, str], list[float]] = {}
+    try:
+        sh("fio", "--name=fill", f"--filename={device}", "--rw=write", "--bs=1M", "--iodepth=8",
+           "--ioengine=libaio", "--direct=1", f"--offset={OFFSET}", f"--size={REGION}")
+        for _ in range(rounds):
+            for variant in VARIANTS:
+                async with exported(variant, device, work) as (volume, qsd):
+                    for job in JOBS:
+                        before = cpu_seconds(qsd) if qsd else 0.0
+                        samples.setdefault((variant.name, job.name), []).append(await fio(volume, job, runtime))
+                        samples.setdefault((variant.name, job.name + " cpu"), []).append(
+                            (cpu_seconds(qsd) - before) / runtime if qsd else 0.0)
+                        samples.setdefault((variant.name, job.name + " device"), []).append(
+                            await fio(device, job, runtime, OFFSET))
+    finally:
+        subprocess.run(["losetup", "-d", str(device)], check=False)
+        backing.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            work.rmdir()
+    rows = []
+    for variant in VARIANTS:
+        row = [variant.name]
+        for job in JOBS:
+            vol = statistics.median(samples[(variant.name, job.name)])
+            dev = statistics.median(samples[(variant.name, job.name + " device")])
+            cpu = statistics.median(samples[(variant.name, job.name + " cpu")])
+            row += [f"{dev:,.0f}", f"{vol:,.0f}", ratio(vol, dev), f"{cpu:.0%}"]
+        rows.append(row)
+    headers = ["variant"]
+    for job in JOBS:
+        headers += [f"{job.label}: device", "volume", "ratio", "QSD CPU"]
+    return (f"median of {rounds} rounds x {runtime} s per fio job; the device region measured right after the "
+            "volume, in the same round; QSD CPU: its share of one CPU during the volume's job\n"
+            + table(headers, rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(__doc__ or "", bench, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
