@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     _option(backup, "--state-dir", str(DEFAULT_STATE_DIR), "the driver's state dir, whose catalog names the images")
     _option(backup, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
     _option(backup, "--qemu-nbd", bundled("qemu-nbd"), "qemu-nbd executable")
+    export = actions.add_parser("nbd-export", help="serve a snapshot read-only over NBD on a UNIX socket, with its "
+                                "changed-block bitmaps, until interrupted (on the snapshot's node)")
+    export.add_argument("snapshot_id")
+    export.add_argument("--socket", required=True, help="the UNIX socket to serve on")
+    _option(export, "--state-dir", str(DEFAULT_STATE_DIR), "the driver's state dir, whose catalog names the images")
+    _option(export, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
+    _option(export, "--qemu-nbd", bundled("qemu-nbd"), "qemu-nbd executable")
     restore = actions.add_parser("restore", help="one image from a full backup and its incrementals, oldest first")
     restore.add_argument("backups", nargs="+")
     restore.add_argument("-o", "--output", required=True)
@@ -332,6 +339,11 @@ async def _client(args: argparse.Namespace) -> int:
             info = await client.plugin_info()
             print(json.dumps({"name": info.name, "version": info.vendor_version,
                               "ready": await client.probe(), "available_bytes": await client.capacity()}))
+        elif action == "nbd-export":
+            from csi_qsd import snapshot_nbd
+
+            return await snapshot_nbd.serve(Config(state_dir=Path(args.state_dir)).catalog_path, args.snapshot_id,
+                                            Path(args.socket), qemu_img=args.qemu_img, qemu_nbd=args.qemu_nbd)
         elif action in ("backup", "restore"):
             from csi_qsd import backup
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import logging
 import mmap
 import os
 import signal
 import struct
+import sys
 from pathlib import Path
 
 import grpc
@@ -282,3 +284,54 @@ async def test_errors_name_the_snapshot(box: Sandbox, driver: tuple[Driver, CSIC
     services = {c.service.type for c in caps.capabilities if c.HasField("service")}
     assert pb.PluginCapability.Service.SNAPSHOT_METADATA_SERVICE in services
     await asyncio.sleep(0)
+
+
+async def test_a_snapshot_served_over_nbd_reads_as_the_snapshot_with_its_changed_blocks(
+    box: Sandbox, driver: tuple[Driver, CSIClient], block_volume: tuple[str, BlockDevice],
+) -> None:
+    """`csi-qsd volume nbd-export`: what a backup tool pulls over NBD is the snapshot and its record."""
+    drv, csi = driver
+    vid, dev = block_volume
+    dev.write(0, 256 * KIB, 1)
+    dev.cut()
+    s0 = (await csi.create_snapshot("nbd-0", vid)).snapshot_id
+    dev.write(3 * MIB + 60 * KIB, 8 * KIB, 2)
+    dev.write(40 * MIB, 64 * KIB, 3)
+    w1 = dev.cut()
+    s1 = (await csi.create_snapshot("nbd-1", vid)).snapshot_id
+    dev.write(41 * MIB, 64 * KIB, 4)  # after the snapshot: not in what is served
+    socket = box.root / "s1.nbd"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "csi_qsd.cli", "volume", "--endpoint", box.endpoint, "nbd-export", s1,
+        "--socket", str(socket), "--state-dir", str(box.state_dir), "--qemu-img", drv.config.qemu_img,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        told = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        assert told["uri"] == f"nbd+unix:///?socket={socket}"
+        assert "qemu:dirty-bitmap:cbt" in told["contexts"] and "qemu:allocation-depth" in told["contexts"]
+        served = box.root / "served.raw"
+        await run(drv.config.qemu_img, "convert", "-f", "raw", "-O", "raw", told["uri"], str(served))
+        assert served.read_bytes() == await snapshot_content(drv, s1, box.root / "s1.raw")
+        served.unlink()
+        opts = f"driver=nbd,server.type=unix,server.path={socket},x-dirty-bitmap=qemu:dirty-bitmap:cbt"
+        _, out = await run(drv.config.qemu_img, "map", "--output=json", "--image-opts", opts)
+        dirty = [(e["start"], e["length"]) for e in json.loads(out) if not e["data"]]
+        assert extents.blocks(dirty, CLUSTER) == w1
+        _, delta = await csi.metadata_delta(s0, s1)
+        assert extents.coalesce(dirty) == delta
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    assert not socket.exists()
+
+
+async def test_nbd_export_of_an_unknown_snapshot_says_so(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "csi_qsd.cli", "volume", "--endpoint", box.endpoint, "nbd-export",
+        "snap-000000000000000000000000", "--socket", str(box.root / "x.nbd"), "--state-dir", str(box.state_dir),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate()
+    assert proc.returncode == 1 and b"NOT_FOUND" in err and b"snap-000000000000000000000000" in err
