@@ -26,7 +26,7 @@ from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem
 from csi_qsd.qsd import attach, graph
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.sys import caps, filesystems, loop, mounts
+from csi_qsd.sys import caps, filesystems, fusectl, loop, mounts
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class FuseLoopExport(ExportPath):
         await attach.ensure_top(client, top)
         if fresh_export:
             await attach.add_fuse_export(client, top, export, writable=True)
+            await fusectl.raise_background(export)
         self.host.failpoints.hit("stage.after_export")
         device = await self._loop_for(export, stage.loop_device, fresh_export)
         self.host.failpoints.hit("stage.after_loop")

@@ -6,8 +6,9 @@ Run as ``.venv/bin/python -m e2e.bench.partition_knobs [--runtime 5] [--rounds 3
 The "NVMe" is a loop device (direct I/O) over a sparse file, as in
 ``e2e.bench.partitions``. Each variant is a bare QSD (no driver) holding one
 256 MiB extent in the shape the device pool gives it, changed in one place:
-the throttle filter, the `raw` window, the host_device's AIO engine or
-cache mode, the FUSE export's thread, the loop device's mode; `null-co`
+the kernel's FUSE background limit, the throttle filter, the
+host_device's AIO engine or cache mode, the FUSE export's thread, the loop
+device's mode; `null-co`
 shows what the FUSE export and loop device cost with no storage at all.
 The last row takes QSD out: a direct-I/O loop device over the same range
 of the device (``losetup --offset --sizelimit``; this kernel has no
@@ -34,6 +35,7 @@ from typing import Any
 
 from qemu.qmp import QMPClient
 
+from csi_qsd.sys import fusectl
 from csi_qsd.tools import bundled
 from e2e.bench.common import cpu_seconds, ratio, table
 from e2e.bench.partitions import JOBS, fio, run_cli
@@ -55,6 +57,7 @@ class Variant:
     loop_direct: bool = True
     null: bool = False  # no storage: null-co, what FUSE and the loop device cost alone
     kernel: bool = False  # no QSD: a direct-I/O loop device over the extent itself, for reference
+    max_background: int = fusectl.MAX_BACKGROUND  # FUSE requests in flight the kernel allows (its default: 12)
 
     def nodes(self, device: Path) -> list[dict[str, Any]]:
         """`blockdev-add` arguments, bottom up; the last is what the export stands on."""
@@ -73,6 +76,7 @@ class Variant:
 
 VARIANTS = [
     Variant("as served: throttle > raw > raw window > host_device (native, O_DIRECT)"),
+    Variant("FUSE max_background 12 (the kernel's default)", max_background=12),
     Variant("no throttle filter", throttle=False),
     Variant("aio io_uring", aio="io_uring"),
     Variant("aio threads", aio="threads"),
@@ -125,6 +129,7 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
         if variant.iothread:
             args["iothread"] = "io0"
         await qmp.execute("block-export-add", args)
+        await fusectl.raise_background(export, variant.max_background)
         loopdev = sh("losetup", "--find", "--show", f"--direct-io={'on' if variant.loop_direct else 'off'}",
                      str(export))
         yield Path(loopdev), proc.pid
