@@ -176,9 +176,20 @@ async def test_vm_volume_lifecycle_and_a_qsd_restart(
         assert pool.namespace.node_name in await client.node_names()  # attached again before the rebuild
         assert (target / "vhost-user-blk.sock").is_socket()
 
+        # A second VM volume's window shares the node beside the first's live export.
+        other = await csi.create_volume("pvc-vm2", 32 * MIB, {"pool": "fast", "export": "vhost-user-blk"})
+        ostaging, otarget = box.staging("vm2"), box.target("vm2")
+        await csi.stage(other.volume_id, str(ostaging))
+        await csi.publish(other.volume_id, str(ostaging), str(otarget))
+        assert (otarget / "vhost-user-blk.sock").is_socket()
+
         direct_write(nvme, extent.start, PATTERN)  # what the VM would have written
         await csi.unpublish(vm.volume_id, str(target))
         await csi.unstage(vm.volume_id, str(staging))
         await csi.delete_volume(vm.volume_id)
         assert direct_read(nvme, extent.start, len(PATTERN)) == bytes(len(PATTERN))  # scrubbed through QSD
+        assert (await capacity(csi, "fast"))[0] == total - 32 * MIB
+        await csi.unpublish(other.volume_id, str(otarget))
+        await csi.unstage(other.volume_id, str(ostaging))
+        await csi.delete_volume(other.volume_id)
         assert (await capacity(csi, "fast"))[0] == total
