@@ -4,19 +4,21 @@ Run as ``.venv/bin/python -m e2e.bench.partition_knobs [--runtime 5] [--rounds 3
 (root). It prints figures, never pass/fail.
 
 The "NVMe" is a loop device (direct I/O) over a sparse file, as in
-``e2e.bench.partitions``. Each variant is a bare QSD (no driver) holding one
-256 MiB extent in the shape the device pool gives it, changed in one place:
-the kernel's FUSE background limit, the throttle filter, the
-host_device's AIO engine or cache mode, the FUSE export's thread, the loop
-device's mode; `null-co`
-shows what the FUSE export and loop device cost with no storage at all.
-The last row takes QSD out: a direct-I/O loop device over the same range
-of the device (``losetup --offset --sizelimit``; this kernel has no
-device-mapper), for what the kernel alone gives. The jobs of
-``e2e.bench.partitions`` run on the volume and, right after, on the same
-byte range of the device; the table gives each variant's median over the
-rounds beside the device region's median of the same rounds, and QSD's CPU
-use during the volume's job (a share of one CPU).
+``e2e.bench.partitions``, and the volume a bare QSD (no driver) holding one
+256 MiB extent in the shape the device pool gives it, exported over FUSE
+with a direct-I/O loop device on the export. The jobs are
+``e2e.bench.partitions``'; every figure is the median over the rounds.
+
+Table 1: one QSD, the FUSE connection's background limit switched between
+the kernel's default (12) and what the driver sets, run after run, so
+nothing else changes. Table 2: one change at a time, a QSD each (the
+throttle filter, the host_device's AIO engine or cache mode, the FUSE
+export's thread, the loop device's mode; `null-co` for the FUSE export and
+loop device with no storage at all; and, without QSD, a direct-I/O loop
+device over the same range of the device, ``losetup --offset
+--sizelimit``, since this kernel has no device-mapper), each beside the
+same byte range of the device measured right after it in the same round,
+with QSD's CPU use during the volume's job (a share of one CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from e2e.bench.partitions import JOBS, fio, run_cli
 MIB = 1 << 20
 REGION = 256 * MIB
 OFFSET = 64 * MIB
+BACKGROUND_LIMITS = (12, fusectl.MAX_BACKGROUND)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,6 @@ class Variant:
     loop_direct: bool = True
     null: bool = False  # no storage: null-co, what FUSE and the loop device cost alone
     kernel: bool = False  # no QSD: a direct-I/O loop device over the extent itself, for reference
-    max_background: int = fusectl.MAX_BACKGROUND  # FUSE requests in flight the kernel allows (its default: 12)
 
     def nodes(self, device: Path) -> list[dict[str, Any]]:
         """`blockdev-add` arguments, bottom up; the last is what the export stands on."""
@@ -76,7 +78,6 @@ class Variant:
 
 VARIANTS = [
     Variant("as served: throttle > raw > raw window > host_device (native, O_DIRECT)"),
-    Variant("FUSE max_background 12 (the kernel's default)", max_background=12),
     Variant("no throttle filter", throttle=False),
     Variant("aio io_uring", aio="io_uring"),
     Variant("aio threads", aio="threads"),
@@ -129,7 +130,7 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
         if variant.iothread:
             args["iothread"] = "io0"
         await qmp.execute("block-export-add", args)
-        await fusectl.raise_background(export, variant.max_background)
+        await fusectl.raise_background(export)
         loopdev = sh("losetup", "--find", "--show", f"--direct-io={'on' if variant.loop_direct else 'off'}",
                      str(export))
         yield Path(loopdev), proc.pid
@@ -160,6 +161,13 @@ async def bench(runtime: int, rounds: int) -> str:
     try:
         sh("fio", "--name=fill", f"--filename={device}", "--rw=write", "--bs=1M", "--iodepth=8",
            "--ioengine=libaio", "--direct=1", f"--offset={OFFSET}", f"--size={REGION}")
+        async with exported(VARIANTS[0], device, work) as (volume, _):
+            for _ in range(rounds):  # one QSD, the limit switched back and forth: nothing else changes
+                for limit in BACKGROUND_LIMITS:
+                    await fusectl.raise_background(work / "disk", limit)
+                    for job in JOBS:
+                        samples.setdefault((f"max_background {limit}", job.name), []).append(
+                            await fio(volume, job, runtime))
         for _ in range(rounds):
             for variant in VARIANTS:
                 async with exported(variant, device, work) as (volume, qsd):
@@ -175,6 +183,10 @@ async def bench(runtime: int, rounds: int) -> str:
         backing.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             work.rmdir()
+    limits = table(["FUSE max_background", *(job.label for job in JOBS)],
+                   [[f"{limit}{' (kernel default)' if limit == 12 else ' (as served)'}",
+                     *(f"{statistics.median(samples[(f'max_background {limit}', job.name)]):,.0f}" for job in JOBS)]
+                    for limit in BACKGROUND_LIMITS])
     rows = []
     for variant in VARIANTS:
         row = [variant.name]
@@ -187,9 +199,10 @@ async def bench(runtime: int, rounds: int) -> str:
     headers = ["variant"]
     for job in JOBS:
         headers += [f"{job.label}: device", "volume", "ratio", "QSD CPU"]
-    return (f"median of {rounds} rounds x {runtime} s per fio job; the device region measured right after the "
-            "volume, in the same round; QSD CPU: its share of one CPU during the volume's job\n"
-            + table(headers, rows))
+    return (f"median of {rounds} rounds x {runtime} s per fio job\n\nthe as-served volume on one QSD, the FUSE "
+            f"connection's background limit switched between runs:\n{limits}\n\none change at a time, a QSD each; "
+            "the device region measured right after the volume, in the same round; QSD CPU: its share of one CPU "
+            "during the volume's job\n" + table(headers, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
