@@ -40,6 +40,7 @@ from csi_qsd.csi_client import CSIClient
 from csi_qsd.errors import HostCommandError, InvalidArgument
 from csi_qsd.extents import Extent
 from csi_qsd.granularity import BACKUP_OPTIONS
+from csi_qsd.imagemap import qcow2_spec
 from csi_qsd.sys.run import run
 
 CHUNK = 4 << 20  # bytes per NBD request; qemu-nbd accepts up to 32 MiB
@@ -111,14 +112,6 @@ class NBDClient:
         self._writer.close()
         with contextlib.suppress(ConnectionError):
             await self._writer.wait_closed()
-
-
-def qcow2_spec(image: Path, *, read_only: bool) -> str:
-    """A `json:` filename for qemu-nbd: a frozen image is opened read-only beside QSD (force-share)."""
-    spec: dict[str, Any] = {"driver": "qcow2", "file": {"driver": "file", "filename": str(image)}}
-    if read_only:
-        spec.update({"read-only": True, "force-share": True})
-    return "json:" + json.dumps(spec)
 
 
 @contextlib.asynccontextmanager

@@ -33,11 +33,9 @@ async def reclaim(catalog: Catalog, pool: Pool, image: str) -> None:
         image = snapshot.backing
 
 
-async def images_below(catalog: Catalog, image: str) -> list[Path]:
-    """The images `image` reads through, newest first, as the catalog records them (itself not included)."""
+async def from_backing(catalog: Catalog, backing: str) -> list[Path]:
+    """`backing` and the images below it, newest first, as the catalog records them."""
     found: list[Path] = []
-    snapshot = await catalog.snapshot_by_image(image)
-    backing = snapshot.backing if snapshot is not None else ""
     while backing and len(found) < MAX_CHAIN:
         found.append(Path(backing))
         below = await catalog.snapshot_by_image(backing)
@@ -45,11 +43,12 @@ async def images_below(catalog: Catalog, image: str) -> list[Path]:
     return found
 
 
+async def images_below(catalog: Catalog, image: str) -> list[Path]:
+    """The images `image` reads through, newest first (itself not included)."""
+    snapshot = await catalog.snapshot_by_image(image)
+    return await from_backing(catalog, snapshot.backing) if snapshot is not None else []
+
+
 async def depth(catalog: Catalog, volume: VolumeRecord) -> int:
     """How many images a volume reads through: 1 for a volume with no backing."""
-    count, image = 1, volume.backing
-    while image:
-        count += 1
-        snapshot = await catalog.snapshot_by_image(image)
-        image = snapshot.backing if snapshot is not None else ""
-    return count
+    return 1 + len(await from_backing(catalog, volume.backing))

@@ -34,7 +34,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import TypeVar
 
-from csi_qsd import extents, image_bitmaps, imagemap, layer_bitmaps, validate
+from csi_qsd import chains, extents, image_bitmaps, imagemap, layer_bitmaps, validate
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState
 from csi_qsd.errors import HostCommandError, InvalidArgument, NotFound, OutOfRange
 from csi_qsd.extents import Extent
@@ -43,7 +43,6 @@ from csi_qsd.tools import bundled
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_CHAIN = 4096  # a longer chain in the catalog is a loop, not a chain
 PARALLEL_MAPS = 4
 
 
@@ -138,12 +137,7 @@ class ChangedBlocks:
 
     async def _chain(self, snapshot: SnapshotRecord) -> list[Path]:
         """The images a snapshot reads through, newest first, as the catalog records them."""
-        images, backing = [snapshot.image], snapshot.backing
-        while backing and len(images) < MAX_CHAIN:
-            images.append(Path(backing))
-            below = await self._catalog.snapshot_by_image(backing)
-            backing = below.backing if below is not None else ""
-        return images
+        return [snapshot.image, *await chains.from_backing(self._catalog, snapshot.backing)]
 
     async def _across_merge(self, base: SnapshotRecord, chain: list[Path]) -> tuple[list[Extent] | None, str]:
         """What changed after `base` where its image was merged into the bottom of `chain`; None and why if unknown."""

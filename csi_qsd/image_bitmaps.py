@@ -24,21 +24,19 @@ from typing import Any
 from csi_qsd import layer_bitmaps
 from csi_qsd.errors import HostCommandError
 from csi_qsd.extents import Extent
+from csi_qsd.imagemap import layer_spec, qcow2_spec
 from csi_qsd.layer_bitmaps import Bitmap
 from csi_qsd.sys.run import run
 
 NBD_START_SECONDS = 10.0
 
 
-def _alone(image: Path) -> str:
-    """`image` opened without its backing chain: a chain QSD has open (a live top) would refuse qemu-img's lock."""
-    return "json:" + json.dumps({"driver": "qcow2", "backing": None,
-                                 "file": {"driver": "file", "filename": str(image)}})
-
-
 async def add_tracking(qemu_img: str, image: Path, granularity: int) -> None:
-    """Give a new qcow2 image its own record: an enabled persistent bitmap QSD marks on every write."""
-    await run(qemu_img, "bitmap", "--add", "--enable", "-g", str(granularity), _alone(image), layer_bitmaps.OWN)
+    """Give a new qcow2 image its own record: an enabled persistent bitmap QSD marks on every write.
+
+    The image is opened without its backing chain: a chain QSD has open (a live top) would refuse qemu-img's lock.
+    """
+    await run(qemu_img, "bitmap", "--add", "--enable", "-g", str(granularity), layer_spec(image), layer_bitmaps.OWN)
 
 
 def bitmaps_of(info: dict[str, Any]) -> dict[str, Bitmap]:
@@ -65,13 +63,13 @@ async def carry_before_flatten(qemu_img: str, image: Path) -> None:
     own = bitmaps_of(chain[0])
     layers = [(Path(entry["filename"]).name, bitmaps_of(entry)) for entry in chain[1:]]
     if (mine := own.get(layer_bitmaps.OWN)) is not None and mine.consistent:
-        await run(qemu_img, "bitmap", "--disable", _alone(image), layer_bitmaps.OWN)
+        await run(qemu_img, "bitmap", "--disable", layer_spec(image), layer_bitmaps.OWN)
     for step in layer_bitmaps.plan_carry(layers, set(own)):
         argv = [qemu_img, "bitmap", "--add", "-g", str(step.granularity)]
         if step.source is not None:
             source = chain[1 + step.layer]
             argv += ["--merge", step.source, "-b", source["filename"], "-F", source["format"]]
-        await run(*argv, "--disable", _alone(image), step.target)
+        await run(*argv, "--disable", layer_spec(image), step.target)
 
 
 @contextlib.asynccontextmanager
@@ -79,13 +77,11 @@ async def _served(qemu_nbd: str, image: Path, names: list[str]) -> AsyncIterator
     """qemu-nbd serving `image` read-only with the bitmaps `names`, on a private socket, until exit."""
     with tempfile.TemporaryDirectory(prefix="csi-qsd-bitmap-") as work:
         socket, pid_file = Path(work) / "nbd.sock", Path(work) / "pid"
-        spec = json.dumps({"driver": "qcow2", "read-only": True, "force-share": True,
-                           "file": {"driver": "file", "filename": str(image)}})
         argv = [qemu_nbd, "--fork", "--persistent", "--read-only", "--pid-file", str(pid_file),
                 "--socket", str(socket)]
         for name in names:
             argv += ["--bitmap", name]
-        await run(*argv, f"json:{spec}", timeout=NBD_START_SECONDS)
+        await run(*argv, qcow2_spec(image, read_only=True), timeout=NBD_START_SECONDS)
         pid = int(pid_file.read_text())
         try:
             yield socket

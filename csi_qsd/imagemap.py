@@ -30,6 +30,14 @@ def layer_spec(image: Path) -> str:
     )
 
 
+def qcow2_spec(image: Path, *, read_only: bool) -> str:
+    """A `json:` filename for qemu-nbd: a frozen image is opened read-only beside QSD (force-share)."""
+    spec: dict[str, object] = {"driver": "qcow2", "file": {"driver": "file", "filename": str(image)}}
+    if read_only:
+        spec.update({"read-only": True, "force-share": True})
+    return "json:" + json.dumps(spec)
+
+
 async def layer_allocation(qemu_img: str, image: Path) -> list[Extent]:
     """The ranges `image` itself holds (data or zero clusters), ignoring its backing files.
 

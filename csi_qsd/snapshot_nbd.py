@@ -27,6 +27,7 @@ from pathlib import Path
 from csi_qsd import image_bitmaps, validate
 from csi_qsd.catalog import Catalog, SnapshotState
 from csi_qsd.errors import InvalidArgument, NotFound
+from csi_qsd.imagemap import qcow2_spec
 
 
 async def served_contexts(qemu_img: str, image: Path) -> list[str]:
@@ -53,13 +54,11 @@ async def serve(
     """Serve the snapshot until SIGINT/SIGTERM; print one JSON line saying where and what first. qemu-nbd's code."""
     image = await snapshot_image(catalog_path, snapshot_id)
     bitmaps = await served_contexts(qemu_img, image)
-    spec = json.dumps({"driver": "qcow2", "read-only": True, "force-share": True,
-                       "file": {"driver": "file", "filename": str(image)}})
     argv = [qemu_nbd, "--read-only", "--persistent", "--shared=16", "--allocation-depth", "--socket", str(socket)]
     for name in bitmaps:
         argv += ["--bitmap", name]
     socket.unlink(missing_ok=True)
-    process = await asyncio.create_subprocess_exec(*argv, f"json:{spec}", stdin=asyncio.subprocess.DEVNULL)
+    process = await asyncio.create_subprocess_exec(*argv, qcow2_spec(image, read_only=True), stdin=asyncio.subprocess.DEVNULL)
     try:
         while not socket.exists() and process.returncode is None:
             await asyncio.sleep(0.02)

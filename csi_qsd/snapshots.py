@@ -354,21 +354,18 @@ class Snapshots:
             if volume is None or not volume.backing:
                 return
             log.info("event=flatten_start volume_id=%s", volume_id)
-            if await self._live.stream_backing_if_staged(volume):
-                base = await self._catalog.snapshot_by_image(volume.backing)
-                if base is not None and base.backing:
-                    await self._catalog.put_snapshots([dataclasses.replace(base, backing="")])
-                    log.info("event=flatten_done volume_id=%s live=true into=%s", volume_id, base.id)
-                    await chains.reclaim(self._catalog, self._pool, base.backing)
-                return
             base = await self._catalog.snapshot_by_image(volume.backing)
+            live = await self._live.stream_backing_if_staged(volume)
             if base is not None and base.backing:
-                # Into the newest snapshot's image, as live: a frozen image's own changed-block record
-                # stays exact, where the volume's top would have its record mixed with the merged data.
-                await self._pool.flatten(base.image)
+                if not live:
+                    # Into the newest snapshot's image, as live: a frozen image's own changed-block record
+                    # stays exact, where the volume's top would have its record mixed with the merged data.
+                    await self._pool.flatten(base.image)
                 await self._catalog.put_snapshots([dataclasses.replace(base, backing="")])
-                log.info("event=flatten_done volume_id=%s live=false into=%s", volume_id, base.id)
+                log.info("event=flatten_done volume_id=%s live=%s into=%s", volume_id, str(live).lower(), base.id)
                 await chains.reclaim(self._catalog, self._pool, base.backing)
+                return
+            if live:
                 return
             await self._pool.flatten(volume.image)
             await self._catalog.update_volume(dataclasses.replace(volume, backing=""))

@@ -19,7 +19,7 @@ from csi_qsd import layer_bitmaps
 from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph, vhost_greeting
-from csi_qsd.qsd.client import BlockNodeInfo, QSDClient
+from csi_qsd.qsd.client import BlockNodeInfo, QSDClient, node_info
 from csi_qsd.qsd.storage import Storage
 
 
@@ -231,32 +231,26 @@ async def stream_into_backing(
     picks an intermediate node on purpose: QSD 7.2's writable FUSE export
     holds the 'resize' permission that a stream into the top must deny.
     """
-    named = await _named_with_bitmaps(client)
-    nodes = {name: info for name, (info, _) in named.items()}
+    nodes, bitmaps = await _nodes_and_bitmaps(client)
     base = _format_node_of(nodes, str(backing_image))
     if not base:
         return False
-    await carry_bitmaps(client, base, named, layers or [])
+    await carry_bitmaps(client, base, nodes, bitmaps, layers or [])
     await client.stream(f"stream-{volume_id}", base)
     return True
 
 
 async def carry_bitmaps(
-    client: QSDClient, target: str, named: dict[str, tuple[BlockNodeInfo, dict[str, layer_bitmaps.Bitmap]]],
-    layers: list[Path],
+    client: QSDClient, target: str, nodes: dict[str, BlockNodeInfo],
+    bitmaps: dict[str, dict[str, layer_bitmaps.Bitmap]], layers: list[Path],
 ) -> None:
     """Before merging `layers` into node `target`: freeze its own record and copy theirs into it, atomically."""
-    nodes = {name: info for name, (info, _) in named.items()}
-    own = named[target][1]
+    own = bitmaps[target]
     actions: list[graph.QMPArgs] = []
     if (mine := own.get(layer_bitmaps.OWN)) is not None and mine.consistent:
         actions.append({"type": "block-dirty-bitmap-disable", "data": {"node": target, "name": layer_bitmaps.OWN}})
-    found: list[tuple[str, dict[str, layer_bitmaps.Bitmap]]] = []
-    sources: list[str] = []
-    for image in layers:
-        node = _format_node_of(nodes, str(image))
-        found.append((image.name, named[node][1] if node else {}))
-        sources.append(node)
+    sources = [_format_node_of(nodes, str(image)) for image in layers]
+    found = [(image.name, bitmaps[node] if node else {}) for image, node in zip(layers, sources)]
     for step in layer_bitmaps.plan_carry(found, set(own)):
         actions.append({"type": "block-dirty-bitmap-add", "data": {
             "node": target, "name": step.target, "granularity": step.granularity,
@@ -269,21 +263,20 @@ async def carry_bitmaps(
         await client.execute("transaction", {"actions": actions})
 
 
-async def _named_with_bitmaps(
+async def _nodes_and_bitmaps(
     client: QSDClient,
-) -> dict[str, tuple[BlockNodeInfo, dict[str, layer_bitmaps.Bitmap]]]:
-    """Every named node (QEMU's own '#block' names included) with its persistent bitmaps."""
+) -> tuple[dict[str, BlockNodeInfo], dict[str, dict[str, layer_bitmaps.Bitmap]]]:
+    """Every named node (QEMU's own '#block' names included), and the persistent bitmaps of each."""
     raw = await client.execute("query-named-block-nodes", {"flat": True})
-    found: dict[str, tuple[BlockNodeInfo, dict[str, layer_bitmaps.Bitmap]]] = {}
-    for item in raw:
-        info = BlockNodeInfo(node_name=item["node-name"], drv=item["drv"], file=item["file"], ro=item["ro"],
-                             virtual_size=int(item.get("image", {}).get("virtual-size", 0)))
-        bitmaps = {
+    nodes = {item["node-name"]: node_info(item) for item in raw}
+    bitmaps = {
+        item["node-name"]: {
             b["name"]: layer_bitmaps.Bitmap(b["name"], int(b["granularity"]), not b.get("inconsistent", False))
             for b in item.get("dirty-bitmaps", []) if b.get("persistent")
         }
-        found[item["node-name"]] = (info, bitmaps)
-    return found
+        for item in raw
+    }
+    return nodes, bitmaps
 
 
 def _format_node_of(nodes: dict[str, BlockNodeInfo], image: str) -> str:

@@ -11,12 +11,13 @@ QSD. QMP JSON never leaves this package: results come back as TypedDicts.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict, TypeVar, cast
 
 from qemu.qmp import EventListener, ExecuteError, QMPClient, QMPError, Runstate
 
@@ -25,6 +26,7 @@ from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.qsd.view import EVENTS, BlockExportInfo, GraphView
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class BlockNodeInfo(TypedDict):
@@ -33,6 +35,12 @@ class BlockNodeInfo(TypedDict):
     file: str
     ro: bool
     virtual_size: int
+
+
+def node_info(item: dict[str, Any]) -> BlockNodeInfo:
+    """One entry of `query-named-block-nodes` (QMP's BlockDeviceInfo), the fields read here."""
+    return BlockNodeInfo(node_name=item["node-name"], drv=item["drv"], file=item["file"], ro=item["ro"],
+                         virtual_size=int(item.get("image", {}).get("virtual-size", 0)))
 
 
 class _RawBlockStatsCounters(TypedDict, total=False):
@@ -249,16 +257,24 @@ class QSDClient:
 
     # graph --------------------------------------------------------------
 
-    async def node_names(self) -> set[str]:
-        """Names of every named node, from the client's record (`view.GraphView`), listed when it has none."""
+    async def _recorded(self, part: str, listing: Callable[[], Awaitable[T]]) -> T:
+        """One part of the client's record (`view.GraphView`), or QSD's listing of it where the record has none.
+
+        A listing is kept unless a confirmed change overtook it; callers get copies either way.
+        """
         self._take_events()
-        if self._view.nodes is not None:
-            return set(self._view.nodes)
+        kept = getattr(self._view, part)
+        if kept is not None:
+            return cast(T, copy.deepcopy(kept))
         epoch = self._view.epoch
-        names = await self._list_node_names()
+        listed = await listing()
         if self._view.epoch == epoch:
-            self._view.nodes = set(names)
-        return names
+            setattr(self._view, part, copy.deepcopy(listed))
+        return listed
+
+    async def node_names(self) -> set[str]:
+        """Names of every named node."""
+        return await self._recorded("nodes", self._list_node_names)
 
     async def _list_node_names(self) -> set[str]:
         """Every named node, asked of QSD: the debug graph query carries names only.
@@ -278,13 +294,7 @@ class QSDClient:
 
     async def named_nodes(self) -> dict[str, BlockNodeInfo]:
         raw = await self.execute("query-named-block-nodes", {"flat": True})
-        nodes: dict[str, BlockNodeInfo] = {}
-        for item in raw:
-            nodes[item["node-name"]] = BlockNodeInfo(
-                node_name=item["node-name"], drv=item["drv"], file=item["file"], ro=item["ro"],
-                virtual_size=int(item.get("image", {}).get("virtual-size", 0)),
-            )
-        return nodes
+        return {item["node-name"]: node_info(item) for item in raw}
 
     async def corrupt_nodes(self) -> set[str]:
         """Names of the qcow2 nodes QSD has found corrupt (it marks them so and stops writing to them)."""
@@ -297,34 +307,26 @@ class QSDClient:
         return found
 
     async def exports(self) -> dict[str, BlockExportInfo]:
-        """Every export by ID, from the client's record, listed when it has none."""
-        self._take_events()
-        if self._view.exports is not None:
-            return {key: BlockExportInfo(**value) for key, value in self._view.exports.items()}
-        epoch = self._view.epoch
+        """Every export by ID."""
+        return await self._recorded("exports", self._list_exports)
+
+    async def _list_exports(self) -> dict[str, BlockExportInfo]:
         raw = await self.execute("query-block-exports")
-        listed = {
+        return {
             item["id"]: BlockExportInfo(
                 id=item["id"], type=item["type"], node_name=item["node-name"],
                 shutting_down=item["shutting-down"],
             )
             for item in raw
         }
-        if self._view.epoch == epoch:
-            self._view.exports = {key: BlockExportInfo(**value) for key, value in listed.items()}
-        return listed
 
     async def _objects(self) -> dict[str, str]:
-        """QOM objects under /objects (id -> child type), from the client's record, listed when it has none."""
-        self._take_events()
-        if self._view.objects is not None:
-            return dict(self._view.objects)
-        epoch = self._view.epoch
+        """QOM objects under /objects: id -> child type."""
+        return await self._recorded("objects", self._list_objects)
+
+    async def _list_objects(self) -> dict[str, str]:
         items = await self.execute("qom-list", {"path": "/objects"})
-        listed = {str(item["name"]): str(item.get("type", "")) for item in items}
-        if self._view.epoch == epoch:
-            self._view.objects = dict(listed)
-        return listed
+        return {str(item["name"]): str(item.get("type", "")) for item in items}
 
     async def iothreads(self) -> set[str]:
         """IDs of the iothread objects (QSD has no query-iothreads; the QOM tree lists them)."""

@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from csi_qsd import backup, extents
+from csi_qsd import backup, extents, imagemap
 from csi_qsd.config import Config
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.catalog import Catalog
@@ -101,9 +101,9 @@ async def compare_block_by_block(image0: Path, image1: Path, size: int, qemu_nbd
     changed: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="cbt-bench-") as work:
         async with (
-            backup.nbd_export(qemu_nbd, backup.qcow2_spec(image0, read_only=True), Path(work) / "a.sock",
+            backup.nbd_export(qemu_nbd, imagemap.qcow2_spec(image0, read_only=True), Path(work) / "a.sock",
                               read_only=True) as a,
-            backup.nbd_export(qemu_nbd, backup.qcow2_spec(image1, read_only=True), Path(work) / "b.sock",
+            backup.nbd_export(qemu_nbd, imagemap.qcow2_spec(image1, read_only=True), Path(work) / "b.sock",
                               read_only=True) as b,
         ):
             for at in range(0, size, backup.CHUNK):
