@@ -187,7 +187,7 @@ class NodeVolumes:
             if stage.state is not StageState.STAGED:
                 raise NotFound(f"volume {volume_id} is not staged or published at {path}")
             size = max(choose_size(required, limit), volume.capacity)
-            pool = self._exports.host.pools.get(volume.pool, self._pool)
+            pool = self._exports.host.pools[volume.pool]
             available = (await asyncio.to_thread(pool.usage)).available
             if size - volume.capacity > available:
                 raise OutOfRange(

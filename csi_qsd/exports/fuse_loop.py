@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
-from csi_qsd.errors import FailedPrecondition, HostCommandError, NotFound
+from csi_qsd.errors import FailedPrecondition, NotFound
 from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem
@@ -29,13 +29,6 @@ from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys import caps, filesystems, fusectl, loop, mounts
 
 log = logging.getLogger(__name__)
-
-
-# `losetup --set-capacity` takes a FUSE file's size from the kernel's cache, which asks QSD again
-# only when the file is stat'ed after QSD's attribute timeout (1 s). A device pool's window grows
-# by a reopen, not a truncate, so nothing invalidates that cache: without a stat the loop device
-# kept the old size. Measured on 10.0.13: the stat sees the new size at once, or after up to 1 s.
-EXPORT_SIZE_WAIT = 10.0
 
 
 def export_file(exports_dir: Path, volume_id: str) -> Path:
@@ -192,7 +185,6 @@ class FuseLoopExport(ExportPath):
         offline_ext4 = self._offline_ext4(stage)
         if size > volume.capacity:
             await attach.resize(self.host.client, self.host.top_image(volume), size)
-            await _until_file_size(self.export_file(volume.id), size)
         for device in [stage.loop_device, *(p.loop_device for p in publishes)]:
             if device:
                 await loop.refresh_capacity(Path(device), size)
@@ -260,12 +252,3 @@ def _apply_group(root: Path, group: str) -> None:
         os.chown(root, -1, gid)
     os.chmod(root, (st.st_mode & 0o7777) | 0o2070)
 
-
-async def _until_file_size(path: Path, size: int) -> None:
-    """Until `path` (the FUSE export) reports at least `size` bytes; HostCommandError after EXPORT_SIZE_WAIT."""
-    clock = asyncio.get_running_loop()
-    deadline = clock.time() + EXPORT_SIZE_WAIT
-    while (seen := (await asyncio.to_thread(os.stat, path)).st_size) < size:
-        if clock.time() >= deadline:
-            raise HostCommandError(f"FUSE export {path} still reports {seen} bytes, expected {size}")
-        await asyncio.sleep(0.1)

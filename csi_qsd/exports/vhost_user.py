@@ -102,7 +102,7 @@ class VhostUserExport(ExportPath):
         """A published disk grows only where a running VM is told of it: QSD >= 10, and not a fixed window."""
         if size <= volume.capacity or not publishes or self._live(volume):
             return
-        if self.host.top_image(volume).storage.max_size() is not None:
+        if self._fixed(volume):
             raise FailedPrecondition(
                 f"volume {volume.id} is published at {publishes[0].target_path}: its extent of device pool "
                 f"{volume.pool} grows by reopening qemu-storage-daemon's fixed-size window, which a running VM "
@@ -116,8 +116,11 @@ class VhostUserExport(ExportPath):
 
     def _live(self, volume: VolumeRecord) -> bool:
         """True if a resize under the export reaches a connected guest (block_resize on QSD >= 10)."""
-        fixed = self.host.top_image(volume).storage.max_size() is not None
-        return datapath.live_resize_reaches_guest(self.host.daemon.version) and not fixed
+        return datapath.live_resize_reaches_guest(self.host.daemon.version) and not self._fixed(volume)
+
+    def _fixed(self, volume: VolumeRecord) -> bool:
+        """True for a device pool's extent: a window of fixed size that only a reopen can grow."""
+        return self.host.top_image(volume).storage.max_size() is not None
 
     async def expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,

@@ -139,11 +139,11 @@ async def resize(client: QSDClient, top: TopImage, size: int) -> None:
     if limit is None:
         await client.block_resize(top.nodes.throttle, size)
         return
-    await reopen_window(client, top, limit)
+    await reopen_window(client, top)
 
 
-async def reopen_window(client: QSDClient, top: TopImage, size: int) -> None:
-    """Make QSD serve the volume's fixed window at its size in the catalog (`size` bytes), live; idempotent.
+async def reopen_window(client: QSDClient, top: TopImage) -> None:
+    """Make QSD serve the volume's fixed window at its size in the catalog, live; idempotent.
 
     QEMU refuses to truncate a `raw` node with `size` ("Cannot resize
     fixed-size raw disks"), but accepts a blockdev-reopen with another size
@@ -159,9 +159,6 @@ async def reopen_window(client: QSDClient, top: TopImage, size: int) -> None:
     had when it was added.
     """
     nodes = top.nodes
-    throttle = (await client.named_nodes()).get(nodes.throttle)
-    if throttle is not None and throttle["virtual_size"] == size:
-        return  # the throttle filter is reopened last: the nodes below it were too
     for options in (top.storage.protocol_blockdev(nodes, top.params, read_only=False),
                     graph.format_blockdev(nodes, top.params, read_only=False),
                     graph.throttle_blockdev(nodes)):
