@@ -82,6 +82,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def cpu_share(pid: int, work: Awaitable[float], runtime: int) -> tuple[float, float]:
+    """`work`'s result and the share of one CPU that process `pid` used meanwhile."""
+    before = cpu_seconds(pid)
+    value = await work
+    return value, (cpu_seconds(pid) - before) / runtime
+
+
 def open_fds(pid: int) -> int:
     """How many file descriptors process `pid` holds (a leak shows up here first)."""
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))

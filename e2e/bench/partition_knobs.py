@@ -39,7 +39,7 @@ from qemu.qmp import QMPClient
 
 from csi_qsd.sys import fusectl
 from csi_qsd.tools import bundled
-from e2e.bench.common import cpu_seconds, ratio, table
+from e2e.bench.common import cpu_share, ratio, sh, table
 from e2e.bench.partitions import JOBS, fio, run_cli
 
 MIB = 1 << 20
@@ -89,16 +89,12 @@ VARIANTS = [
 ]
 
 
-def sh(*argv: str) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip()
-
-
 @contextlib.asynccontextmanager
 async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[tuple[Path, int | None]]:
     """A bare QSD serving `variant` over FUSE, and a loop device on the export; yields it and QSD's PID."""
     if variant.kernel:
         carved = sh("losetup", "--find", "--show", "--direct-io=on", f"--offset={OFFSET}", f"--sizelimit={REGION}",
-                    str(device))
+                    str(device)).strip()
         try:
             yield Path(carved), None
         finally:
@@ -132,7 +128,7 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
         await qmp.execute("block-export-add", args)
         await fusectl.raise_background(export)
         loopdev = sh("losetup", "--find", "--show", f"--direct-io={'on' if variant.loop_direct else 'off'}",
-                     str(export))
+                     str(export)).strip()
         yield Path(loopdev), proc.pid
     finally:
         if loopdev:
@@ -156,7 +152,7 @@ async def bench(runtime: int, rounds: int) -> str:
     backing = work / "nvme.img"
     with open(backing, "wb") as f:
         f.truncate(OFFSET + REGION + 64 * MIB)
-    device = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)))
+    device = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)).strip())
     samples: dict[tuple[str, str], list[float]] = {}
     try:
         sh("fio", "--name=fill", f"--filename={device}", "--rw=write", "--bs=1M", "--iodepth=8",
@@ -172,10 +168,10 @@ async def bench(runtime: int, rounds: int) -> str:
             for variant in VARIANTS:
                 async with exported(variant, device, work) as (volume, qsd):
                     for job in JOBS:
-                        before = cpu_seconds(qsd) if qsd else 0.0
-                        samples.setdefault((variant.name, job.name), []).append(await fio(volume, job, runtime))
-                        samples.setdefault((variant.name, job.name + " cpu"), []).append(
-                            (cpu_seconds(qsd) - before) / runtime if qsd else 0.0)
+                        measured = fio(volume, job, runtime)
+                        value, cpu = await cpu_share(qsd, measured, runtime) if qsd else (await measured, 0.0)
+                        samples.setdefault((variant.name, job.name), []).append(value)
+                        samples.setdefault((variant.name, job.name + " cpu"), []).append(cpu)
                         samples.setdefault((variant.name, job.name + " device"), []).append(
                             await fio(device, job, runtime, OFFSET))
     finally:

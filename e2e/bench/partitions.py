@@ -30,13 +30,13 @@ import sqlite3
 import statistics
 import subprocess
 import tempfile
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.tools import bundled
-from e2e.bench.common import Job, cpu_seconds, ratio, table
+from e2e.bench.common import Job, cpu_share, ratio, sh, table
 from tests.harness import DriverProcess, qsd_pid, sandbox
 
 MIB = 1 << 20
@@ -73,13 +73,6 @@ async def fill(filename: Path, offset: int) -> None:
     await proc.wait()
 
 
-async def cpu_share(pid: int, work: Awaitable[float], runtime: int) -> tuple[float, float]:
-    """`work`'s result and the share of one CPU that process `pid` used meanwhile."""
-    before = cpu_seconds(pid)
-    value = await work
-    return value, (cpu_seconds(pid) - before) / runtime
-
-
 def figure(value: float) -> str:
     return f"{value:,.0f}"
 
@@ -112,8 +105,7 @@ async def bench(runtime: int, rounds: int) -> str:
                         await fill(target, 0)
                     pid = qsd_pid(box)
                     assert pid is not None
-                    version = subprocess.run([bundled("qemu-storage-daemon"), "--version"], capture_output=True,
-                                             text=True).stdout.split("\n")[0]
+                    version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
                     return await measure(targets, node, pid, runtime, rounds, version)
             finally:
                 await driver.stop()  # the sandbox's cleanup takes down its QSD, mounts and loop devices
