@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ from csi_qsd.datapath import LoopIO
 from csi_qsd.errors import DriverError
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
 from csi_qsd.tls import PemFiles
+from csi_qsd.sys.signals import stop_event
 from csi_qsd.tools import bundled
 
 ENV_PREFIX = "CSI_QSD_"
@@ -270,10 +270,7 @@ async def _serve(config: Config) -> None:
     from csi_qsd.metrics import serving_metrics
     from csi_qsd.server import serving
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     observers = RpcObservers()
     async with serving(config, observers) as driver, serving_metrics(config, driver, observers):
         print(f"csi-qsd {__version__} listening on {config.endpoint} "
@@ -284,10 +281,7 @@ async def _serve(config: Config) -> None:
 async def _route(config: RouterConfig) -> None:
     from csi_qsd.router.server import serving_router
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     async with serving_router(config):
         print(f"csi-qsd {__version__} snapshot-metadata router listening on {config.endpoint}", flush=True)
         await stop.wait()

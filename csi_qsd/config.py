@@ -11,6 +11,7 @@ import enum
 import socket
 from pathlib import Path
 
+from csi_qsd.csi import unix_socket
 from csi_qsd.datapath import LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME, NvmeAddress
@@ -133,7 +134,4 @@ class Config:
     @property
     def socket_path(self) -> Path:
         """The UNIX socket path of the endpoint (only unix:// endpoints are served)."""
-        prefix = "unix://"
-        if not self.endpoint.startswith(prefix):
-            raise ValueError(f"endpoint {self.endpoint!r} must start with unix://")
-        return Path(self.endpoint[len(prefix):])
+        return unix_socket.socket_path(self.endpoint)

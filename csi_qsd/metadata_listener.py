@@ -78,12 +78,13 @@ async def serving_metadata_listener(
     if not config.metadata_address or files is None:
         yield
         return
-    servers: list[grpc.aio.Server] = []
+    server: grpc.aio.Server | None = None
 
     async def start() -> None:
-        server = _server(config, identity, controller, metadata)
-        await server.start()
-        servers.append(server)
+        nonlocal server
+        started = _server(config, identity, controller, metadata)
+        await started.start()
+        server = started
         log.info("event=metadata_listener address=%s cert=%s client_ca=%s", config.metadata_address, files.cert,
                  files.ca)
 
@@ -110,5 +111,5 @@ async def serving_metadata_listener(
             waiter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await waiter
-        for server in servers:
+        if server is not None:
             await server.stop(grace=5)

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 
 from csi_qsd import datapath
+from csi_qsd.csi import unix_socket
 from csi_qsd.catalog import Catalog
 from csi_qsd.changed_blocks import ChangedBlocks
 from csi_qsd.config import Config
@@ -124,16 +125,7 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots, observers), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features(), observers), server)
         pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
-        socket = config.socket_path
-        socket.parent.mkdir(parents=True, exist_ok=True)
-        socket.unlink(missing_ok=True)
-        server.add_insecure_port(config.endpoint)
-        await server.start()
-        os.chmod(socket, 0o660)
-        log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
-        try:
+        async with unix_socket.serving(server, config.endpoint):
+            log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata):
                 yield driver
-        finally:
-            await server.stop(grace=5)
-            socket.unlink(missing_ok=True)

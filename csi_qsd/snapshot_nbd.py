@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 from pathlib import Path
 
 from csi_qsd import image_bitmaps, validate
 from csi_qsd.catalog import Catalog, SnapshotState
 from csi_qsd.errors import InvalidArgument, NotFound
 from csi_qsd.imagemap import qcow2_spec
+from csi_qsd.sys.signals import stop_event
 
 
 async def served_contexts(qemu_img: str, image: Path) -> list[str]:
@@ -66,10 +66,7 @@ async def serve(
             "snapshot_id": snapshot_id, "uri": f"nbd+unix:///?socket={socket}",
             "contexts": ["base:allocation", "qemu:allocation-depth", *(f"qemu:dirty-bitmap:{b}" for b in bitmaps)],
         }), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+        stop = stop_event()
         ended = asyncio.create_task(process.wait())
         await asyncio.wait([ended, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if not ended.done():

@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from csi_qsd.config import DEFAULT_DRIVER_NAME
+from csi_qsd.csi import unix_socket
 from csi_qsd.tls import PemFiles
 
 DEFAULT_SERVER_NAME = "csi-qsd-node"
@@ -52,8 +53,7 @@ class RouterConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if not self.endpoint.startswith("unix://"):
-            raise ValueError(f"endpoint {self.endpoint!r} must start with unix://")
+        unix_socket.socket_path(self.endpoint)
         if bool(self.nodes) == bool(self.nodes_dns):
             raise ValueError("give the node plugins either as --node NAME=HOST:PORT (repeatable) or as --nodes-dns")
         if self.nodes_dns:

@@ -4,8 +4,8 @@ Two sources: a static map (`--node NAME=HOST:PORT`, for tests and small
 clusters) or a DNS name that resolves to every node plugin (`--nodes-dns`, a
 headless Service over the DaemonSet's pods, with not-ready pods published so
 that a node whose plugin is down answers UNAVAILABLE rather than vanishing).
-DNS is resolved on every lookup that misses the owner cache, so new nodes
-are seen without a restart. The client certificate is reread when its files
+DNS is resolved on every lookup (a cached owner is checked against the
+answer), so new nodes are seen without a restart. The client certificate is reread when its files
 change; channels made with the old one are kept open for the streams still
 using them and closed with the router.
 """

@@ -36,10 +36,14 @@ class Owners:
         self._cache_size = cache_size
         self._cache: collections.OrderedDict[str, Node] = collections.OrderedDict()
 
-    async def locate(self, snapshot_id: str) -> Node:
-        """The node that holds `snapshot_id`. Raises NotFound or Unavailable (see the module's docstring)."""
+    async def locate(self, snapshot_id: str, nodes: list[Node] | None = None) -> Node:
+        """The node that holds `snapshot_id`, among `nodes` (default: the directory's now).
+
+        Raises NotFound or Unavailable (see the module's docstring).
+        """
         validate.snapshot_id(snapshot_id)
-        nodes = await self._directory.nodes()
+        if nodes is None:
+            nodes = await self._directory.nodes()
         cached = self._cache.get(snapshot_id)
         if cached is not None and cached in nodes:
             self._cache.move_to_end(snapshot_id)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 
+from csi_qsd.csi import unix_socket
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import DriverError
@@ -36,17 +35,10 @@ async def serving_router(config: RouterConfig, observers: RpcObservers | None = 
     server = grpc.aio.server()
     pb_grpc.add_IdentityServicer_to_server(RouterIdentity(config.driver_name, ready, observers), server)
     pb_grpc.add_SnapshotMetadataServicer_to_server(RoutedSnapshotMetadata(directory, owners, observers), server)
-    socket = Path(config.endpoint[len("unix://"):])
-    socket.parent.mkdir(parents=True, exist_ok=True)
-    socket.unlink(missing_ok=True)
-    server.add_insecure_port(config.endpoint)
     try:
-        await server.start()
-        os.chmod(socket, 0o660)
-        nodes = ",".join(f"{n.name}={n.address}" for n in config.nodes) or f"dns:{config.nodes_dns}"
-        log.info("event=router_serving endpoint=%s nodes=%s", config.endpoint, nodes)
-        yield
+        async with unix_socket.serving(server, config.endpoint):
+            nodes = ",".join(f"{n.name}={n.address}" for n in config.nodes) or f"dns:{config.nodes_dns}"
+            log.info("event=router_serving endpoint=%s nodes=%s", config.endpoint, nodes)
+            yield
     finally:
-        await server.stop(grace=5)
-        socket.unlink(missing_ok=True)
         await directory.close()

@@ -21,7 +21,7 @@ from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from csi_qsd.errors import Code, DriverError, InvalidArgument, NotFound
+from csi_qsd.errors import Code, DriverError, InvalidArgument, NotFound, Unavailable
 from csi_qsd.router.nodes import Node, NodeDirectory
 from csi_qsd.router.owners import Owners
 
@@ -63,7 +63,12 @@ class RoutedSnapshotMetadata(pb_grpc.SnapshotMetadataServicer):
         self, request: pb.GetMetadataDeltaRequest, context: grpc.aio.ServicerContext
     ) -> None:
         ids = (request.base_snapshot_id, request.target_snapshot_id)
-        found = await asyncio.gather(*(self._owners.locate(i) for i in ids), return_exceptions=True)
+        nodes: list[Node] | None
+        try:
+            nodes = await self._directory.nodes()  # one lookup for both snapshots
+        except Unavailable:
+            nodes = None  # each lookup says so, after checking its snapshot ID
+        found = await asyncio.gather(*(self._owners.locate(i, nodes) for i in ids), return_exceptions=True)
         for failure in sorted((f for f in found if isinstance(f, BaseException)), key=lambda f: not isinstance(f, NotFound)):
             raise failure  # NOT_FOUND first: an unknown snapshot is the caller's to fix
         base, target = found
