@@ -137,10 +137,19 @@ class PublishState(enum.Enum):
 
 
 class ExtentState(enum.Enum):
-    """USED: a volume's bytes. SCRUBBING: freed, still holding the last tenant's bytes until zeroed."""
+    """What an extent of a device pool holds; every state but USED is kept from new volumes.
+
+    USED: a volume's bytes. SCRUBBING: freed, still holding the last
+    tenant's bytes until zeroed. MOVING: the new home of a volume being
+    moved, filled but not yet its own (scrubbed if the move is undone).
+    RETIRING: a moved volume's old home, which QSD may still read until it
+    has switched to the new one (then scrubbed).
+    """
 
     USED = "used"
     SCRUBBING = "scrubbing"
+    MOVING = "moving"
+    RETIRING = "retiring"
 
 
 class AccessType(enum.Enum):
@@ -412,24 +421,66 @@ class Catalog:
         and inserting under one write lock means two volumes can never be
         given overlapping extents, whatever runs concurrently.
         """
+        return await self._take_extent(pool, volume_id, ExtentState.USED, choose)
+
+    async def take_move_extent(
+        self, pool: str, volume_id: str, choose: Callable[[list[ExtentRecord]], tuple[int, int] | None],
+    ) -> ExtentRecord | None:
+        """A MOVING extent for `volume_id` (the one it has, or `choose`'s pick), like `take_extent`."""
+        return await self._take_extent(pool, volume_id, ExtentState.MOVING, choose)
+
+    async def _take_extent(
+        self, pool: str, volume_id: str, state: ExtentState,
+        choose: Callable[[list[ExtentRecord]], tuple[int, int] | None],
+    ) -> ExtentRecord | None:
         result: list[ExtentRecord | None] = [None]
 
         def take(db: sqlite3.Connection) -> None:
             rows = [_extent(r) for r in db.execute("SELECT * FROM extents WHERE pool=? ORDER BY start", (pool,))]
-            held = [r for r in rows if r.volume_id == volume_id and r.state is ExtentState.USED]
+            held = [r for r in rows if r.volume_id == volume_id and r.state is state]
             if held:
                 result[0] = held[0]
                 return
             picked = choose(rows)
             if picked is None:
                 return
-            record = ExtentRecord(pool, picked[0], picked[1], volume_id, ExtentState.USED)
+            record = ExtentRecord(pool, picked[0], picked[1], volume_id, state)
             db.execute("INSERT INTO extents (pool, start, length, volume_id, state) VALUES (?,?,?,?,?)",
                        (pool, record.start, record.length, volume_id, record.state.value))
             result[0] = record
 
         await self._run(take)
         return result[0]
+
+    async def commit_move(self, pool: str, volume_id: str, generation: int) -> bool:
+        """The move's point of no return, in one transaction; False if `volume_id` has no MOVING extent.
+
+        The MOVING extent becomes the volume's (USED), its old one RETIRING,
+        and the volume's image generation `generation` (the names of the
+        nodes QSD opens the new home through).
+        """
+        result = [False]
+
+        def commit(db: sqlite3.Connection) -> None:
+            moving = db.execute("SELECT 1 FROM extents WHERE pool=? AND volume_id=? AND state=?",
+                                (pool, volume_id, ExtentState.MOVING.value)).fetchone()
+            if moving is None:
+                return
+            db.execute("UPDATE extents SET state=? WHERE pool=? AND volume_id=? AND state=?",
+                       (ExtentState.RETIRING.value, pool, volume_id, ExtentState.USED.value))
+            db.execute("UPDATE extents SET state=? WHERE pool=? AND volume_id=? AND state=?",
+                       (ExtentState.USED.value, pool, volume_id, ExtentState.MOVING.value))
+            db.execute("UPDATE volumes SET generation=? WHERE id=?", (generation, volume_id))
+            result[0] = True
+
+        await self._run(commit)
+        return result[0]
+
+    async def scrub_extents(self, pool: str, volume_id: str, state: ExtentState) -> None:
+        """Mark `volume_id`'s extents in `state` (an undone move's, a finished move's old home) SCRUBBING."""
+        await self._run(lambda db: db.execute(
+            "UPDATE extents SET state=? WHERE pool=? AND volume_id=? AND state=?",
+            (ExtentState.SCRUBBING.value, pool, volume_id, state.value)))
 
     async def release_extents(self, pool: str, volume_id: str) -> None:
         """Mark what `volume_id` holds in `pool` as SCRUBBING: never handed out until its scrub is recorded."""

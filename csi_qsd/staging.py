@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+from csi_qsd import moves
 from csi_qsd.catalog import (
     AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord, VolumeState,
 )
@@ -197,8 +198,11 @@ class NodeVolumes:
             kind = self._exports.of(volume)
             publishes = await self._catalog.publishes(volume_id)
             kind.check_expand(volume, stage, publishes, size)
-            if size > volume.capacity:
-                await pool.grow(volume.image, size)  # a device pool extends the extent: committed before QSD sees it
+            if size > volume.capacity and not await pool.grow(volume.image, size):
+                # No room where it lies: move it, live, to a home with room (committed before QSD sees it).
+                volume = await moves.move(self._exports.host, kind, volume, stage, publishes, size)
+                if not await pool.grow(volume.image, size):
+                    raise Internal(f"volume {volume_id} moved to a new home of pool {volume.pool} without room")
             await kind.expand(volume, stage, publishes, size)
             if size > volume.capacity:
                 await self._catalog.update_volume(dataclasses.replace(volume, capacity=size))
@@ -222,11 +226,26 @@ class NodeVolumes:
         the driver restarted), the checks run in the background instead, each
         volume under its lock, so calls are served at once.
         """
+        await self._settle_moves()
         staged = {s.volume_id for s in await self._catalog.stages() if s.state is StageState.STAGED}
         if staged and staged <= await attach.exported_volumes(client):
             return lambda: self._repair(client)
         await self._repair(client)
         return None
+
+    async def _settle_moves(self) -> None:
+        """Finish or undo every move a crash left, before anything else uses those volumes."""
+        host = self._exports.host
+        for pool in host.pools.values():
+            for volume_id, committed in sorted(pool.moves_under_way().items()):
+                async with self._locks.wait_hold(volume_id, REBUILD_LOCK_WAIT):
+                    volume = await self._catalog.volume(volume_id)
+                    if volume is None:
+                        continue
+                    old, new = moves.tops_of(host, volume, committed=committed)
+                    log.warning("event=reconcile_move volume_id=%s committed=%s", volume_id, committed)
+                    await moves.settle(host, self._exports.of(volume), volume, await self._catalog.stage(volume_id),
+                                       old, new, committed=committed)
 
     async def _repair(self, client: QSDClient) -> None:
         wanted: set[str] = set()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Mapping
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -21,9 +23,11 @@ from csi_qsd.errors import InvalidArgument
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ExportKind
 from csi_qsd.pools.base import Pool
-from csi_qsd.qsd import attach
+from csi_qsd.qsd import attach, move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import QSDDaemon
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +136,44 @@ class ExportPath(abc.ABC):
     async def quiesced(self, volume: VolumeRecord, stage: StageRecord) -> AsyncIterator[None]:
         """Hold the consumer still while QSD switches the volume to a new top image."""
         yield
+
+    async def release(self, volume: VolumeRecord, stage: StageRecord) -> None:
+        """Let go of a hold (`quiesced`) that a crash may have left on; harmless when none is on."""
+
+    def check_move(self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord]) -> None:
+        """Refuse a move to a new home (`csi_qsd.moves`) this kind cannot do now. Raises FailedPrecondition."""
+
+    async def move(
+        self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage, new: attach.TopImage,
+        commit: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Copy the volume from `old` into `new` under its live export, switch the export to `new`, and `commit`.
+
+        The default copies with backups while the volume is in use, then
+        copies the rest and switches while `quiesced` holds the consumer
+        still, and commits once QSD reads the new top. Raises Aborted if
+        writes went on while held still; what a failure leaves, `csi_qsd.moves`
+        undoes.
+        """
+        client = self.host.client
+        await qsd_move.open_new_home(client, new)
+        await qsd_move.copy_converging(client, old, new)
+        async with self.quiesced(volume, stage):
+            held = time.monotonic()
+            self.host.failpoints.hit("move.held")
+            await qsd_move.copy_rest(client, old, new)
+            await qsd_move.switch(client, new)
+            self.host.failpoints.hit("move.after_switch")
+            await commit()
+        log.info("event=move_switched volume_id=%s held_ms=%.0f", volume.id, (time.monotonic() - held) * 1000)
+
+    async def finish_move(self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage,
+                          new: attach.TopImage) -> None:
+        """A committed move whose switch a crash cut off: make the export read `new` with nothing lost."""
+        client = self.host.client
+        async with self.quiesced(volume, stage):
+            await qsd_move.copy_rest(client, old, new)
+            await qsd_move.switch(client, new)
 
 
 def refuse_block(volume: VolumeRecord, kind: str) -> None:

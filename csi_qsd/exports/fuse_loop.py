@@ -207,6 +207,20 @@ class FuseLoopExport(ExportPath):
         finally:
             await filesystems.thaw(stage.staging_path)
 
+    async def release(self, volume: VolumeRecord, stage: StageRecord) -> None:
+        """Thaw a filesystem a crash left frozen (fsfreeze refuses one that is not: harmless)."""
+        if stage.access_type is AccessType.MOUNT and mounts.mounted_at(stage.staging_path) is not None:
+            await filesystems.thaw(stage.staging_path)
+
+    def check_move(self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord]) -> None:
+        """The last copy of a move needs the writers held still: a filesystem freezes, a raw device a pod has does not."""
+        if stage.access_type is AccessType.BLOCK and publishes:
+            raise FailedPrecondition(
+                f"volume {volume.id} must move to a larger extent of its pool to grow, and the last part of a move "
+                f"needs its writers held still, which a raw block device in use cannot be: unpublish it from "
+                f"{publishes[0].target_path} and retry (a filesystem volume moves while in use)"
+            )
+
     async def _loop_for(self, export: Path, recorded: str, fresh_export: bool) -> Path:
         """The volume's read-write loop device: the recorded one, a found one (after a crash), or a new one."""
         if recorded and loop.backing_of(Path(recorded)) == export:

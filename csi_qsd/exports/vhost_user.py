@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from csi_qsd import datapath
@@ -18,7 +19,7 @@ from csi_qsd.errors import FailedPrecondition
 from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import vhost_user
-from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd import attach, graph, move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,23 @@ class VhostUserExport(ExportPath):
     def _fixed(self, volume: VolumeRecord) -> bool:
         """True for a device pool's extent: a window of fixed size that only a reopen can grow."""
         return self.host.top_image(volume).storage.max_size() is not None
+
+    async def move(
+        self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage, new: attach.TopImage,
+        commit: Callable[[], Awaitable[None]],
+    ) -> None:
+        """A mirror under the export (it holds no RESIZE permission), committed once actively synced."""
+        await qsd_move.open_new_home(self.host.client, new)
+        await qsd_move.mirror(self.host.client, old, new, commit)
+
+    async def finish_move(self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage,
+                          new: attach.TopImage) -> None:
+        """The mirror again (the running job, or a new one: the old top kept every write until the switch)."""
+        async def synced() -> None:
+            pass
+
+        await qsd_move.open_new_home(self.host.client, new)
+        await qsd_move.mirror(self.host.client, old, new, synced)
 
     async def expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,

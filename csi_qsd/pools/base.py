@@ -16,6 +16,7 @@ import abc
 import dataclasses
 from pathlib import Path
 
+from csi_qsd.errors import FailedPrecondition
 from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import Storage
@@ -54,12 +55,39 @@ class Pool(abc.ABC):
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         """Raises ResourceExhausted when the pool cannot hold `size` bytes."""
 
-    async def grow(self, image: Path, size: int) -> None:
+    async def grow(self, image: Path, size: int) -> bool:
         """Make room where `image` lives for it to hold `size` bytes, before QSD grows it; idempotent.
 
-        The default (the file pool) does nothing: an image file grows inside
-        QSD (block_resize). Raises OutOfRange when the room cannot be had.
+        True when the room is there: the default (the file pool) always, as
+        an image file grows inside QSD (block_resize). False when only a move
+        to a new home would give it (`reserve_move`). Raises OutOfRange when
+        the room cannot be had at all.
         """
+        return True
+
+    async def reserve_move(self, image: Path, size: int) -> Storage:
+        """Take a new home with room for `size` bytes for the volume of `image`, not yet its own; idempotent.
+
+        What it returns is how QSD opens the new home for the copy: at the
+        size the volume has now, so it can mirror the old one. A crash
+        before `commit_move` leaves a move that `end_move` undoes. Raises
+        OutOfRange when no home is large enough.
+        """
+        raise FailedPrecondition(f"pool {self.id} does not move volumes")
+
+    async def commit_move(self, image: Path, generation: int) -> None:
+        """The new home holds every acknowledged write: make it the volume's, with image generation `generation`.
+
+        The old home is kept (QSD may still read it) until `end_move`.
+        """
+        raise FailedPrecondition(f"pool {self.id} does not move volumes")
+
+    async def end_move(self, image: Path, *, committed: bool) -> None:
+        """Free the home QSD no longer uses: the old one after a commit, else the new one; idempotent."""
+
+    def moves_under_way(self) -> dict[str, bool]:
+        """The volumes a crash left mid-move, each with whether its move committed (none by default)."""
+        return {}
 
     @abc.abstractmethod
     async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:

@@ -23,10 +23,15 @@ What must never happen, and how it is prevented:
   one catalog transaction; free space is what no row covers, so a crash
   between any two steps leaves either the row (undone by the volume's
   reconcile, which deletes through this pool) or nothing.
-* **Growth exposes stale bytes.** A volume grows only in place, into the
-  free space right after its extent, chosen and recorded in one catalog
-  transaction (`grow`). Free space holds only zeroes (the two points above),
-  so the added range needs no scrub before the volume sees it.
+* **Growth exposes stale bytes.** A volume grows in place, into the free
+  space right after its extent, chosen and recorded in one catalog
+  transaction (`grow`), or moves first to a free extent large enough
+  (`reserve_move`, `csi_qsd.moves`). Free space holds only zeroes (the two
+  points above), so the added range needs no scrub before the volume sees it.
+* **A move loses or leaks bytes.** The new extent is MOVING (kept from
+  everyone, scrubbed if the move is undone) until it holds every
+  acknowledged write; then one transaction makes it the volume's and the
+  old one RETIRING, which is scrubbed only once QSD has left it.
 * **A vanished device hangs the control plane.** `check` looks at udev's
   view (pyudev) and the stable path only, never does I/O on the device.
 
@@ -45,6 +50,7 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pyudev
@@ -202,7 +208,7 @@ class DevicePool(Pool):
         self._layout = layout
         self._rows = {row.start: row for row in rows}
         for row in rows:
-            if row.state is ExtentState.USED and await self._catalog.volume(row.volume_id) is None:
+            if row.state is not ExtentState.SCRUBBING and await self._catalog.volume(row.volume_id) is None:
                 log.warning("event=extent_orphan pool=%s start=%d volume_id=%s action=scrub",
                             self.id, row.start, row.volume_id)
                 await self._release(row.volume_id)
@@ -299,13 +305,7 @@ class DevicePool(Pool):
 
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         volume_id = self._volume_of(image)
-        layout = self.layout
-
-        def choose(rows: list[ExtentRecord]) -> tuple[int, int] | None:
-            picked = extents.choose(layout, [Extent(r.start, r.length) for r in rows], size)
-            return (picked.start, picked.length) if picked is not None else None
-
-        record = await self._catalog.take_extent(self.id, volume_id, choose)
+        record = await self._catalog.take_extent(self.id, volume_id, self._best_fit(size))
         if record is None:
             raise ResourceExhausted(
                 f"device pool {self.id} has no free extent of {size} bytes "
@@ -316,24 +316,21 @@ class DevicePool(Pool):
         log.info("event=extent_taken pool=%s volume_id=%s start=%d length=%d",
                  self.id, volume_id, record.start, record.length)
 
-    async def grow(self, image: Path, size: int) -> None:
-        """Extend the volume's extent in place so it holds `size` bytes; idempotent.
+    async def grow(self, image: Path, size: int) -> bool:
+        """Extend the volume's extent in place so it holds `size` bytes; False if only a move can; idempotent.
 
         Only into the free space right after it: checked and recorded in one
         catalog transaction, so a create running at the same time cannot take
         that space too. The space holds zeroes already (see the module
-        docstring). Raises OutOfRange when the space after the extent is
-        taken or the device ends, FailedPrecondition for a volume without an
-        extent here.
+        docstring). Raises OutOfRange when no free extent anywhere is large
+        enough, FailedPrecondition for a volume without an extent here.
         """
         volume_id = self._volume_of(image)
-        extent = self.extent_of(volume_id)
-        if extent is None:
-            raise FailedPrecondition(f"device pool {self.id} has no extent for volume {volume_id}")
+        extent = self._own_extent(volume_id)
         layout = self.layout
         length = extents.align_up(size, layout.alignment)
         if length <= extent.length:
-            return
+            return True
 
         def fits(rows: list[ExtentRecord]) -> bool:
             own = [r for r in rows if r.start == extent.start]
@@ -342,17 +339,61 @@ class DevicePool(Pool):
             return extents.grows_in_place(layout, [Extent(r.start, r.length) for r in rows], extent, size)
 
         if not await self._catalog.resize_extent(self.id, extent.start, length, fits):
+            if extents.choose(layout, self._taken(), size) is not None:
+                return False
             limit = extents.grow_limit(layout, self._taken(), extent)
             raise OutOfRange(
-                f"volume {volume_id} cannot grow to {size} bytes: device pool {self.id} grows a volume only "
-                f"in place, and the space after its extent is taken by another volume or the device ends "
-                f"(it can grow to {limit} bytes where it is); moving a volume to a larger free extent is not "
-                "supported: copy its data into a new volume of the size wanted"
+                f"volume {volume_id} cannot grow to {size} bytes: the space after its extent in device pool "
+                f"{self.id} is taken or the device ends (it can grow to {limit} bytes where it is), and no free "
+                f"extent of {length} bytes is left to move it to (largest free: {self.largest_volume()})"
             )
         self._rows[extent.start] = dataclasses.replace(self._rows[extent.start], length=length)
         self._failpoints.hit("extent.after_grow")
         log.info("event=extent_grown pool=%s volume_id=%s start=%d length=%d previous=%d",
                  self.id, volume_id, extent.start, length, extent.length)
+        return True
+
+    async def reserve_move(self, image: Path, size: int) -> ExtentOnDevice:
+        """A MOVING extent of room for `size` bytes, anywhere free; opened at the old extent's length for the copy."""
+        volume_id = self._volume_of(image)
+        old = self._own_extent(volume_id)
+        record = await self._catalog.take_move_extent(self.id, volume_id, self._best_fit(max(size, old.length)))
+        if record is None:
+            raise OutOfRange(
+                f"volume {volume_id} cannot move to a larger extent: device pool {self.id} has no free extent "
+                f"of {size} bytes any more (largest free: {self.largest_volume()})"
+            )
+        self._rows[record.start] = record
+        self._failpoints.hit("move.after_reserve")
+        log.info("event=extent_move_reserved pool=%s volume_id=%s from=%d to=%d length=%d",
+                 self.id, volume_id, old.start, record.start, record.length)
+        return ExtentOnDevice(self._host, record.start, old.length)
+
+    async def commit_move(self, image: Path, generation: int) -> None:
+        volume_id = self._volume_of(image)
+        if not await self._catalog.commit_move(self.id, volume_id, generation):
+            raise FailedPrecondition(f"device pool {self.id} has no move under way for volume {volume_id}")
+        self._rows = {row.start: row for row in await self._catalog.extents(self.id)}
+        self._failpoints.hit("move.after_commit")
+        log.info("event=extent_move_committed pool=%s volume_id=%s generation=%d", self.id, volume_id, generation)
+
+    async def end_move(self, image: Path, *, committed: bool) -> None:
+        """Scrub and free the old extent (`committed`) or the new one (an undone move)."""
+        volume_id = self._volume_of(image)
+        state = ExtentState.RETIRING if committed else ExtentState.MOVING
+        await self._catalog.scrub_extents(self.id, volume_id, state)
+        for start, row in list(self._rows.items()):
+            if row.volume_id == volume_id and row.state is state:
+                self._rows[start] = dataclasses.replace(row, state=ExtentState.SCRUBBING)
+        self._failpoints.hit("move.after_release")
+        await self._scrub_pending()
+
+    def moves_under_way(self) -> dict[str, bool]:
+        moves: dict[str, bool] = {}
+        for row in self._rows.values():
+            if row.state in (ExtentState.MOVING, ExtentState.RETIRING):
+                moves[row.volume_id] = moves.get(row.volume_id, False) or row.state is ExtentState.RETIRING
+        return moves
 
     async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
         raise FailedPrecondition(f"device pool {self.id} holds raw extents: no snapshots, restores or clones")
@@ -408,6 +449,22 @@ class DevicePool(Pool):
         return ""
 
     # helpers ------------------------------------------------------------
+
+    def _best_fit(self, size: int) -> Callable[[list[ExtentRecord]], tuple[int, int] | None]:
+        """What the catalog calls, under its write lock, to pick a free extent of `size` bytes among its rows."""
+        layout = self.layout
+
+        def choose(rows: list[ExtentRecord]) -> tuple[int, int] | None:
+            picked = extents.choose(layout, [Extent(r.start, r.length) for r in rows], size)
+            return (picked.start, picked.length) if picked is not None else None
+
+        return choose
+
+    def _own_extent(self, volume_id: str) -> Extent:
+        extent = self.extent_of(volume_id)
+        if extent is None:
+            raise FailedPrecondition(f"device pool {self.id} has no extent for volume {volume_id}")
+        return extent
 
     def extent_of(self, volume_id: str) -> Extent | None:
         for row in self._rows.values():

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# Every block job is made so: it waits for `finish_job` to finalize and dismiss it (see there why).
+JOB_BY_HAND: QMPArgs = {"auto-finalize": False, "auto-dismiss": False}
+JOB_POLL = 0.05
+
 class BlockNodeInfo(TypedDict):
     node_name: str
     drv: str
@@ -292,6 +296,17 @@ class QSDClient:
         return {node["name"] for node in graph["nodes"] if node.get("type") == "block-driver" and node.get("name")
                 and not node["name"].startswith("#")}
 
+    async def child_of(self, node: str, role: str = "file") -> str | None:
+        """The name of `node`'s child in `role` (None if it has none, or the child has no name)."""
+        graph = await self.execute("x-debug-query-block-graph")
+        names = {item["id"]: item.get("name") for item in graph["nodes"]}
+        parents = [item["id"] for item in graph["nodes"] if item.get("name") == node and item.get("type") == "block-driver"]
+        for edge in graph["edges"]:
+            if edge["parent"] in parents and edge["name"] == role:
+                name = names.get(edge["child"])
+                return str(name) if name and not str(name).startswith("#") else None
+        return None
+
     async def named_nodes(self) -> dict[str, BlockNodeInfo]:
         raw = await self.execute("query-named-block-nodes", {"flat": True})
         return {item["node-name"]: node_info(item) for item in raw}
@@ -374,40 +389,46 @@ class QSDClient:
         """Flatten into `node`: copy everything below it into it (block-stream), and wait for the end.
 
         No timeout on the copy itself (it takes as long as the data); a QSD
-        that goes away ends it with QSDError. Raises QSDError if the job fails.
+        that goes away ends it with QSDUnavailable. Raises QSDError if the job fails.
         """
-        await self.run_job("block-stream", {"job-id": job_id, "device": node}, job_id)
+        await self.run_job("block-stream", {"job-id": job_id, "device": node, **JOB_BY_HAND}, job_id)
 
     async def run_job(self, command: str, arguments: QMPArgs, job_id: str) -> None:
-        """Start a block job and wait, without a timeout, until it completes; raise QSDError if it failed."""
-        listener = EventListener(("BLOCK_JOB_COMPLETED", "BLOCK_JOB_CANCELLED", "BLOCK_JOB_ERROR"))
+        """Start a block job (made with `JOB_BY_HAND`) and see it through, without a timeout; QSDError if it failed."""
+        await self.execute(command, arguments)
+        await self.finish_job(job_id)
 
-        async def finished() -> None:
-            async for event in listener:
-                data = cast(dict[str, Any], event["data"])
-                if data.get("device") != job_id:
-                    continue
-                if event["event"] == "BLOCK_JOB_COMPLETED" and not data.get("error"):
-                    return
-                if event["event"] == "BLOCK_JOB_ERROR":
-                    continue  # the job's on-error policy decides; completion or cancel follows
-                raise QSDError(f"block job {job_id} ended without success: {data.get('error', event['event'])}")
+    async def job(self, job_id: str) -> QMPArgs | None:
+        """The block job `job_id` as query-block-jobs shows it (ready, actively-synced…), or None."""
+        for info in await self.execute("query-block-jobs"):
+            if info["device"] == job_id:
+                return dict(info)
+        return None
 
-        async def session_lost() -> None:
-            while self._qmp.runstate is Runstate.RUNNING:
-                await self._qmp.runstate_changed()
-            raise QSDError(f"qemu-storage-daemon went away during block job {job_id}")
+    async def finish_job(self, job_id: str) -> None:
+        """Wait for a job made with `JOB_BY_HAND` to end: finalize it from here, dismiss it; QSDError if it failed.
 
-        with self._qmp.listen(listener):
-            await self.execute(command, arguments)
-            waiters = [asyncio.create_task(finished()), asyncio.create_task(session_lost())]
-            try:
-                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
-                await asyncio.gather(*waiters, return_exceptions=True)
-            done.pop().result()
+        Finalizing drains the job's nodes. QSD 10.0's FUSE export serves a
+        request inside its fd handler, polling the main loop until the
+        request is done; a job left to finalize itself does so from that
+        loop, so it can drain inside such a request and wait for it forever
+        (measured: QSD hung in 4 of 6 backups under a writing filesystem).
+        The monitor runs commands outside those polls, so a job-finalize
+        sent here cannot.
+        """
+        while True:
+            jobs = {str(j["id"]): j for j in await self.execute("query-jobs")}
+            info = jobs.get(job_id)
+            if info is None:
+                raise QSDError(f"block job {job_id} is gone")
+            if info["status"] == "pending":
+                await self.execute("job-finalize", {"id": job_id})
+            elif info["status"] == "concluded":
+                await self.execute("job-dismiss", {"id": job_id})
+                if info.get("error"):
+                    raise QSDError(f"block job {job_id} ended without success: {info['error']}")
+                return
+            await asyncio.sleep(JOB_POLL)
 
     async def block_resize(self, node_name: str, size: int) -> None:
         await self.execute("block_resize", {"node-name": node_name, "size": size})

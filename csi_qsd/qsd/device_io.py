@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from csi_qsd.errors import QSDError
-from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.client import JOB_BY_HAND, QSDClient
 
 
 async def node_size(client: QSDClient, node_name: str) -> int:
@@ -60,7 +60,7 @@ async def zero_range(client: QSDClient, node_name: str, start: int, length: int)
                                    "offset": start, "size": length})
         try:
             await client.run_job("blockdev-backup", {"job-id": tag, "device": source, "target": window,
-                                                     "sync": "full", "auto-dismiss": True}, tag)
+                                                     "sync": "full", **JOB_BY_HAND}, tag)
         finally:
             await client.blockdev_del(window)
     finally:

@@ -37,6 +37,7 @@ class VolumeNodes:
     vhost_export: str
     throttle: str  # the filter every export sits on; outlives generations (blockdev-snapshot swaps its child)
     throttle_group: str  # the object holding the volume's limits
+    move_job: str  # the block job that moves the volume to a new home (`csi_qsd.qsd.move`)
 
     @property
     def all_nodes(self) -> tuple[str, str]:
@@ -69,6 +70,7 @@ def nodes_for(volume_id: str, generation: int = 0) -> VolumeNodes:
         vhost_export=f"{NODE_PREFIX}{suffix}-vhost",
         throttle=f"{NODE_PREFIX}{suffix}-t",
         throttle_group=f"{NODE_PREFIX}{suffix}-tg",
+        move_job=f"{NODE_PREFIX}{suffix}-mv",
     )
 
 

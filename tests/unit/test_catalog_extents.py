@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.catalog import SCHEMA_VERSION, Catalog, ExtentRecord, ExtentState, _MIGRATIONS
 from csi_qsd.pools import extents
 from csi_qsd.pools.extents import Extent, Layout
+from tests.unit.test_catalog import volume
 
 V1_SCHEMA = Path(__file__).parent.parent / "data" / "catalog_v1.sql"
 MIB = 1 << 20
@@ -77,3 +79,45 @@ async def test_growth_and_takes_racing_never_overlap(tmp_path: Path) -> None:
         grown = next(r for r in await catalog.extents("p") if r.volume_id == "vol-a")
         assert (grown.length == 8 * MIB) == results[0]
         assert all(r.end <= layout.data_end for r in rows)
+
+
+async def test_a_move_keeps_both_homes_until_its_commit_and_never_hands_either_out(tmp_path: Path) -> None:
+    """MOVING and RETIRING extents are taken; the commit swaps them with the volume's generation in one step."""
+    layout = Layout(16 * MIB, MIB)
+
+    def best_fit(size: int) -> Callable[[list[ExtentRecord]], tuple[int, int] | None]:
+        def choose(rows: list[ExtentRecord]) -> tuple[int, int] | None:
+            picked = extents.choose(layout, [Extent(r.start, r.length) for r in rows], size)
+            return (picked.start, picked.length) if picked is not None else None
+        return choose
+
+    async with Catalog(tmp_path / "catalog.db") as catalog:
+        record = volume(1)
+        await catalog.add_volume(record)
+        await catalog.take_extent("p", record.id, best_fit(2 * MIB))
+        assert not await catalog.commit_move("p", record.id, 1)  # nothing to commit yet
+        moving = await catalog.take_move_extent("p", record.id, best_fit(4 * MIB))
+        assert moving == ExtentRecord("p", 3 * MIB, 4 * MIB, record.id, ExtentState.MOVING)
+        assert await catalog.take_move_extent("p", record.id, best_fit(8 * MIB)) == moving  # a retry: the same
+        other = await catalog.take_extent("p", "vol-2", best_fit(4 * MIB))
+        assert other is not None and other.start == 7 * MIB  # neither home is free space
+
+        assert await catalog.commit_move("p", record.id, 1)
+        states = {r.start: r.state for r in await catalog.extents("p") if r.volume_id == record.id}
+        assert states == {MIB: ExtentState.RETIRING, 3 * MIB: ExtentState.USED}
+        moved = await catalog.volume(record.id)
+        assert moved is not None and moved.generation == 1
+        assert await catalog.take_extent("p", record.id, best_fit(MIB)) == ExtentRecord(
+            "p", 3 * MIB, 4 * MIB, record.id, ExtentState.USED)  # the volume's own extent is the new one
+
+        await catalog.scrub_extents("p", record.id, ExtentState.RETIRING)
+        states = {r.start: r.state for r in await catalog.extents("p") if r.volume_id == record.id}
+        assert states == {MIB: ExtentState.SCRUBBING, 3 * MIB: ExtentState.USED}
+        await catalog.drop_extent("p", MIB)
+        assert [r.start for r in await catalog.extents("p")] == [3 * MIB, 7 * MIB]
+
+        undone = await catalog.take_move_extent("p", record.id, best_fit(5 * MIB))
+        assert undone is not None and undone.state is ExtentState.MOVING
+        await catalog.scrub_extents("p", record.id, ExtentState.MOVING)  # an undone move
+        rows = {r.start: r for r in await catalog.extents("p")}
+        assert rows[undone.start].state is ExtentState.SCRUBBING and rows[3 * MIB].state is ExtentState.USED

@@ -1,6 +1,6 @@
 """The device-pool allocator against a reference model: a map of allocation units, one flag each.
 
-Random sequences of creates, deletes and in-place growths: extents never
+Random sequences of creates, deletes, in-place growths and moves: extents never
 overlap, never leave the data area, are aligned, free space is never lost
 (taken + free = the data area), and every answer (fits or not, largest free
 gap, how far an extent can grow in place) matches the brute-force model.
@@ -102,6 +102,23 @@ class Allocator(RuleBasedStateMachine):
             self.model.free(volume)
             self.model.take(grown, volume)
             self.taken[volume] = grown
+
+    @rule(volume=volumes, size=st.integers(1, 32 * MIB))
+    def move(self, volume: int, size: int) -> None:
+        """A move: the new home is chosen while the old one is still held, then the old one is freed."""
+        extent = self.taken.get(volume)
+        if extent is None:
+            return
+        wanted = max(size, extent.length)
+        target = extents.choose(self.layout, self.taken.values(), wanted)
+        assert (target is not None) == self.model.fits(extents.align_up(wanted, MIB) // MIB)
+        if target is None:
+            return
+        assert not target.overlaps(extent)
+        self.model.take(target, -volume)
+        self.model.free(volume)
+        self.model.owner = [volume if who == -volume else who for who in self.model.owner]
+        self.taken[volume] = target
 
     @invariant()
     def disjoint_aligned_inside(self) -> None:
