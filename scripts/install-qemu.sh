@@ -4,6 +4,8 @@
 # Debian 12's QEMU 7.2 has a FUSE export that corrupts parallel writes; Debian 13's 10.0.13 carries the
 # fix. Its packages are unpacked with mmdebstrap into .runtime/qemu and run with their own loader and
 # libraries; wrappers named like the tools go into the venv's bin directory, where csi-qsd looks first.
+# qemu-block-extra brings libblkio's virtio-blk-vhost-user driver: the benches' userspace vhost-user-blk
+# client (qemu-img bench on a VM volume's socket).
 # On a host whose own QEMU is new enough (a Debian 13 image), nothing is done.
 # Usage: install-qemu.sh VENV_BIN_DIR
 set -euo pipefail
@@ -24,14 +26,14 @@ if dpkg --compare-versions "$(host_version)" ge 10.0.8; then
   exit 0
 fi
 
-if [ ! -x "$ROOT/usr/bin/qemu-storage-daemon" ]; then
+if [ ! -x "$ROOT/usr/bin/qemu-storage-daemon" ] || [ ! -e "$ROOT/usr/lib/x86_64-linux-gnu/qemu/block-blkio.so" ]; then
   if ! command -v mmdebstrap >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive ${SUDO:-} apt-get install -y -q --no-install-recommends mmdebstrap
   fi
-  echo "qemu: unpacking Debian ${SUITE}'s qemu-utils into $ROOT"
+  echo "qemu: unpacking Debian ${SUITE}'s qemu-utils and qemu-block-extra into $ROOT"
   rm -rf "$ROOT.tmp"
   mkdir -p "$(dirname "$ROOT")"
-  mmdebstrap --quiet --variant=apt --include=qemu-utils "$SUITE" "$ROOT.tmp"
+  mmdebstrap --quiet --variant=apt --include=qemu-utils,qemu-block-extra "$SUITE" "$ROOT.tmp"
   rm -rf "$ROOT"
   mv "$ROOT.tmp" "$ROOT"
 fi

@@ -16,9 +16,8 @@ directly over the same regions at once. Every figure is the median of the
 rounds; each round measures a partition and its baseline back to back, so
 load from elsewhere on the machine hits both alike.
 
-A VM reaches a partition over vhost-user-blk, which this bench does not
-drive: no userspace vhost-user-blk client exists here, and a guest under
-TCG measures the emulated CPU rather than the export.
+A VM reaches a partition over vhost-user-blk: `partitions_vm` measures that
+path (a guest under TCG would measure the emulated CPU, not the export).
 """
 
 from __future__ import annotations

@@ -1,0 +1,193 @@
+"""Device-pool partitions as a VM sees them: qemu-img bench over vhost-user-blk vs the same region directly, one run.
+
+Run as ``.venv/bin/python -m e2e.bench.partitions_vm [--rounds 3]`` (root).
+It prints figures, never pass/fail.
+
+The "NVMe" is a loop device (direct I/O) over a file filled with data. The
+driver serves it as device pool ``bench``, creates two VM volumes on it
+through CSI (the default ``cache: writethrough`` and ``cache: writeback``,
+for VMs that flush) and stages and publishes each (a `raw` window on the device under
+the volume's throttle filter, exported over vhost-user-blk). The client is
+``qemu-img bench`` with libblkio's ``virtio-blk-vhost-user`` driver on the
+published socket: the vhost-user-blk protocol a guest's QEMU speaks, with
+no guest kernel or CPU emulation to measure instead. The baseline is the
+same ``qemu-img bench`` on the same byte range of the device (a `raw`
+window on `host_device`, O_DIRECT, native AIO), right after, so both sides
+use one tool and one I/O path in the client. qemu-img bench issues
+sequential requests only; the figure is the median over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import re
+import sqlite3
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.tools import bundled
+from e2e.bench.common import cpu_seconds, ratio, sh, table
+from tests.harness import DriverProcess, qsd_pid, sandbox
+
+MIB = 1 << 20
+REGION = 256 * MIB
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchJob:
+    label: str
+    size: int
+    depth: int
+    count: int
+    write: bool = False
+
+    @property
+    def sequential(self) -> bool:
+        return self.size >= MIB
+
+    def args(self) -> list[str]:
+        return ["-s", str(self.size), "-d", str(self.depth), "-c", str(self.count), "-n", *(["-w"] if self.write else [])]
+
+    def figure(self, seconds: float) -> float:
+        """MiB/s for large requests, IOPS for small ones."""
+        return self.count * self.size / MIB / seconds if self.sequential else self.count / seconds
+
+
+JOBS = [
+    BenchJob("4k read QD32 (IOPS)", 4096, 32, 100_000),
+    BenchJob("4k read QD1 (IOPS)", 4096, 1, 20_000),
+    BenchJob("4k write QD32 (IOPS)", 4096, 32, 100_000, write=True),
+    BenchJob("1M write QD8 (MiB/s)", MIB, 8, 1_000, write=True),
+]
+CACHES = ("writeback", "writethrough")
+_DONE = re.compile(r"Run completed in ([0-9.]+) seconds")
+
+
+async def qemu_img_bench(image_opts: str, job: BenchJob, *, flush: bool = False) -> float:
+    """`job`'s figure through `image_opts`; `flush`: a flush after every `depth` requests (the most qemu-img allows).
+
+    A writethrough disk flushes after every write, but QEMU shares one
+    flush among the writes in flight when it starts, so with `depth`
+    requests in flight that is about one flush per `depth` writes.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        bundled("qemu-img"), "bench", "--image-opts", image_opts, *job.args(),
+        *([f"--flush-interval={job.depth}"] if flush else []),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    text = out.decode(errors="replace")
+    found = _DONE.search(text)
+    if proc.returncode or found is None:
+        raise RuntimeError(f"qemu-img bench failed: {text.strip()}")
+    return job.figure(float(found.group(1)))
+
+
+def through_socket(socket: Path) -> str:
+    return f"driver=virtio-blk-vhost-user,path={socket},cache.direct=on"
+
+
+def device_region(node: Path, start: int) -> str:
+    return (f"driver=raw,offset={start},size={REGION},file.driver=host_device,file.filename={node},"
+            "file.aio=native,file.locking=off,file.cache.direct=on")
+
+
+def blkio_missing() -> str:
+    """Why qemu-img cannot be a vhost-user-blk client here ('' if it can)."""
+    if "virtio-blk-vhost-user" not in sh(bundled("qemu-img"), "--help"):
+        return ("this qemu-img has no virtio-blk-vhost-user driver (libblkio, Debian's qemu-block-extra): "
+                "scripts/install-qemu.sh installs it with the bundled QEMU")
+    return ""
+
+
+async def bench(rounds: int) -> str:
+    missing = blkio_missing()
+    if missing:
+        return missing
+    work = Path(tempfile.mkdtemp(prefix="cqbench", dir="/tmp"))
+    backing = work / "nvme.img"
+    sh("dd", "if=/dev/urandom", f"of={backing}", "bs=1M", f"count={2 * REGION // MIB + 64}", "status=none")
+    node = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)).strip())
+    try:
+        with sandbox() as box:
+            driver = DriverProcess(box, "--device-pool", f"bench={node},force")
+            await driver.start()
+            try:
+                async with CSIClient(box.endpoint, timeout=120) as csi:
+                    published: dict[str, tuple[Path, int]] = {}
+                    for cache in CACHES:
+                        vol = await csi.create_volume(f"pvc-{cache}", REGION, {
+                            "pool": "bench", "export": "vhost-user-blk", "cache": cache})
+                        staging, target = box.staging(cache), box.target(cache)
+                        await csi.stage(vol.volume_id, str(staging))
+                        await csi.publish(vol.volume_id, str(staging), str(target))
+                        db = sqlite3.connect(box.state_dir / "catalog.db")
+                        (start,) = db.execute("SELECT start FROM extents WHERE volume_id=?",
+                                              (vol.volume_id,)).fetchone()
+                        db.close()
+                        published[cache] = (target / "vhost-user-blk.sock", start)
+                    pid = qsd_pid(box)
+                    assert pid is not None
+                    version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
+                    return await measure(published, node, pid, rounds, version)
+            finally:
+                await driver.stop()
+    finally:
+        subprocess.run(["losetup", "-d", str(node)], check=False)
+        backing.unlink(missing_ok=True)
+        work.rmdir()
+
+
+async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, rounds: int, version: str) -> str:
+    samples: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    for _ in range(rounds):
+        for job in JOBS:
+            for cache, (socket, start) in published.items():
+                cpu_before, started = cpu_seconds(pid), time.monotonic()
+                add(f"{job.label}/{cache}", await qemu_img_bench(through_socket(socket), job))
+                add(f"{job.label}/{cache}/cpu", (cpu_seconds(pid) - cpu_before) / (time.monotonic() - started))
+                add(f"{job.label}/device", await qemu_img_bench(device_region(node, start), job))
+                if job.write:
+                    add(f"{job.label}/device+flush", await qemu_img_bench(device_region(node, start), job, flush=True))
+    med = {key: statistics.median(values) for key, values in samples.items()}
+
+    def cell(key: str) -> str:
+        return f"{med[key]:,.0f}" if key in med else "-"
+
+    rows = []
+    for job in JOBS:
+        flushed = med.get(f"{job.label}/device+flush", med[f"{job.label}/device"])
+        rows.append([
+            job.label, cell(f"{job.label}/device"), cell(f"{job.label}/writeback"),
+            ratio(med[f"{job.label}/writeback"], med[f"{job.label}/device"]),
+            cell(f"{job.label}/device+flush"), cell(f"{job.label}/writethrough"),
+            ratio(med[f"{job.label}/writethrough"], flushed),
+            f"{med[f'{job.label}/writeback/cpu']:.0%}",
+        ])
+    headers = ["job", "device region", "volume, cache: writeback", "ratio", "device region, flushing",
+               "volume, writethrough (default)", "ratio", "QSD CPU (writeback)"]
+    return (f"{version}; VM volumes (vhost-user-blk export > raw window > direct-I/O loop device), "
+            f"qemu-img bench with libblkio's virtio-blk-vhost-user driver; median of {rounds} rounds. A "
+            "writethrough volume acknowledges a write once it is on the device (QSD flushes after it): its "
+            "baseline flushes once per queue depth of writes (the most qemu-img bench allows).\n\n" + table(headers, rows) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every job (medians are printed)")
+    args = parser.parse_args(argv)
+    print(asyncio.run(bench(args.rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
