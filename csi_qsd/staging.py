@@ -238,10 +238,10 @@ class NodeVolumes:
         host = self._exports.host
         for pool in host.pools.values():
             for volume_id, committed in sorted(pool.moves_under_way().items()):
-                async with self._locks.wait_hold(volume_id, REBUILD_LOCK_WAIT):
+                async with self._locks.wait_hold(volume_id, REBUILD_LOCK_WAIT) as held:
                     volume = await self._catalog.volume(volume_id)
-                    if volume is None:
-                        continue
+                    if volume is None or not held:
+                        continue  # a move still running in this process settles itself when it fails
                     old, new = moves.tops_of(host, volume, committed=committed)
                     log.warning("event=reconcile_move volume_id=%s committed=%s", volume_id, committed)
                     await moves.settle(host, self._exports.of(volume), volume, await self._catalog.stage(volume_id),
