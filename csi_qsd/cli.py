@@ -13,8 +13,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -32,6 +33,9 @@ from csi_qsd.sys.signals import stop_event
 from csi_qsd.tools import bundled
 
 ENV_PREFIX = "CSI_QSD_"
+
+
+T = TypeVar("T")
 
 
 def env_name(flag: str) -> str:
@@ -69,11 +73,11 @@ def _device_pool(text: str) -> DevicePoolSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _env_device_pools(parser: argparse.ArgumentParser) -> list[DevicePoolSpec]:
-    """The pools in the environment; a bad one is a usage error naming the variable, not a traceback."""
-    name = env_name("--device-pool")
+def _env_list(parser: argparse.ArgumentParser, flag: str, parse: Callable[[str], T]) -> list[T]:
+    """A repeatable flag's values from its variable (space-separated); a bad one is a usage error naming it."""
+    name = env_name(flag)
     try:
-        return [_device_pool(text) for text in os.environ.get(name, "").split()]
+        return [parse(text) for text in os.environ.get(name, "").split()]
     except argparse.ArgumentTypeError as exc:
         parser.error(f"{name}: {exc}")
 
@@ -110,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
             "parallel writes intact, >= 10.0.8), direct or buffered", choices=[m.value for m in LoopIO])
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
     serve.add_argument("--device-pool", action="append", type=_device_pool, metavar="NAME=PATH|nvme://PCI[/NS][,force]",
-                       default=_env_device_pools(serve),
+                       default=_env_list(serve, "--device-pool", _device_pool),
                        help="a whole block device carved into volumes, chosen with the StorageClass parameter "
                             "'pool: NAME'; PATH a stable name such as /dev/disk/by-id/…, or nvme://PCI[/NAMESPACE] "
                             "(e.g. nvme://0000:01:00.0/1) for a controller bound to vfio-pci that QSD drives "
@@ -133,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     _option(router, "--driver-name", DEFAULT_DRIVER_NAME, "CSI driver name")
     _option(router, "--log-level", "info", "debug, info, warning or error")
     router.add_argument("--node", action="append", type=_node_address, metavar="NAME=HOST:PORT",
-                        default=[_node_address(t) for t in os.environ.get(env_name("--node"), "").split()],
+                        default=_env_list(router, "--node", _node_address),
                         help="a node plugin's metadata listener (repeatable; env "
                              f"{env_name('--node')}, space-separated); or --nodes-dns")
     _option(router, "--nodes-dns", "", "HOST:PORT where HOST resolves to every node plugin (a headless Service)")

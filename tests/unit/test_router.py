@@ -20,6 +20,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import NotFound, Unavailable
 from csi_qsd.metadata_listener import serving_metadata_listener
+from csi_qsd.cli import build_parser
 from csi_qsd.router.config import NodeAddress, RouterConfig
 from csi_qsd.router.nodes import Node, NodeDirectory
 from csi_qsd.router.owners import Owners
@@ -168,3 +169,15 @@ async def test_listener_starts_when_its_secret_arrives(tmp_path: Path) -> None:
         for source, target in zip((pki.node.cert, pki.node.key, pki.node.ca), (live.cert, live.key, live.ca)):
             shutil.copy(source, target)
         await until(lambda: _held(address, pki.router), "the listener to start on the new files", 10)
+
+
+def test_a_bad_node_in_the_environment_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("CSI_QSD_NODE", "node-a=10.0.0.1:9443 bad")
+    with pytest.raises(SystemExit):
+        build_parser()
+    assert "CSI_QSD_NODE: --node 'bad': expected NAME=HOST:PORT" in capsys.readouterr().err
+    monkeypatch.setenv("CSI_QSD_NODE", "node-a=10.0.0.1:9443")
+    args = build_parser().parse_args(["snapshot-metadata-router"])
+    assert [node.name for node in args.node] == ["node-a"]
