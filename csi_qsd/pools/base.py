@@ -4,9 +4,9 @@ A pool hands out storage references (an image path in the file pool; a
 device pool's names an extent), creates, grows, layers and deletes what they
 name, reports capacity, and names what QSD opens for a reference
 (`csi_qsd.qsd.storage`). The domain never looks inside a reference. Pools
-never change the graph of a volume; only a device pool touches the catalog,
-and only its own rows of the `extents` table, which are its allocation
-state. A pool whose device only QSD can reach (the userspace NVMe way in)
+never change the graph of a volume; only a device pool touches the catalog:
+its own rows of the `extents` table, which are its allocation state, and a
+moved volume's image generation, in the transaction that commits the move. A pool whose device only QSD can reach (the userspace NVMe way in)
 reads and zeroes it through QSD once `attach` has handed it the client.
 """
 
