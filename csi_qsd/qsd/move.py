@@ -87,10 +87,14 @@ async def mirror(client: QSDClient, old: TopImage, new: TopImage, synced: Callab
 
 
 def _synced(info: dict[str, Any] | None) -> bool:
-    """True once the mirror copied everything and mirrors each write before acknowledging it."""
+    """True once the mirror copied everything and mirrors each write before acknowledging it.
+
+    QEMU before 8.2 does not report `actively-synced`; there a ready
+    write-blocking mirror is in sync.
+    """
     if info is None or info["status"] == "concluded":
         raise QSDError(f"the mirror job ended before it was in sync: {info and info.get('error')}")
-    return bool(info.get("ready")) and bool(info.get("actively-synced"))
+    return bool(info.get("ready")) and bool(info.get("actively-synced", True))
 
 
 # backup: for exports that forbid a mirror ------------------------------
