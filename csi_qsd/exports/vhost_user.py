@@ -134,11 +134,8 @@ class VhostUserExport(ExportPath):
     async def finish_move(self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage,
                           new: attach.TopImage) -> None:
         """The mirror again (the running job, or a new one: the old top kept every write until the switch)."""
-        async def synced() -> None:
-            pass
-
         await qsd_move.open_new_home(self.host.client, new)
-        await qsd_move.mirror(self.host.client, old, new, synced)
+        await qsd_move.mirror(self.host.client, old, new)
 
     async def expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,

@@ -417,8 +417,7 @@ class QSDClient:
         sent here cannot.
         """
         while True:
-            jobs = {str(j["id"]): j for j in await self.execute("query-jobs")}
-            info = jobs.get(job_id)
+            info = await self.job(job_id)
             if info is None:
                 raise QSDError(f"block job {job_id} is gone")
             if info["status"] == "pending":

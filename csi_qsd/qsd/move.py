@@ -67,7 +67,9 @@ async def serves(client: QSDClient, top: TopImage) -> bool:
 # mirror ----------------------------------------------------------------
 
 
-async def mirror(client: QSDClient, old: TopImage, new: TopImage, synced: Callable[[], Awaitable[None]]) -> None:
+async def mirror(
+    client: QSDClient, old: TopImage, new: TopImage, synced: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """Mirror the volume into `new` under its exports; call `synced` once every write reaches both, then switch.
 
     Picks up a mirror job a crash left running. Raises QSDError if QEMU
@@ -81,7 +83,8 @@ async def mirror(client: QSDClient, old: TopImage, new: TopImage, synced: Callab
         })
     while not _synced(await client.job(job)):
         await asyncio.sleep(POLL)
-    await synced()
+    if synced is not None:
+        await synced()
     await client.execute("block-job-complete", {"device": job})
     await client.finish_job(job)
 

@@ -21,17 +21,13 @@ import argparse
 import asyncio
 import os
 import re
-import sqlite3
-import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.bench.common import GIB, MIB, Summary, ratio, sh, table
-from tests.harness import DriverProcess, Sandbox, sandbox
+from e2e.bench.device_pool import ServedPool, served_pool
 
 
 RING_BLOCKS = 1024
@@ -76,29 +72,12 @@ class TimedWriter:
 
 async def bench(gib: float) -> str:
     size = int(gib * GIB) // MIB * MIB
-    work = Path(tempfile.mkdtemp(prefix="cqbench", dir="/tmp"))
-    backing, scratch = work / "nvme.img", work / "copy.img"
-    with open(backing, "wb") as f:
-        f.truncate(3 * size + 256 * MIB)
-    node = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)).strip())
-    try:
-        with sandbox() as box:
-            driver = DriverProcess(box, "--device-pool", f"bench={node}")
-            await driver.start()
-            try:
-                async with CSIClient(box.endpoint, timeout=3600) as csi:
-                    return await measure(csi, box.state_dir / "catalog.db", box, driver, node, scratch, size)
-            finally:
-                await driver.stop()
-    finally:
-        subprocess.run(["losetup", "-d", str(node)], check=False)
-        for path in (backing, scratch):
-            path.unlink(missing_ok=True)
-        work.rmdir()
+    async with served_pool(3 * size + 256 * MIB, timeout=3600) as pool:
+        return await measure(pool, size)
 
 
-async def measure(csi: CSIClient, catalog: Path, box: Sandbox, driver: DriverProcess, node: Path, scratch: Path,
-                  size: int) -> str:
+async def measure(pool: ServedPool, size: int) -> str:
+    csi, box, driver, node, scratch = pool.csi, pool.box, pool.driver, pool.node, pool.work / "copy.img"
     vol = await csi.create_volume("pvc-fs", size, {"pool": "bench"}, fs_type="xfs")
     await csi.create_volume("pvc-next", 16 * MIB, {"pool": "bench"}, block=True)
     staging, target = box.staging("fs"), box.target("fs")
@@ -106,7 +85,7 @@ async def measure(csi: CSIClient, catalog: Path, box: Sandbox, driver: DriverPro
     await csi.publish(vol.volume_id, str(staging), str(target), fs_type="xfs")
     sh("dd", "if=/dev/urandom", f"of={target / 'data'}", "bs=1M", f"count={size * 3 // 4 // MIB}", "oflag=direct",
        "status=none")
-    start = _extent_start(catalog, vol.volume_id)
+    start = pool.extent_start(vol.volume_id)
 
     copy_started = time.monotonic()
     sh("dd", f"if={node}", f"of={scratch}", "bs=1M", f"skip={start // MIB}", f"count={size // MIB}",
@@ -130,7 +109,7 @@ async def measure(csi: CSIClient, catalog: Path, box: Sandbox, driver: DriverPro
         raise RuntimeError(f"the writer failed: {writer.error}")
     stalls = [f"+{began - moved_from:.2f} s: {(ended - began) * 1000:.0f} ms" for began, ended in writer.latencies
               if ended - began > STALL and began <= moved_to and ended >= moved_from]
-    moved = _extent_start(catalog, vol.volume_id) != start
+    moved = pool.extent_start(vol.volume_id) != start
     held = re.findall(r"event=move_switched volume_id=\S+ held_ms=(\d+)", driver.log())
     before = Summary.of(writer.between(quiet_from, moved_from))
     during = Summary.of(writer.between(moved_from, moved_to))
@@ -151,15 +130,6 @@ async def measure(csi: CSIClient, catalog: Path, box: Sandbox, driver: DriverPro
             f"{', '.join(held) or '?'} ms; writer blocks during the move: {during.count}\n\n"
             + table(["figure", "baseline", "measured", "ratio"], rows)
             + f"\n\nwriter blocks over {STALL * 1000:.0f} ms, from the start of the move: {'; '.join(stalls) or 'none'}\n")
-
-
-def _extent_start(catalog: Path, volume_id: str) -> int:
-    db = sqlite3.connect(catalog)
-    try:
-        (start,) = db.execute("SELECT start FROM extents WHERE volume_id=? AND state='used'", (volume_id,)).fetchone()
-        return int(start)
-    finally:
-        db.close()
 
 
 def main(argv: list[str] | None = None) -> int:

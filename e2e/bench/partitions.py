@@ -25,18 +25,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sqlite3
 import statistics
 import subprocess
-import tempfile
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from csi_qsd.csi_client import CSIClient
 from csi_qsd.tools import bundled
 from e2e.bench.common import Job, cpu_share, ratio, sh, table
-from tests.harness import DriverProcess, qsd_pid, sandbox
+from e2e.bench.device_pool import served_pool
+from tests.harness import qsd_pid
 
 MIB = 1 << 20
 REGION = 256 * MIB
@@ -77,41 +75,20 @@ def figure(value: float) -> str:
 
 
 async def bench(runtime: int, rounds: int) -> str:
-    work = Path(tempfile.mkdtemp(prefix="cqbench", dir="/tmp"))
-    backing = work / "nvme.img"
-    with open(backing, "wb") as f:
-        f.truncate(4 * REGION + 64 * MIB)
-    node = Path(subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(backing)], check=True,
-                               capture_output=True, text=True).stdout.strip())
-    try:
-        with sandbox() as box:
-            driver = DriverProcess(box, "--device-pool", f"bench={node}")
-            await driver.start()
-            try:
-                async with CSIClient(box.endpoint, timeout=120) as csi:
-                    targets: list[tuple[Path, int]] = []
-                    for i in range(max(AT_ONCE)):
-                        vol = await csi.create_volume(f"pvc-part-{i}", REGION, {"pool": "bench"}, block=True)
-                        staging, target = box.staging(f"p{i}"), box.target(f"p{i}")
-                        await csi.stage(vol.volume_id, str(staging), block=True)
-                        await csi.publish(vol.volume_id, str(staging), str(target), block=True)
-                        db = sqlite3.connect(box.state_dir / "catalog.db")
-                        (start,) = db.execute("SELECT start FROM extents WHERE volume_id=?",
-                                              (vol.volume_id,)).fetchone()
-                        db.close()
-                        targets.append((target, start))
-                    for target, start in targets:
-                        await fill(target, 0)
-                    pid = qsd_pid(box)
-                    assert pid is not None
-                    version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
-                    return await measure(targets, node, pid, runtime, rounds, version)
-            finally:
-                await driver.stop()  # the sandbox's cleanup takes down its QSD, mounts and loop devices
-    finally:
-        subprocess.run(["losetup", "-d", str(node)], check=False)
-        backing.unlink(missing_ok=True)
-        work.rmdir()
+    async with served_pool(4 * REGION + 64 * MIB) as pool:
+        targets: list[tuple[Path, int]] = []
+        for i in range(max(AT_ONCE)):
+            vol = await pool.csi.create_volume(f"pvc-part-{i}", REGION, {"pool": "bench"}, block=True)
+            staging, target = pool.box.staging(f"p{i}"), pool.box.target(f"p{i}")
+            await pool.csi.stage(vol.volume_id, str(staging), block=True)
+            await pool.csi.publish(vol.volume_id, str(staging), str(target), block=True)
+            targets.append((target, pool.extent_start(vol.volume_id)))
+        for target, start in targets:
+            await fill(target, 0)
+        pid = qsd_pid(pool.box)
+        assert pid is not None
+        version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
+        return await measure(targets, pool.node, pid, runtime, rounds, version)
 
 
 async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime: int, rounds: int,

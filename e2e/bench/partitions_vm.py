@@ -23,17 +23,15 @@ import argparse
 import asyncio
 import dataclasses
 import re
-import sqlite3
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from csi_qsd.csi_client import CSIClient
 from csi_qsd.tools import bundled
 from e2e.bench.common import cpu_seconds, ratio, sh, table
-from tests.harness import DriverProcess, qsd_pid, sandbox
+from e2e.bench.device_pool import served_pool
+from tests.harness import qsd_pid
 
 MIB = 1 << 20
 REGION = 256 * MIB
@@ -109,38 +107,19 @@ async def bench(rounds: int) -> str:
     missing = blkio_missing()
     if missing:
         return missing
-    work = Path(tempfile.mkdtemp(prefix="cqbench", dir="/tmp"))
-    backing = work / "nvme.img"
-    sh("dd", "if=/dev/urandom", f"of={backing}", "bs=1M", f"count={2 * REGION // MIB + 64}", "status=none")
-    node = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)).strip())
-    try:
-        with sandbox() as box:
-            driver = DriverProcess(box, "--device-pool", f"bench={node},force")
-            await driver.start()
-            try:
-                async with CSIClient(box.endpoint, timeout=120) as csi:
-                    published: dict[str, tuple[Path, int]] = {}
-                    for cache in CACHES:
-                        vol = await csi.create_volume(f"pvc-{cache}", REGION, {
-                            "pool": "bench", "export": "vhost-user-blk", "cache": cache})
-                        staging, target = box.staging(cache), box.target(cache)
-                        await csi.stage(vol.volume_id, str(staging))
-                        await csi.publish(vol.volume_id, str(staging), str(target))
-                        db = sqlite3.connect(box.state_dir / "catalog.db")
-                        (start,) = db.execute("SELECT start FROM extents WHERE volume_id=?",
-                                              (vol.volume_id,)).fetchone()
-                        db.close()
-                        published[cache] = (target / "vhost-user-blk.sock", start)
-                    pid = qsd_pid(box)
-                    assert pid is not None
-                    version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
-                    return await measure(published, node, pid, rounds, version)
-            finally:
-                await driver.stop()
-    finally:
-        subprocess.run(["losetup", "-d", str(node)], check=False)
-        backing.unlink(missing_ok=True)
-        work.rmdir()
+    async with served_pool(2 * REGION + 64 * MIB, random_data=True) as pool:
+        published: dict[str, tuple[Path, int]] = {}
+        for cache in CACHES:
+            vol = await pool.csi.create_volume(f"pvc-{cache}", REGION, {
+                "pool": "bench", "export": "vhost-user-blk", "cache": cache})
+            staging, target = pool.box.staging(cache), pool.box.target(cache)
+            await pool.csi.stage(vol.volume_id, str(staging))
+            await pool.csi.publish(vol.volume_id, str(staging), str(target))
+            published[cache] = (target / "vhost-user-blk.sock", pool.extent_start(vol.volume_id))
+        pid = qsd_pid(pool.box)
+        assert pid is not None
+        version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
+        return await measure(published, pool.node, pid, rounds, version)
 
 
 async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, rounds: int, version: str) -> str:
