@@ -34,7 +34,9 @@ class VolumeLimits:
     async def modify(self, volume_id: str, mutable: Mapping[str, str]) -> VolumeRecord:
         """Apply `mutable` (only the keys given change) and return the volume as it now is.
 
-        A retry is harmless: the limits are set again to the same values.
+        A retry is harmless: the limits are set again to the same values. No
+        keys (a VolumeAttributesClass without parameters) change nothing and
+        touch nothing, once the volume is known to exist.
         Raises NotFound, InvalidArgument (naming the key), Aborted (another
         call holds the volume), Unavailable (QSD is restarting: the catalog
         holds the new limits, and the retry applies them live).
@@ -43,6 +45,8 @@ class VolumeLimits:
             volume = await self._catalog.volume(volume_id)
             if volume is None or volume.state is not VolumeState.READY:
                 raise NotFound(f"volume {volume_id} does not exist")
+            if not mutable:
+                return volume
             qos = parse_mutable_parameters(mutable, volume.qos)
             if qos != volume.qos:
                 volume = dataclasses.replace(volume, qos=qos)

@@ -79,7 +79,7 @@ class NodeVolumes:
     async def stage(self, spec: StageSpec) -> None:
         """Raises NotFound, InvalidArgument, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
         async with self._locks.hold(spec.volume_id), self._transient_if_qsd_lost(spec.volume_id):
-            volume = await self._volume(spec.volume_id)
+            volume = await self.volume(spec.volume_id)
             kind = self._exports.of(volume)
             kind.check_access(volume, spec.block)
             fs_type = kind.fs_type(spec.block, spec.fs_type)
@@ -109,7 +109,7 @@ class NodeVolumes:
     async def unstage(self, volume_id: str, staging_path: Path) -> None:
         """Raises NotFound for an unknown volume, FailedPrecondition while published."""
         async with self._locks.hold(volume_id), self._transient_if_qsd_lost(volume_id):
-            volume = await self._volume(volume_id, any_state=True)
+            volume = await self.volume(volume_id, any_state=True)
             record = await self._catalog.stage(volume_id)
             if record is None or record.staging_path != staging_path:
                 return
@@ -129,7 +129,7 @@ class NodeVolumes:
     async def publish(self, spec: PublishSpec) -> None:
         """Raises NotFound, FailedPrecondition (not staged, single writer), AlreadyExists, Unavailable."""
         async with self._locks.hold(spec.volume_id), self._transient_if_qsd_lost(spec.volume_id):
-            volume = await self._volume(spec.volume_id)
+            volume = await self.volume(spec.volume_id)
             stage = await self._catalog.stage(spec.volume_id)
             if stage is None or stage.state is not StageState.STAGED or stage.staging_path != spec.staging_path:
                 raise FailedPrecondition(
@@ -168,7 +168,7 @@ class NodeVolumes:
     async def unpublish(self, volume_id: str, target_path: Path) -> None:
         """Raises NotFound for an unknown volume; an unpublished target is success."""
         async with self._locks.hold(volume_id), self._transient_if_qsd_lost(volume_id):
-            volume = await self._volume(volume_id, any_state=True)
+            volume = await self.volume(volume_id, any_state=True)
             record = await self._catalog.publish(target_path)
             if record is None or record.volume_id != volume_id:
                 return
@@ -183,7 +183,7 @@ class NodeVolumes:
         Raises NotFound, OutOfRange, FailedPrecondition, Unavailable, Aborted.
         """
         async with self._locks.hold(volume_id), self._transient_if_qsd_lost(volume_id):
-            volume = await self._volume(volume_id)
+            volume = await self.volume(volume_id)
             stage = await _stage_at(self._catalog, volume_id, path)
             if stage.state is not StageState.STAGED:
                 raise NotFound(f"volume {volume_id} is not staged or published at {path}")
@@ -211,7 +211,7 @@ class NodeVolumes:
 
     async def stats(self, volume_id: str, path: Path) -> VolumeStats:
         """Usage of a volume at its staging or target path. Raises NotFound."""
-        volume = await self._volume(volume_id)
+        volume = await self.volume(volume_id)
         stage = await _stage_at(self._catalog, volume_id, path)
         if not self._daemon.ready:
             return VolumeStats.restarting(volume.capacity)
@@ -305,7 +305,7 @@ class NodeVolumes:
         except Exception:
             log.exception("event=undo_stage_failed volume_id=%s (the start-up reconcile will retry)", volume.id)
 
-    async def _volume(self, volume_id: str, *, any_state: bool = False) -> VolumeRecord:
+    async def volume(self, volume_id: str, *, any_state: bool = False) -> VolumeRecord:
         """The volume (ready, unless `any_state`: undoing needs no ready volume). Raises NotFound."""
         volume = await self._catalog.volume(volume_id)
         if volume is None or not (any_state or volume.state is VolumeState.READY):

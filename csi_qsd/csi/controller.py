@@ -21,7 +21,7 @@ from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from csi_qsd.health import HealthView, VolumeHealth
 from csi_qsd.limits import VolumeLimits
-from csi_qsd.params import PROVISIONER_PREFIX, check_mutable_keys, parse_mutable_parameters, parse_parameters
+from csi_qsd.params import PROVISIONER_PREFIX, parse_mutable_parameters, parse_parameters
 from csi_qsd.snapshots import Snapshots
 from csi_qsd.volumes import MIB, Volumes, unsupported_capability
 
@@ -118,12 +118,12 @@ class ControllerService(pb_grpc.ControllerServicer):
     async def ValidateVolumeCapabilities(
         self, request: pb.ValidateVolumeCapabilitiesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ValidateVolumeCapabilitiesResponse:
-        caps = convert.capabilities(list(request.volume_capabilities))
-        params = parse_parameters(dict(request.parameters))
         volume_id = validate.volume_id(request.volume_id)
         record = await self._volumes.get(volume_id)
         if record is None:
             raise NotFound(f"volume {volume_id} does not exist")
+        caps = convert.capabilities(list(request.volume_capabilities))
+        params = parse_parameters(dict(request.parameters))
         if request.parameters and params != record.params:
             return pb.ValidateVolumeCapabilitiesResponse(message="parameters differ from the volume's")
         for cap in caps:
@@ -203,11 +203,13 @@ class ControllerService(pb_grpc.ControllerServicer):
     async def ControllerModifyVolume(
         self, request: pb.ControllerModifyVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.ControllerModifyVolumeResponse:
-        """Change a volume's I/O limits (a VolumeAttributesClass), live where it is staged."""
-        mutable = dict(request.mutable_parameters)
-        check_mutable_keys(mutable)
+        """Change a volume's I/O limits (a VolumeAttributesClass), live where it is staged.
+
+        The keys are checked once the volume is known (`limits.modify`), so an
+        unknown volume is NOT_FOUND whatever they hold; none is nothing to change.
+        """
         volume_id = validate.volume_id(request.volume_id)
-        await self._limits.modify(volume_id, mutable)
+        await self._limits.modify(volume_id, dict(request.mutable_parameters))
         return pb.ControllerModifyVolumeResponse()
 
     @rpc

@@ -26,8 +26,8 @@ def group_message(group: Group) -> pb.VolumeGroupSnapshot:
 
 
 def _check_members(group: Group, snapshot_ids: list[str]) -> None:
-    """The spec's "snapshot list mismatch": `snapshot_ids` must be exactly the group's members."""
-    if set(snapshot_ids) != {s.id for s in group.members}:
+    """The spec's "snapshot list mismatch": `snapshot_ids`, when given, must be exactly the group's members."""
+    if snapshot_ids and set(snapshot_ids) != {s.id for s in group.members}:
         raise InvalidArgument(f"snapshot_ids do not match the members of group snapshot {group.id}")
 
 

@@ -1,10 +1,11 @@
 """CSI Node service: stage, publish and report volumes on this node.
 
 REQUIRED fields are checked before a handler runs (`csi.required`). Each
-handler then checks the paths and the capability before the volume ID, so a
-malformed ID is answered like an unknown one (NOT_FOUND) and a bad path is
-INVALID_ARGUMENT whichever ID it comes with; only then does the domain look
-the volume up.
+handler then looks the volume up, a malformed ID answered like an unknown
+one (NOT_FOUND), and only then checks what the request holds: the paths and
+the capability (INVALID_ARGUMENT). So an unknown volume is NOT_FOUND however
+its paths read, as the spec's tables and csi-sanity expect; the domain call
+that follows looks the volume up again under its lock.
 """
 
 from __future__ import annotations
@@ -50,13 +51,19 @@ class NodeService(pb_grpc.NodeServicer):
         group = convert.mount_group(mount.volume_mount_group) if not cap.block else ""
         return cap.block, cap.fs_type, flags, group, cap.mode is AccessMode.SINGLE_NODE_SINGLE_WRITER
 
+    async def _known(self, value: str, *, any_state: bool = False) -> str:
+        """The request's volume ID once the volume is known to exist; NotFound otherwise."""
+        volume_id = validate.volume_id(value)
+        await self._node.volume(volume_id, any_state=any_state)
+        return volume_id
+
     @rpc
     async def NodeStageVolume(
         self, request: pb.NodeStageVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeStageVolumeResponse:
+        volume_id = await self._known(request.volume_id)
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
         block, fs_type, flags, group, _single = self._capability(request)
-        volume_id = validate.volume_id(request.volume_id)
         await self._node.stage(StageSpec(volume_id, staging, block, fs_type, flags, group))
         return pb.NodeStageVolumeResponse()
 
@@ -64,8 +71,8 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeUnstageVolume(
         self, request: pb.NodeUnstageVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeUnstageVolumeResponse:
+        volume_id = await self._known(request.volume_id, any_state=True)
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
-        volume_id = validate.volume_id(request.volume_id)
         await self._node.unstage(volume_id, staging)
         return pb.NodeUnstageVolumeResponse()
 
@@ -73,6 +80,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodePublishVolume(
         self, request: pb.NodePublishVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodePublishVolumeResponse:
+        volume_id = await self._known(request.volume_id)
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
         target = convert.request_path(request.target_path, "target_path", self._config)
         if target == staging:
@@ -82,7 +90,6 @@ class NodeService(pb_grpc.NodeServicer):
                 f"target_path {str(target)!r} and staging_target_path {str(staging)!r} must not contain each other"
             )
         block, _fs_type, flags, group, single_writer = self._capability(request)
-        volume_id = validate.volume_id(request.volume_id)
         await self._node.publish(
             PublishSpec(volume_id, staging, target, block, request.readonly, flags, group, single_writer))
         return pb.NodePublishVolumeResponse()
@@ -91,8 +98,8 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeUnpublishVolume(
         self, request: pb.NodeUnpublishVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeUnpublishVolumeResponse:
+        volume_id = await self._known(request.volume_id, any_state=True)
         target = convert.request_path(request.target_path, "target_path", self._config)
-        volume_id = validate.volume_id(request.volume_id)
         await self._node.unpublish(volume_id, target)
         return pb.NodeUnpublishVolumeResponse()
 
@@ -100,7 +107,7 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeGetVolumeStats(
         self, request: pb.NodeGetVolumeStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeGetVolumeStatsResponse:
-        volume_id = validate.volume_id(request.volume_id)
+        volume_id = await self._known(request.volume_id)
         try:
             path = convert.request_path(request.volume_path, "volume_path", self._config)
         except InvalidArgument as exc:
@@ -122,10 +129,10 @@ class NodeService(pb_grpc.NodeServicer):
     async def NodeExpandVolume(
         self, request: pb.NodeExpandVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.NodeExpandVolumeResponse:
+        volume_id = await self._known(request.volume_id)
         path = convert.request_path(request.volume_path, "volume_path", self._config)
         if request.HasField("volume_capability"):
             convert.capability(request.volume_capability)
-        volume_id = validate.volume_id(request.volume_id)
         size = await self._node.expand(
             volume_id, path, request.capacity_range.required_bytes, request.capacity_range.limit_bytes
         )

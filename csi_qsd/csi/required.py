@@ -8,11 +8,20 @@ place (`csi.errors.rpc`, before the handler runs), and handlers keep only
 their semantic checks: a path's shape and place, a capability's support, a
 parameter's value, whether an ID names something that exists.
 
-The table transcribes the spec's message definitions (CSI v1.12.0): a field
-marked REQUIRED must be set; a repeated or map one must hold an element.
-proto3 cannot tell an unset scalar from its zero value, so an empty string or
-an UNKNOWN enum counts as missing; a REQUIRED bool (`readonly`) can never be
-missing and is not listed. Rules run in the order of the message's fields,
+The table transcribes the spec's message definitions (CSI v1.12.0): a scalar
+or message field marked REQUIRED must be set. proto3 cannot tell an unset
+scalar from its zero value, so an empty string or an UNKNOWN enum counts as
+missing; a REQUIRED bool (`readonly`) can never be missing and is not listed.
+proto3 cannot tell an empty map or list from a missing one either, and a real
+CO sends them empty: a VolumeAttributesClass without parameters reaches
+ControllerModifyVolume with no `mutable_parameters`, a group snapshot call may
+come without `snapshot_ids`. So a map or repeated field is required to hold
+an element only where an empty one leaves nothing to act on (no capability
+to check or provide, no volume to snapshot); where empty means "nothing to
+change" or "nothing to cross-check" it is legal, and the handler reads it so.
+Only presence is checked here: what a present field holds (a path's shape
+and place, a key's meaning) is the handler's to check, after it has looked
+the request's ID up, so an unknown volume is NOT_FOUND however its path reads. Rules run in the order of the message's fields,
 and an OPTIONAL message that is given must carry its own REQUIRED fields
 (a `volume_capability` needs its access type and mode). The one rule that is
 not INVALID_ARGUMENT comes last: NodePublishVolume without a
@@ -69,13 +78,14 @@ class Field:
 
 @dataclasses.dataclass(frozen=True)
 class IDs:
-    """A REQUIRED repeated field of IDs: at least one, and none of them empty."""
+    """A repeated field of IDs, REQUIRED to hold one or legal when empty; none of those given may be empty."""
 
     field: str
+    required: bool = True
 
     def check(self, request: Any) -> None:
         values = list(getattr(request, self.field))
-        if not values:
+        if not values and self.required:
             raise InvalidArgument(f"{self.field} is required: list at least one ID")
         for i, value in enumerate(values):
             if not value:
@@ -158,7 +168,8 @@ REQUIRED: Mapping[type[Message], tuple[Rule, ...]] = {
     pb.ValidateVolumeCapabilitiesRequest: (Field("volume_id"), Capabilities("volume_capabilities")),
     pb.ListVolumesRequest: (),
     pb.ControllerGetVolumeRequest: (Field("volume_id"),),
-    pb.ControllerModifyVolumeRequest: (Field("volume_id"), Field("mutable_parameters")),
+    # Empty mutable_parameters: a VolumeAttributesClass without parameters, nothing to change.
+    pb.ControllerModifyVolumeRequest: (Field("volume_id"),),
     pb.GetCapacityRequest: (Capabilities("volume_capabilities", required=False),),
     pb.ControllerGetCapabilitiesRequest: (),
     pb.CreateSnapshotRequest: (Field("source_volume_id"), Field("name")),
@@ -185,8 +196,9 @@ REQUIRED: Mapping[type[Message], tuple[Rule, ...]] = {
     # GroupController
     pb.GroupControllerGetCapabilitiesRequest: (),
     pb.CreateVolumeGroupSnapshotRequest: (Field("name"), IDs("source_volume_ids")),
-    pb.DeleteVolumeGroupSnapshotRequest: (Field("group_snapshot_id"), IDs("snapshot_ids")),
-    pb.GetVolumeGroupSnapshotRequest: (Field("group_snapshot_id"), IDs("snapshot_ids")),
+    # Empty snapshot_ids: nothing to cross-check the group's members against.
+    pb.DeleteVolumeGroupSnapshotRequest: (Field("group_snapshot_id"), IDs("snapshot_ids", required=False)),
+    pb.GetVolumeGroupSnapshotRequest: (Field("group_snapshot_id"), IDs("snapshot_ids", required=False)),
     # SnapshotMetadata (not served; listed so the table covers the whole spec)
     pb.GetMetadataAllocatedRequest: (Field("snapshot_id"),),
     pb.GetMetadataDeltaRequest: (Field("base_snapshot_id"), Field("target_snapshot_id")),

@@ -35,6 +35,7 @@ Code = grpc.StatusCode
 VARIANTS = ("known", "unknown", "malformed")
 UNKNOWN = {"volume": "vol-" + "0" * 24, "snapshot": "snap-" + "0" * 24, "group": "group-" + "0" * 24}
 MALFORMED = {"volume": "../../etc/passwd", "snapshot": "snap-\x00/..", "group": "group/../x"}
+OTHER = "snap-" + "1" * 24  # a snapshot ID that is no member of any group
 
 
 @dataclasses.dataclass
@@ -59,6 +60,9 @@ class Row:
     offered: bool = True
     codes: dict[str, Code] = dataclasses.field(default_factory=dict)  # field → code other than INVALID_ARGUMENT
     id_kinds: tuple[str, ...] = ("volume",)  # which objects the request names (for the variants that matter)
+    empty_ok: tuple[str, ...] = ()  # maps and lists a CO may send empty: the request stands without them
+    malformed: dict[str, Any] = dataclasses.field(default_factory=dict)  # field → a present but malformed value
+    malformed_known: Code = Code.INVALID_ARGUMENT  # what a malformed value answers once the IDs are known
 
 
 def cap(block: bool = False) -> pb.VolumeCapability:
@@ -94,7 +98,8 @@ ROWS = [
     Row("ControllerGetVolume", "controller", lambda o, b: pb.ControllerGetVolumeRequest(volume_id=o.volume),
         ("volume_id",)),
     Row("ControllerModifyVolume", "controller", lambda o, b: pb.ControllerModifyVolumeRequest(
-        volume_id=o.volume, mutable_parameters={"iopsTotal": "100"}), ("volume_id", "mutable_parameters")),
+        volume_id=o.volume, mutable_parameters={"iopsTotal": "100"}), ("volume_id",),
+        empty_ok=("mutable_parameters",), malformed={"mutable_parameters": {"noSuchLimit": "1"}}),
     Row("GetCapacity", "controller", lambda o, b: pb.GetCapacityRequest(volume_capabilities=[cap()]),
         ("volume_capabilities[0].access_type", "volume_capabilities[0].access_mode"), unknown_answer=None,
         id_kinds=()),
@@ -111,29 +116,33 @@ ROWS = [
     Row("NodeStageVolume", "node", lambda o, b: pb.NodeStageVolumeRequest(
         volume_id=o.volume, staging_target_path=staging(b), volume_capability=cap()),
         ("volume_id", "staging_target_path", "volume_capability", "volume_capability.access_type",
-         "volume_capability.access_mode")),
+         "volume_capability.access_mode"), malformed={"staging_target_path": "some/path"}),
     Row("NodeUnstageVolume", "node", lambda o, b: pb.NodeUnstageVolumeRequest(
-        volume_id=o.volume, staging_target_path=staging(b)), ("volume_id", "staging_target_path")),
+        volume_id=o.volume, staging_target_path=staging(b)), ("volume_id", "staging_target_path"),
+        malformed={"staging_target_path": "some/path"}),
     Row("NodePublishVolume", "node", lambda o, b: pb.NodePublishVolumeRequest(
         volume_id=o.volume, staging_target_path=staging(b), target_path=target(b), volume_capability=cap()),
         ("volume_id", "target_path", "volume_capability", "volume_capability.access_mode", "staging_target_path"),
-        codes={"staging_target_path": Code.FAILED_PRECONDITION}),
+        codes={"staging_target_path": Code.FAILED_PRECONDITION}, malformed={"target_path": "some/path"}),
     Row("NodeUnpublishVolume", "node", lambda o, b: pb.NodeUnpublishVolumeRequest(
-        volume_id=o.volume, target_path=target(b)), ("volume_id", "target_path")),
+        volume_id=o.volume, target_path=target(b)), ("volume_id", "target_path"),
+        malformed={"target_path": "some/path"}),
     Row("NodeGetVolumeStats", "node", lambda o, b: pb.NodeGetVolumeStatsRequest(
-        volume_id=o.volume, volume_path=staging(b)), ("volume_id", "volume_path")),
+        volume_id=o.volume, volume_path=staging(b)), ("volume_id", "volume_path"),
+        malformed={"volume_path": "some/path"}, malformed_known=Code.NOT_FOUND),
     Row("NodeExpandVolume", "node", lambda o, b: pb.NodeExpandVolumeRequest(
         volume_id=o.volume, volume_path=staging(b), capacity_range=pb.CapacityRange(required_bytes=32 * MIB),
         volume_capability=cap()),
-        ("volume_id", "volume_path", "volume_capability.access_type", "volume_capability.access_mode")),
+        ("volume_id", "volume_path", "volume_capability.access_type", "volume_capability.access_mode"),
+        malformed={"volume_path": "some/path"}),
     Row("CreateVolumeGroupSnapshot", "group", lambda o, b: pb.CreateVolumeGroupSnapshotRequest(
         name="group-conformance", source_volume_ids=[o.volume]), ("name", "source_volume_ids")),
     Row("DeleteVolumeGroupSnapshot", "group", lambda o, b: pb.DeleteVolumeGroupSnapshotRequest(
-        group_snapshot_id=o.group, snapshot_ids=o.group_members), ("group_snapshot_id", "snapshot_ids"),
-        unknown_answer=None, id_kinds=("group",)),
+        group_snapshot_id=o.group, snapshot_ids=o.group_members), ("group_snapshot_id",),
+        unknown_answer=None, id_kinds=("group",), empty_ok=("snapshot_ids",), malformed={"snapshot_ids": [OTHER]}),
     Row("GetVolumeGroupSnapshot", "group", lambda o, b: pb.GetVolumeGroupSnapshotRequest(
-        group_snapshot_id=o.group, snapshot_ids=o.group_members), ("group_snapshot_id", "snapshot_ids"),
-        id_kinds=("group",)),
+        group_snapshot_id=o.group, snapshot_ids=o.group_members), ("group_snapshot_id",),
+        id_kinds=("group",), empty_ok=("snapshot_ids",), malformed={"snapshot_ids": [OTHER]}),
 ]
 
 
@@ -218,6 +227,60 @@ async def test_the_complete_request_with_unknown_ids_gets_past_the_check(box: Sa
         )
     else:
         assert row.unknown_answer is None, f"{row.method}: succeeded, want {row.unknown_answer}"
+
+
+def content_cases(kind: str) -> list[Any]:
+    out = []
+    for row in ROWS:
+        for field in (row.empty_ok if kind == "empty" else tuple(row.malformed)):
+            for variant in ("known", "unknown", "malformed"):
+                out.append(pytest.param(row, field, variant, id=f"{row.method}-{field}-{variant}"))
+    return out
+
+
+async def answer(csi: CSIClient, row: Row, request: Message) -> tuple[Code, str]:
+    try:
+        await stub(csi, row)(request, timeout=60)
+    except grpc.aio.AioRpcError as error:
+        return error.code(), error.details() or ""
+    return Code.OK, ""
+
+
+def unknown_code(row: Row) -> Code:
+    return row.unknown_answer if row.unknown_answer is not None else Code.OK
+
+
+@pytest.mark.parametrize("row, field, variant", content_cases("empty"))
+async def test_an_empty_map_or_list_is_legal(box: Sandbox, csi: CSIClient, row: Row, field: str, variant: str) -> None:
+    """proto3 sends an empty map or list as nothing: the request stands, answered as its IDs say."""
+    request = row.build(await objects(csi, variant, row.id_kinds), box)
+    clear(request, field)
+    code, details = await answer(csi, row, request)
+    want = Code.OK if variant == "known" else unknown_code(row)
+    assert code == want, f"{row.method} with empty {field} ({variant} IDs): {code.name} {details!r}, want {want.name}"
+
+
+@pytest.mark.parametrize("row, field, variant", content_cases("malformed"))
+async def test_a_malformed_value_is_judged_after_the_ids(
+    box: Sandbox, csi: CSIClient, row: Row, field: str, variant: str
+) -> None:
+    """What a present field holds is checked once its IDs are known: an unknown ID is NOT_FOUND first."""
+    request = row.build(await objects(csi, variant, row.id_kinds), box)
+    value = row.malformed[field]
+    if isinstance(value, dict):
+        getattr(request, field).clear()
+        getattr(request, field).update(value)
+    elif isinstance(value, list):
+        del getattr(request, field)[:]
+        getattr(request, field).extend(value)
+    else:
+        setattr(request, field, value)
+    code, details = await answer(csi, row, request)
+    want = row.malformed_known if variant == "known" else unknown_code(row)
+    assert code == want, f"{row.method} with {field}={value!r} ({variant} IDs): {code.name} {details!r}, want {want.name}"
+    if variant == "known" and want == Code.INVALID_ARGUMENT:
+        assert field in details or any(str(v) in details for v in (value if isinstance(value, (dict, list)) else [value])), (
+            f"{row.method}: message {details!r} names neither {field!r} nor its value")
 
 
 async def test_rows_cover_every_rpc_of_the_spec_that_names_a_required_field() -> None:

@@ -41,13 +41,11 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from csi_qsd.config import Config
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from csi_qsd.qsd.client import QSDClient
-from csi_qsd.qsd.daemon import qmp_socket, running_pid
-from csi_qsd.sys import loop, mounts
+from csi_qsd.sys import mounts
 from tests.harness import Sandbox
+from tests.leftovers import host_leftovers, qsd_leftovers
 
 MIB = 1 << 20
 INT64_MAX = (1 << 63) - 1  # 2**63 itself does not fit the int64 fields; the largest value that does
@@ -542,30 +540,14 @@ def _cleanup(run: Served) -> None:
     assert not run.stubs["ListSnapshots"](pb.ListSnapshotsRequest(), timeout=60).entries
 
 
-async def qsd_leftovers(config: Config) -> tuple[dict[str, Any], set[str]]:
-    """Exports and block nodes still in QSD, asked over its QMP socket; then QSD is told to quit."""
-    client = QSDClient("fuzz-check", 30)
-    await client.connect(qmp_socket(config))
-    try:
-        exports, nodes = await client.exports(), await client.node_names()
-        await client.quit()
-    finally:
-        await client.disconnect()
-    return dict(exports), set(nodes)
-
-
 def _assert_nothing_left(run: Served) -> None:
     box = run.box
     run.proc.send_signal(signal.SIGTERM)
     assert run.proc.wait(60) == 0, (box.root / "driver.log").read_text()[-4000:]
-    config = Config(state_dir=box.state_dir)
-    if running_pid(config) is not None:
-        exports, nodes = asyncio.run(qsd_leftovers(config))
-        assert not exports and not nodes, f"QSD still holds exports {sorted(exports)} and nodes {sorted(nodes)}"
-    left_mounts = [e.mount_point for e in mounts.mount_table() if box.root in e.mount_point.parents]
-    assert not left_mounts, f"mounts left: {left_mounts}"
-    left_loops = [lp.device for lp in loop.loop_devices() if box.root in lp.backing_file.parents]
-    assert not left_loops, f"loop devices left: {left_loops}"
+    exports, nodes = asyncio.run(qsd_leftovers(box.state_dir, quit_after=True))
+    assert not exports and not nodes, f"QSD still holds exports {sorted(exports)} and nodes {sorted(nodes)}"
+    left = host_leftovers(box.root)
+    assert not left, f"left behind: {left}"
     images = [p.name for p in (box.state_dir / "pool").iterdir() if p.name.startswith(("vol-", "snap-"))]
     assert not images, f"images left in the pool: {images}"
     with sqlite3.connect(f"file:{box.state_dir / 'catalog.db'}?mode=ro", uri=True) as db:

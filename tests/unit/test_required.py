@@ -68,7 +68,8 @@ def complete_capability() -> pb.VolumeCapability:
     (pb.CreateSnapshotRequest(name="n"), "source_volume_id", InvalidArgument),
     (pb.CreateVolumeGroupSnapshotRequest(name="n", source_volume_ids=["a", ""]), "source_volume_ids[1]",
      InvalidArgument),
-    (pb.GetVolumeGroupSnapshotRequest(group_snapshot_id="g"), "snapshot_ids", InvalidArgument),
+    (pb.GetVolumeGroupSnapshotRequest(group_snapshot_id="g", snapshot_ids=["s", ""]), "snapshot_ids[1]",
+     InvalidArgument),
 ])
 def test_a_missing_field_raises_naming_it(request_: Message, field: str, error: type[Exception]) -> None:
     with pytest.raises(error) as info:
@@ -82,10 +83,36 @@ def test_a_missing_field_raises_naming_it(request_: Message, field: str, error: 
     pb.NodePublishVolumeRequest(volume_id="v", staging_target_path="s", target_path="t",
                                 volume_capability=complete_capability()),
     pb.NodeExpandVolumeRequest(volume_id="v", volume_path="p"),  # the capability is OPTIONAL here
+    # Empty maps and lists a real CO sends: nothing to change, nothing to cross-check.
+    pb.ControllerModifyVolumeRequest(volume_id="v"),
+    pb.GetVolumeGroupSnapshotRequest(group_snapshot_id="g"),
+    pb.DeleteVolumeGroupSnapshotRequest(group_snapshot_id="g"),
+    # Present but malformed content is the handler's to judge, after its lookup.
+    pb.NodeExpandVolumeRequest(volume_id="v", volume_path="some/path"),
+    pb.NodeStageVolumeRequest(volume_id="v", staging_target_path="relative", volume_capability=complete_capability()),
     object(),  # not a CSI request: nothing to check
 ])
 def test_a_complete_request_passes(request_: object) -> None:
     required.check(request_)
+
+
+# The repeated fields without which a request leaves nothing to act on; every other one may be empty.
+NEEDS_AN_ELEMENT = {
+    ("CreateVolumeRequest", "volume_capabilities"), ("ValidateVolumeCapabilitiesRequest", "volume_capabilities"),
+    ("CreateVolumeGroupSnapshotRequest", "source_volume_ids"),
+}
+
+
+@pytest.mark.parametrize("message_type", request_types(), ids=lambda t: t.__name__)
+def test_an_empty_map_or_list_is_refused_only_where_nothing_is_left_to_act_on(message_type: type[Message]) -> None:
+    """proto3 sends an empty map or list as nothing at all: a rule may demand an element only where listed."""
+    fields = message_type.DESCRIPTOR.fields_by_name
+    for rule in required.REQUIRED[message_type]:
+        descriptor = fields[rule.field]
+        if not descriptor.is_repeated:
+            continue
+        demands = getattr(rule, "required", True)
+        assert demands == ((message_type.__name__, rule.field) in NEEDS_AN_ELEMENT), (message_type.__name__, rule)
 
 
 class Servicer:
