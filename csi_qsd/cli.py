@@ -22,11 +22,12 @@ from google.protobuf import json_format
 
 from csi_qsd import __version__
 from csi_qsd.config import (
-    DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, Config, DevicePoolSpec, QSDMode,
+    DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config, DevicePoolSpec, QSDMode,
 )
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.datapath import LoopIO
 from csi_qsd.errors import DriverError
+from csi_qsd.qsd import iothreads
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
 from csi_qsd.tls import PemFiles
 from csi_qsd.sys.signals import stop_event
@@ -54,6 +55,28 @@ def _common(parser: argparse.ArgumentParser) -> None:
     _option(parser, "--log-level", "info", "debug, info, warning or error")
     _option(parser, "--qsd-binary", bundled("qemu-storage-daemon"), "qemu-storage-daemon executable")
     _option(parser, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
+    _option(parser, "--iothreads", str(iothreads.node_cores()), "QSD's iothreads that serve exports: each VM disk "
+            "runs in the least loaded one, a FUSE export (QEMU >= 11) in all of them (default: one per core, "
+            f"at most {iothreads.MAX_PER_CORE} per core)", type=_iothreads)
+    _option(parser, "--poll-max-ns", "", "how long those iothreads poll for new requests before sleeping, in ns "
+            "(empty: QEMU's default of 32768; 0: never poll)", type=_poll_max_ns)
+
+
+def _iothreads(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a number of iothreads, got {text!r}")
+    try:
+        return iothreads.check_size(int(text), iothreads.node_cores())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _poll_max_ns(text: str) -> int | None:
+    if text == "":
+        return None
+    if not (text.isascii() and text.isdigit() and int(text) in POLL_MAX_NS_RANGE):
+        raise argparse.ArgumentTypeError(f"expected nanoseconds 0..{POLL_MAX_NS_RANGE.stop - 1}, got {text!r}")
+    return int(text)
 
 
 def _seconds(text: str) -> float:
@@ -245,6 +268,8 @@ def config_from(args: argparse.Namespace) -> Config:
         qmp_timeout=float(getattr(args, "qmp_timeout", 10.0)),
         qsd_binary=args.qsd_binary,
         qemu_img=args.qemu_img,
+        iothreads=args.iothreads,
+        poll_max_ns=args.poll_max_ns,
         failpoints=os.environ.get(env_name("--failpoints"), ""),
         device_pools=tuple(getattr(args, "device_pool", None) or ()),
         metadata_address=getattr(args, "metadata_address", ""),

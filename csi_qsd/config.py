@@ -15,6 +15,7 @@ from csi_qsd.csi import unix_socket
 from csi_qsd.datapath import LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME, NvmeAddress
+from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
 from csi_qsd.tls import PemFiles
 from csi_qsd.tools import bundled
 
@@ -24,6 +25,8 @@ DEFAULT_TARGET_ROOT = Path("/var/lib/kubelet")
 TOPOLOGY_KEY_NODE = "topology.csi-qsd.io/node"
 TOPOLOGY_KEY_FUSE = "topology.csi-qsd.io/fuse"
 TOPOLOGY_KEY_VHOST_USER = "topology.csi-qsd.io/vhost-user-blk"
+# An iothread's adaptive polling budget, as the StorageClass's iothreadPollMaxNs allows it.
+POLL_MAX_NS_RANGE = range(0, 1_000_001)
 
 
 class QSDMode(enum.Enum):
@@ -96,6 +99,10 @@ class Config:
     loop_io: LoopIO = LoopIO.AUTO
     qmp_timeout: float = 10.0
     failpoints: str = ""
+    # QSD's pool of iothreads for exports (`csi_qsd.qsd.iothreads`): default one per core, and their
+    # polling budget in ns (None: QEMU's default).
+    iothreads: int = dataclasses.field(default_factory=node_cores)
+    poll_max_ns: int | None = None
     device_pools: tuple[DevicePoolSpec, ...] = ()
     # The mutual-TLS listener for the snapshot-metadata router (host:port; empty: off).
     metadata_address: str = ""
@@ -106,6 +113,9 @@ class Config:
         pool = self.pool_dir if self.pool_dir is not None else self.state_dir / "pool"
         object.__setattr__(self, "pool_dir", pool.resolve())
         object.__setattr__(self, "target_root", self.target_root.resolve())
+        check_iothreads(self.iothreads, node_cores())
+        if self.poll_max_ns is not None and self.poll_max_ns not in POLL_MAX_NS_RANGE:
+            raise ValueError(f"poll-max-ns {self.poll_max_ns}: must be 0..{POLL_MAX_NS_RANGE.stop - 1}")
         names = [spec.name for spec in self.device_pools]
         if len(set(names)) != len(names):
             raise ValueError(f"device pool names must be unique: {names}")

@@ -63,7 +63,8 @@ class FuseLoopExport(ExportPath):
             await self._drop_stale_host_state(volume, stage, publishes)
         await attach.ensure_top(client, top)
         if fresh_export:
-            await attach.add_fuse_export(client, top, export, writable=True)
+            await attach.add_fuse_export(client, top, export, writable=True,
+                                         iothreads=self.host.daemon.fuse_iothreads())
             await fusectl.raise_background(export)
         self.host.failpoints.hit("stage.after_export")
         device = await self._loop_for(export, stage.loop_device, fresh_export)

@@ -21,6 +21,7 @@ from csi_qsd.params import ExportKind
 from csi_qsd.publish import vhost_user
 from csi_qsd.qsd import attach, graph, move as qsd_move
 from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.iothreads import IOThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +45,20 @@ class VhostUserExport(ExportPath):
         vhost_user.prepare_dir(socket_dir, stage.mount_group)
         socket = socket_dir / vhost_user.SOCKET_NAME
         writable = not any(p.readonly for p in publishes)  # the one publish's mode
-        await attach.ensure_vhost_export(client, top, socket, writable=writable, in_iothread=self._in_iothread(volume))
+        await attach.ensure_vhost_export(client, top, socket, writable=writable, iothreads=self._iothreads(volume))
         vhost_user.restrict_socket(socket, stage.mount_group)
         return stage
 
-    def _in_iothread(self, volume: VolumeRecord) -> bool:
-        """Whether this QSD can run the export in an iothread (see datapath); a polling budget is lost if not."""
-        if datapath.vhost_export_in_iothread(self.host.daemon.version):
-            return True
+    def _iothreads(self, volume: VolumeRecord) -> IOThreadPool | None:
+        """The iothreads this QSD can run the export in (see datapath); a polling budget is lost if none."""
+        pool = self.host.daemon.vhost_iothreads()
+        if pool is not None:
+            return pool
         if volume.params.iothread_poll_max_ns is not None:
             log.warning("event=iothread_poll_ignored volume_id=%s qsd_version=%s reason=%s", volume.id,
                         ".".join(map(str, self.host.daemon.version)),
                         "vhost-user-blk exports run in QSD's main loop on this version")
-        return False
+        return None
 
     async def tear_down(self, volume: VolumeRecord, stage: StageRecord, client: QSDClient, *, thorough: bool) -> None:
         await attach.remove_volume(client, volume.id)
@@ -78,7 +80,7 @@ class VhostUserExport(ExportPath):
             socket = socket_dir / vhost_user.SOCKET_NAME
             await self.host.client.export_del(top.nodes.vhost_export)
             await attach.ensure_vhost_export(self.host.client, top, socket, writable=not record.readonly,
-                                             in_iothread=self._in_iothread(volume))
+                                             iothreads=self._iothreads(volume))
             vhost_user.restrict_socket(socket, stage.mount_group)
         await vhost_user.ensure_published(socket_dir, record.target_path)
         return record

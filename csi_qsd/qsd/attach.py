@@ -20,6 +20,7 @@ from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph, vhost_greeting
 from csi_qsd.qsd.client import BlockNodeInfo, QSDClient, node_info
+from csi_qsd.qsd.iothreads import IOThreadPool
 from csi_qsd.qsd.storage import Storage
 
 
@@ -170,26 +171,31 @@ async def has_export(client: QSDClient, export_id: str) -> bool:
     return export_id in exports and not exports[export_id]["shutting_down"]
 
 
-async def add_fuse_export(client: QSDClient, top: TopImage, mountpoint: Path, *, writable: bool) -> None:
-    """Export over FUSE at `mountpoint` (a regular file); the caller has seen it is missing."""
+async def add_fuse_export(
+    client: QSDClient, top: TopImage, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None,
+) -> None:
+    """Export over FUSE at `mountpoint` (a regular file), served by `iothreads` or the main loop; the caller
+    has seen it is missing."""
     mountpoint.parent.mkdir(parents=True, exist_ok=True)
     mountpoint.touch(mode=0o600, exist_ok=True)
-    await client.export_add(graph.fuse_export(top.nodes, mountpoint, writable=writable))
+    await client.export_add(graph.fuse_export(top.nodes, mountpoint, writable=writable, iothreads=iothreads))
 
 
 async def ensure_vhost_export(
-    client: QSDClient, top: TopImage, socket: Path, *, writable: bool, in_iothread: bool,
+    client: QSDClient, top: TopImage, socket: Path, *, writable: bool, iothreads: IOThreadPool | None,
 ) -> bool:
-    """Export over vhost-user-blk at `socket`, in an iothread or QSD's main loop; True if it had to be added."""
+    """Export over vhost-user-blk at `socket`, in a thread of the `iothreads` pool (the least loaded) or, for
+    None, QSD's main loop; True if it had to be added."""
     nodes = top.nodes
     if await has_export(client, nodes.vhost_export):
         return False
     socket.unlink(missing_ok=True)
-    iothread = graph.iothread_object(nodes, top.params) if in_iothread else None
-    if iothread is not None and iothread["id"] not in await client.iothreads():
-        await client.execute("object-add", iothread)
+    pool_thread = iothreads.place(nodes.vhost_export, await client.exports()) if iothreads is not None else None
+    own = graph.iothread_object(nodes, top.params) if iothreads is not None else None
+    if own is not None and own["id"] not in await client.iothreads():
+        await client.execute("object-add", own)
     await client.export_add(
-        graph.vhost_user_blk_export(nodes, socket, top.params, writable=writable, in_iothread=in_iothread))
+        graph.vhost_user_blk_export(nodes, socket, top.params, writable=writable, pool_thread=pool_thread))
     await vhost_greeting.greet(socket)  # before any resize can reach it
     return True
 

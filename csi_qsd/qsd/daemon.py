@@ -33,7 +33,7 @@ from csi_qsd import datapath
 from csi_qsd.config import Config, QSDMode
 from csi_qsd.errors import QSDError
 from csi_qsd.qsd.client import NoAnswer, QSDClient, QSDNoAnswer
-from csi_qsd.qsd.graph import IOTHREAD_ID
+from csi_qsd.qsd import iothreads
 from csi_qsd.sys.run import tool_env
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,12 @@ def pidfile(config: Config) -> Path:
 
 
 def daemon_argv(config: Config, *, daemonize: bool) -> list[str]:
-    """The QSD command line: QMP monitor, one iothread, a locked pidfile."""
+    """The QSD command line: QMP monitor, the pool of iothreads, a locked pidfile."""
     argv = [
         config.qsd_binary,
         "--chardev", f"socket,id=qmp0,path={qmp_socket(config)},server=on,wait=off",
         "--monitor", "chardev=qmp0",
-        "--object", f"iothread,id={IOTHREAD_ID}",
+        *iothreads.command_line(config.iothreads, config.poll_max_ns),
         "--pidfile", str(pidfile(config)),
     ]
     if daemonize:
@@ -165,6 +165,7 @@ class QSDDaemon:
         self.wedges = 0
         self.version: tuple[int, int, int] = (0, 0, 0)
         self.loop_direct_io = False
+        self.iothreads = iothreads.IOThreadPool(config.iothreads, config.poll_max_ns)
         self._state = QSDState.STOPPED
         self._state_changed = asyncio.Event()
         self._observers: list[StateObserver] = []
@@ -284,12 +285,34 @@ class QSDDaemon:
         await self._connect()
         self.version = await self.client.version()
         self.loop_direct_io = datapath.direct_io(self._config.loop_io, self.version)
-        log.info("event=qsd_version version=%s loop_io=%s setting=%s", ".".join(map(str, self.version)),
-                 datapath.describe(self.loop_direct_io), self._config.loop_io.value)
+        await self._ensure_iothreads()
+        log.info("event=qsd_version version=%s loop_io=%s setting=%s iothreads=%d vhost_exports_in=%s "
+                 "fuse_exports_in=%s", ".".join(map(str, self.version)), datapath.describe(self.loop_direct_io),
+                 self._config.loop_io.value, len(self.iothreads.ids),
+                 "iothreads" if self.vhost_iothreads() else "main_loop",
+                 "iothreads" if self.fuse_iothreads() else "main_loop")
         if self._rebuild is not None:
             rest = await self._rebuild(self.client)
             if rest is not None:
                 self._verify_later(rest)
+
+    def vhost_iothreads(self) -> iothreads.IOThreadPool | None:
+        """The pool a new vhost-user-blk export is placed in, or None where this QSD must run it in its main loop."""
+        return self.iothreads if datapath.vhost_export_in_iothread(self.version) else None
+
+    def fuse_iothreads(self) -> list[str] | None:
+        """The iothreads a new FUSE export is served by, or None for the main loop (QEMU < 11)."""
+        return datapath.fuse_iothreads(self.version, self.iothreads.ids)
+
+    async def _ensure_iothreads(self) -> None:
+        """Add the pool's threads an adopted QSD lacks (one started by an older driver had only the first)."""
+        present = await self.client.iothreads()
+        for thread_id in self.iothreads.ids:
+            if thread_id not in present:
+                await self.client.execute("object-add", iothreads.object_args(thread_id, self.iothreads.poll_max_ns))
+            elif self.iothreads.poll_max_ns is not None:
+                await self.client.execute("qom-set", {"path": f"/objects/{thread_id}", "property": "poll-max-ns",
+                                                      "value": self.iothreads.poll_max_ns})
 
     async def _connect(self) -> None:
         """Connect to the QMP socket, waiting for it when QSD is another container's to start.

@@ -191,8 +191,11 @@ def overlay_blockdev(nodes: VolumeNodes, params: VolumeParameters) -> QMPArgs:
     return spec
 
 
-def fuse_export(nodes: VolumeNodes, mountpoint: Path, *, writable: bool) -> QMPArgs:
-    return {
+def fuse_export(
+    nodes: VolumeNodes, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None,
+) -> QMPArgs:
+    """The export's arguments; with `iothreads` (QEMU >= 11) one /dev/fuse queue per thread, else QSD's main loop."""
+    spec: QMPArgs = {
         "type": "fuse",
         "id": nodes.fuse_export,
         "node-name": nodes.throttle,
@@ -201,6 +204,9 @@ def fuse_export(nodes: VolumeNodes, mountpoint: Path, *, writable: bool) -> QMPA
         "growable": False,
         "allow-other": "off",
     }
+    if iothreads:
+        spec["iothread"] = list(iothreads)
+    return spec
 
 
 def throttle_limits(qos: QoS) -> QMPArgs:
@@ -228,10 +234,10 @@ def throttle_blockdev(nodes: VolumeNodes) -> QMPArgs:
             "file": nodes.format}
 
 
-def iothread_for(nodes: VolumeNodes, params: VolumeParameters) -> str:
-    """The shared iothread, or the volume's own when it asks for its own polling budget."""
+def iothread_for(nodes: VolumeNodes, params: VolumeParameters, pool_thread: str = IOTHREAD_ID) -> str:
+    """The pool's thread given, or the volume's own when it asks for its own polling budget."""
     if params.iothread_poll_max_ns is None:
-        return IOTHREAD_ID
+        return pool_thread
     return own_iothread_id(nodes)
 
 
@@ -247,9 +253,10 @@ def iothread_object(nodes: VolumeNodes, params: VolumeParameters) -> QMPArgs | N
 
 
 def vhost_user_blk_export(
-    nodes: VolumeNodes, socket: Path, params: VolumeParameters, *, writable: bool, in_iothread: bool = True,
+    nodes: VolumeNodes, socket: Path, params: VolumeParameters, *, writable: bool,
+    pool_thread: str | None = IOTHREAD_ID,
 ) -> QMPArgs:
-    """The export's arguments; without `in_iothread` it runs in QSD's main loop."""
+    """The export's arguments: in `pool_thread` (or the volume's own iothread), or QSD's main loop for None."""
     spec: QMPArgs = {
         "type": "vhost-user-blk",
         "id": nodes.vhost_export,
@@ -262,6 +269,6 @@ def vhost_user_blk_export(
         "num-queues": params.num_queues,
         "logical-block-size": params.logical_block_size,
     }
-    if in_iothread:
-        spec["iothread"] = iothread_for(nodes, params)
+    if pool_thread is not None:
+        spec["iothread"] = iothread_for(nodes, params, pool_thread)
     return spec

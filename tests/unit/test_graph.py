@@ -132,10 +132,29 @@ def test_vhost_export_is_writethrough_by_default() -> None:
 def test_vhost_export_in_the_main_loop_names_no_iothread() -> None:
     """Where QSD aborts on clients of an iothread export (10.0), the export runs in the main loop."""
     spec = graph.vhost_user_blk_export(NODES, Path("/s"), VolumeParameters(iothread_poll_max_ns=0), writable=True,
-                                       in_iothread=False)
+                                       pool_thread=None)
     assert "iothread" not in spec
     assert datapath.vhost_export_in_iothread((7, 2, 22))
     assert not datapath.vhost_export_in_iothread((10, 0, 13))
+    assert not datapath.vhost_export_in_iothread((11, 0, 0))  # not measured
+    assert datapath.vhost_export_in_iothread((11, 1, 3)) and datapath.vhost_export_in_iothread((12, 0, 0))
+
+
+def test_vhost_export_runs_in_the_pool_thread_given_unless_it_has_its_own() -> None:
+    spec = graph.vhost_user_blk_export(NODES, Path("/s"), VolumeParameters(), writable=True, pool_thread="iothread3")
+    assert spec["iothread"] == "iothread3"
+    own = graph.vhost_user_blk_export(NODES, Path("/s"), VolumeParameters(iothread_poll_max_ns=0), writable=True,
+                                      pool_thread="iothread3")
+    assert own["iothread"] == graph.own_iothread_id(NODES)
+
+
+def test_fuse_export_over_a_list_of_iothreads_only_from_qemu_11() -> None:
+    pool = ["iothread0", "iothread1"]
+    assert datapath.fuse_iothreads((10, 0, 13), pool) is None
+    assert datapath.fuse_iothreads((11, 1, 3), pool) == pool
+    spec = graph.fuse_export(NODES, Path("/e/disk"), writable=True, iothreads=pool)
+    assert spec["iothread"] == pool
+    assert "iothread" not in graph.fuse_export(NODES, Path("/e/disk"), writable=True, iothreads=None)
 
 
 def test_vhost_export_follows_the_parameters() -> None:
