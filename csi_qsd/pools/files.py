@@ -12,11 +12,12 @@ import json
 import os
 from pathlib import Path
 
-from csi_qsd import image_bitmaps
+from csi_qsd import image_bitmaps, layer_bitmaps
 from csi_qsd.catalog import DEFAULT_POOL
 from csi_qsd.errors import ResourceExhausted
 from csi_qsd.granularity import qcow2_options
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
+from csi_qsd.pools import qcow2_image
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys.run import run
@@ -64,15 +65,16 @@ class FilePool(Pool):
             )
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
-        argv = [self._qemu_img, "create", "-q", "-f", params.format.value]
-        options = []
-        if params.preallocation is not Preallocation.OFF:
-            options.append(f"preallocation={params.preallocation.value}")
+        if params.preallocation is Preallocation.OFF:
+            # The common case, made in-process: an empty image is a few tables (`qcow2_image`).
+            pieces = (qcow2_image.image_bytes(size, params.granularity, layer_bitmaps.OWN)
+                      if params.format is ImageFormat.QCOW2 else [])
+            await asyncio.to_thread(_write_durably, tmp, image, pieces, size)
+            return
+        argv = [self._qemu_img, "create", "-q", "-f", params.format.value,
+                "-o", f"preallocation={params.preallocation.value}"]
         if params.format is ImageFormat.QCOW2:
-            options.append("lazy_refcounts=off")
-            options += qcow2_options(params.granularity)
-        if options:
-            argv += ["-o", ",".join(options)]
+            argv[-1] += ",".join(["", "lazy_refcounts=off", *qcow2_options(params.granularity)])
         try:
             await run(*argv, str(tmp), str(size), timeout=3600)
             if params.format is ImageFormat.QCOW2:
@@ -85,20 +87,15 @@ class FilePool(Pool):
         """Create a thin qcow2 `image` over `backing` (same directory, named relatively): O(1).
 
         It allocates in units of `granularity` whatever `backing` does: what
-        a delta reports is what the overlay holds.
+        a delta reports is what the overlay holds. The backing is named
+        relatively and not opened (the size is given), so it costs no process.
         """
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
-        try:
-            # -u: the size is given, so the backing chain need not be opened (saves milliseconds per layer).
-            options = ",".join(["lazy_refcounts=off", *qcow2_options(granularity)])
-            await run(self._qemu_img, "create", "-q", "-f", "qcow2", "-u", "-o", options,
-                      "-b", backing.name, "-F", backing_format, str(tmp), str(size))
-            await image_bitmaps.add_tracking(self._qemu_img, tmp, granularity)
-            await asyncio.to_thread(_fsync_and_rename, tmp, image)
-        finally:
-            tmp.unlink(missing_ok=True)
+        pieces = qcow2_image.image_bytes(
+            size, granularity, layer_bitmaps.OWN, backing=backing.name, backing_format=backing_format)
+        await asyncio.to_thread(_write_durably, tmp, image, pieces, size)
 
     async def backing_of(self, image: Path) -> str:
         """The absolute backing file an image's header names, or ''."""
@@ -173,6 +170,24 @@ def _check_result(image: Path, code: int, out: str) -> str:
             corruptions = 0
         return f"image file {image} is corrupt: qemu-img check found {corruptions or 'some'} corrupt clusters"
     return f"image file {image} cannot be opened as an image (qemu-img check exit {code})"
+
+
+def _write_durably(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size: int) -> None:
+    """A new image at `image`: qcow2 `pieces` (or, with none, a raw file of `size` bytes) via `tmp`, durable."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        if pieces:
+            qcow2_image.write(fd, pieces)
+        else:
+            os.ftruncate(fd, size)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.rename(tmp, image)
+    _fsync_dir(image.parent)
 
 
 def _fsync_and_rename(tmp: Path, image: Path) -> None:

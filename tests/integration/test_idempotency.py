@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ import pytest
 
 from csi_qsd.csi_client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.pools.base import Pool
 from csi_qsd.server import Driver
 from csi_qsd.sys import loop, mounts
 from tests.harness import Sandbox, in_process_driver, until
@@ -261,61 +262,57 @@ async def test_unstage_while_published_is_failed_precondition(
 # calls in flight ---------------------------------------------------------------
 
 
-class HeldQemuImg:
-    """A qemu-img that holds one `create` mid-way until the test lets it go: a call in flight, for as long as needed.
+class HeldPool:
+    """Holds the next image the driver's file pool makes until the test lets it go: a call in flight.
 
-    The driver is given it through its public setting (`Config.qemu_img`), so the held call keeps exactly
-    the locks a slow CreateVolume or CreateSnapshot keeps, and the test needs none of the driver's internals.
+    The pool the driver serves (found through `Volumes.pool_for`) gets its two image-making methods
+    wrapped, so the held call keeps exactly the locks a slow CreateVolume or CreateSnapshot keeps.
     """
 
-    def __init__(self, box: Sandbox) -> None:
-        self.armed, self.held = box.root / "qemu-img.armed", box.root / "qemu-img.held"
-        self.path = box.root / "qemu-img"
-        # The first `create` after arming takes the gate (mv is atomic), then waits, bounded, for its release.
-        self.path.write_text(
-            "#!/bin/sh\n"
-            f'if [ "$1" = create ] && mv "{self.armed}" "{self.held}" 2>/dev/null; then\n'
-            "    i=0\n"
-            f'    while [ -e "{self.held}" ] && [ "$i" -lt 1200 ]; do sleep 0.05; i=$((i + 1)); done\n'
-            "fi\n"
-            f'exec "{box.config().qemu_img}" "$@"\n'
-        )
-        self.path.chmod(0o755)
+    def __init__(self, pool: Pool) -> None:
+        self.armed = False
+        self.reached, self.released = asyncio.Event(), asyncio.Event()
+        for name in ("create", "create_overlay"):
+            setattr(pool, name, self._gated(getattr(pool, name)))
 
-    def _release(self) -> None:
-        self.armed.unlink(missing_ok=True)
-        self.held.unlink(missing_ok=True)
+    def _gated(self, making: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        async def gated(*args: Any) -> None:
+            if self.armed:
+                self.armed = False
+                self.reached.set()
+                await asyncio.wait_for(self.released.wait(), 60)
+            await making(*args)
+        return gated
 
     @contextlib.asynccontextmanager
     async def holding(self, call: Coroutine[Any, Any, T]) -> AsyncIterator[asyncio.Task[T]]:
-        """Run `call` until its qemu-img create is held; release it on the way out and wait for the call."""
-        self.armed.touch()
+        """Run `call` until it is making its image; release it on the way out and wait for the call."""
+        self.armed, self.reached, self.released = True, asyncio.Event(), asyncio.Event()
         task = asyncio.create_task(call)
         try:
-            await until(lambda: self.held.exists() or task.done(), "the call to reach qemu-img create")
-            assert not task.done(), f"the call ended without running qemu-img create: {task}"
+            await until(lambda: self.reached.is_set() or task.done(), "the call to reach the pool")
+            assert not task.done(), f"the call ended without making an image: {task}"
             yield task
         except BaseException:
-            self._release()
+            self.released.set()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise
-        self._release()
+        self.released.set()
         await task
 
 
 @pytest.fixture
-async def held(box: Sandbox) -> AsyncIterator[tuple[CSIClient, HeldQemuImg]]:
-    """An in-process driver whose qemu-img the test can hold mid-call."""
-    gate = HeldQemuImg(box)
-    async with in_process_driver(box, qemu_img=str(gate.path)) as (_, csi):
-        yield csi, gate
+async def held(box: Sandbox) -> AsyncIterator[tuple[CSIClient, HeldPool]]:
+    """An in-process driver whose file pool the test can hold mid-call."""
+    async with in_process_driver(box) as (driver, csi):
+        yield csi, HeldPool(driver.volumes.pool_for("default"))
 
 
 async def test_a_call_on_a_busy_volume_is_aborted_then_the_retry_succeeds(
-    box: Sandbox, held: tuple[CSIClient, HeldQemuImg]
+    box: Sandbox, held: tuple[CSIClient, HeldPool]
 ) -> None:
-    """Deterministic: a CreateSnapshot of the volume is held inside qemu-img, as a slow call in flight would be.
+    """Deterministic: a CreateSnapshot of the volume is held while it makes its image, as a slow call in flight would be.
 
     One lock per volume, shared by controller and node: while the controller's call runs, every node call
     and DeleteVolume on the volume is ABORTED.
@@ -344,7 +341,7 @@ async def test_a_call_on_a_busy_volume_is_aborted_then_the_retry_succeeds(
     await csi.delete_snapshot(snapshot.result().snapshot_id)
 
 
-async def test_other_volumes_are_not_blocked(box: Sandbox, held: tuple[CSIClient, HeldQemuImg]) -> None:
+async def test_other_volumes_are_not_blocked(box: Sandbox, held: tuple[CSIClient, HeldPool]) -> None:
     csi, gate = held
     busy = await csi.create_volume("pvc-busy", 16 * MIB)
     free = await csi.create_volume("pvc-free", 64 * MIB)
@@ -353,7 +350,7 @@ async def test_other_volumes_are_not_blocked(box: Sandbox, held: tuple[CSIClient
         await csi.unstage(free.volume_id, str(box.staging("free")))
 
 
-async def test_create_with_a_name_in_flight_is_aborted(held: tuple[CSIClient, HeldQemuImg]) -> None:
+async def test_create_with_a_name_in_flight_is_aborted(held: tuple[CSIClient, HeldPool]) -> None:
     csi, gate = held
     async with gate.holding(csi.create_volume("pvc-racing", 16 * MIB)) as first:
         error = await rpc_error(csi.create_volume("pvc-racing", 16 * MIB))
