@@ -60,6 +60,7 @@ DEFAULT_POOL_NAME = "default"
 POOL_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,27}\Z")
 MAX_QUEUES = 64
 LOGICAL_BLOCK_SIZES = (512, 4096)
+MAX_GID = 4294967294  # (gid_t)-1 means "no change" to chown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,9 @@ class VolumeParameters:
     discard: Discard = Discard.UNMAP
     detect_zeroes: DetectZeroes = DetectZeroes.OFF
     iothread_poll_max_ns: int | None = None
+    # The group of the VMM that opens the vhost-user-blk socket (a numeric GID); "" leaves it to
+    # volume_mount_group. Hotplug needs it: the pod that mounts the volume is not the VM's.
+    vmm_group: str = ""
     # The pool the volume lives in: "default" is the file pool, any other name a device pool.
     pool: str = DEFAULT_POOL_NAME
     # Changed-block granularity in bytes: the qcow2 (sub)cluster of every image of the volume's chain.
@@ -140,11 +144,12 @@ _PARSERS: dict[str, tuple[str, Any]] = {
     "discard": ("discard", lambda k, v: _enum(k, v, Discard)),
     "detectZeroes": ("detect_zeroes", lambda k, v: _enum(k, v, DetectZeroes)),
     "iothreadPollMaxNs": ("iothread_poll_max_ns", lambda k, v: _integer(k, v, range(0, 1_000_001))),
+    "vmmGroup": ("vmm_group", lambda k, v: str(_integer(k, v, range(1, MAX_GID + 1)))),
     "pool": ("pool", pool_name),
     "changedBlockGranularity": ("granularity", parse_granularity),
 }
 
-VHOST_ONLY_KEYS = frozenset({"numQueues", "logicalBlockSize", "cache", "iothreadPollMaxNs"})
+VHOST_ONLY_KEYS = frozenset({"numQueues", "logicalBlockSize", "cache", "iothreadPollMaxNs", "vmmGroup"})
 SUPPORTED_KEYS = frozenset(_PARSERS)
 
 

@@ -119,6 +119,7 @@ class NodeVolumes:
                     f"volume {volume_id} is still published at {published[0].target_path}; unpublish it first"
                 )
             self._require_qsd()
+            await self._exports.of(volume).check_unused(volume, record)
             await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING))
             self._failpoints.hit("unstage.after_intent")
             await self._exports.of(volume).tear_down(volume, record, self._daemon.client, thorough=False)
@@ -141,6 +142,7 @@ class NodeVolumes:
                 )
             self._require_qsd()
             kind = self._exports.of(volume)
+            kind.check_publish(volume, stage, spec.mount_group)
             existing = await self._catalog.publish(spec.target_path)
             if existing is not None and existing.state is PublishState.PUBLISHED:
                 _check_republish(spec, existing)
@@ -172,9 +174,11 @@ class NodeVolumes:
             record = await self._catalog.publish(target_path)
             if record is None or record.volume_id != volume_id:
                 return
+            kind = self._exports.of(volume)
+            await kind.check_unused(volume, await self._catalog.stage(volume_id))
             await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.UNPUBLISHING))
             self._failpoints.hit("unpublish.after_intent")
-            await self._remove_publish(self._exports.of(volume), volume, await self._catalog.stage(volume_id), record)
+            await self._remove_publish(kind, volume, await self._catalog.stage(volume_id), record)
             log.info("event=unpublished volume_id=%s target=%s", volume_id, target_path)
 
     async def expand(self, volume_id: str, path: Path, required: int, limit: int) -> int:

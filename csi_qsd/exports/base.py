@@ -106,6 +106,15 @@ class ExportPath(abc.ABC):
     ) -> PublishRecord:
         """Ensure `record`'s target carries the volume; return the record as it now is."""
 
+    def check_publish(self, volume: VolumeRecord, stage: StageRecord, mount_group: str) -> None:
+        """Refuse a publish for a pod of `mount_group` that could not use the volume. Raises FailedPrecondition."""
+
+    async def check_unused(self, volume: VolumeRecord, stage: StageRecord | None) -> None:
+        """Refuse to take the volume from a consumer that still has it open (before any intent is recorded).
+
+        Raises FailedPrecondition while one has, Unavailable while that cannot be told.
+        """
+
     @abc.abstractmethod
     async def unpublish(self, volume: VolumeRecord, stage: StageRecord | None, record: PublishRecord) -> None:
         """Take the volume away from `record`'s target; an unpublished target is fine."""

@@ -3,6 +3,14 @@
 A socket serves one VM at a time (a second client's QEMU hangs at start-up on
 QSD 7.2), so a second publish is refused, and a publish re-adds the export in
 its own mode: a readonly publish gives the guest a read-only disk.
+
+The target may reach a VM that Kubernetes never told the driver of: hotplug
+publishes to an attachment pod and a node agent bind-mounts that into the
+VM's pod. So the socket belongs to the VMM's group when the StorageClass
+names one (`vmmGroup`), and a volume is never unpublished or unstaged while a
+vhost-user client is connected to its socket (the kernel's socket table says
+so, `csi_qsd.sys.unix_peers`): the call answers FAILED_PRECONDITION and the
+CO's retry succeeds once the VM let go of the disk.
 """
 
 from __future__ import annotations
@@ -15,13 +23,14 @@ from pathlib import Path
 
 from csi_qsd import datapath
 from csi_qsd.catalog import PublishRecord, PublishState, StageRecord, VolumeRecord
-from csi_qsd.errors import FailedPrecondition
+from csi_qsd.errors import FailedPrecondition, Unavailable
 from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import vhost_user
 from csi_qsd.qsd import attach, graph, move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.iothreads import IOThreadPool
+from csi_qsd.sys import unix_peers
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +40,11 @@ class VhostUserExport(ExportPath):
 
     def socket_dir(self, volume_id: str) -> Path:
         return self.host.volume_dir(volume_id) / "vhost"
+
+    @staticmethod
+    def group(volume: VolumeRecord, stage: StageRecord) -> str:
+        """The group that may open the socket: the VMM's from the StorageClass, else the staging pod's."""
+        return volume.params.vmm_group or stage.mount_group
 
     def check_access(self, volume: VolumeRecord, block: bool) -> None:
         if block:
@@ -42,11 +56,11 @@ class VhostUserExport(ExportPath):
         top = self.host.top_image(volume)
         await attach.ensure_top(client, top)
         socket_dir = self.socket_dir(volume.id)
-        vhost_user.prepare_dir(socket_dir, stage.mount_group)
+        vhost_user.prepare_dir(socket_dir, self.group(volume, stage))
         socket = socket_dir / vhost_user.SOCKET_NAME
         writable = not any(p.readonly for p in publishes)  # the one publish's mode
         await attach.ensure_vhost_export(client, top, socket, writable=writable, iothreads=self._iothreads(volume))
-        vhost_user.restrict_socket(socket, stage.mount_group)
+        vhost_user.restrict_socket(socket, self.group(volume, stage))
         return stage
 
     def _iothreads(self, volume: VolumeRecord) -> IOThreadPool | None:
@@ -81,9 +95,45 @@ class VhostUserExport(ExportPath):
             await self.host.client.export_del(top.nodes.vhost_export)
             await attach.ensure_vhost_export(self.host.client, top, socket, writable=not record.readonly,
                                              iothreads=self._iothreads(volume))
-            vhost_user.restrict_socket(socket, stage.mount_group)
+            vhost_user.restrict_socket(socket, self.group(volume, stage))
         await vhost_user.ensure_published(socket_dir, record.target_path)
+        if group := self.group(volume, stage):
+            await vhost_user.check_openable(record.target_path, group)
         return record
+
+    def check_publish(self, volume: VolumeRecord, stage: StageRecord, mount_group: str) -> None:
+        """A pod of another group than the one the socket was staged for could not open it: refused."""
+        if volume.params.vmm_group or not mount_group or mount_group == stage.mount_group:
+            return
+        held = f"group {stage.mount_group}" if stage.mount_group else "root alone"
+        raise FailedPrecondition(
+            f"volume {volume.id}'s vhost-user-blk socket was staged for {held} and this pod's "
+            f"volume_mount_group is {mount_group}: its VMM could not open the socket. Unstage the volume "
+            "first, or name the VMM's group in the StorageClass parameter vmmGroup"
+        )
+
+    async def check_unused(self, volume: VolumeRecord, stage: StageRecord | None) -> None:
+        """Raises FailedPrecondition while a vhost-user client is connected to the volume's socket."""
+        if stage is None:
+            return
+        socket = self.socket_dir(volume.id) / vhost_user.SOCKET_NAME
+        if not self.host.daemon.ready:
+            raise Unavailable(
+                f"qemu-storage-daemon is restarting: whether a VM still has volume {volume.id} open cannot be "
+                "told until it is back; retry shortly"
+            )
+        peers = await asyncio.to_thread(unix_peers.peers, socket)
+        if peers.clients:
+            raise FailedPrecondition(
+                f"volume {volume.id} is in use: a vhost-user client (a VM's QEMU) is connected to its socket "
+                f"{socket}. Detach the disk from the VM (device_del, then chardev-remove) or stop the VM; "
+                "a retry succeeds once it let go"
+            )
+        if not peers.listening and await attach.has_export(self.host.client, graph.nodes_for(volume.id).vhost_export):
+            raise Unavailable(
+                f"qemu-storage-daemon exports volume {volume.id} at {socket} but no listening socket is in this "
+                "network namespace: run the plugin in qemu-storage-daemon's network namespace"
+            )
 
     async def unpublish(self, volume: VolumeRecord, stage: StageRecord | None, record: PublishRecord) -> None:
         await vhost_user.unpublish(record.target_path)

@@ -1,19 +1,28 @@
 """vhost-user-blk volumes: a per-volume socket directory bind-mounted into the pod.
 
 A directory, not the socket file, is published, so a QSD restart that makes
-the socket anew is seen through the same mount. Only root and the pod's group
-(VOLUME_MOUNT_GROUP) may open the socket.
+the socket anew is seen through the same mount. Only root and one group (the
+StorageClass's `vmmGroup`, else the pod's VOLUME_MOUNT_GROUP) may open the
+socket; a publish proves that a process of that group can, as the kernel
+decides it, before the pod gets the socket.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import stat
 from pathlib import Path
 
 from csi_qsd.errors import AlreadyExists, FailedPrecondition
 from csi_qsd.sys import mounts
+from csi_qsd.sys.run import tool_env
 
 SOCKET_NAME = "vhost-user-blk.sock"
+# Who the access probe runs as: the overflow user, neither root nor the socket's owner, so only the
+# group's permission bits can let it in.
+PROBE_UID = 65534
+PROBE_TIMEOUT_S = 10.0
 
 
 def prepare_dir(socket_dir: Path, group: str) -> None:
@@ -47,6 +56,46 @@ async def unpublish(target: Path) -> None:
             target.rmdir()
         except OSError:
             pass
+
+
+async def check_openable(target: Path, group: str) -> None:
+    """Prove that a process whose only group is `group` may connect to the socket published at `target`.
+
+    The probe runs `test -S -w` as PROBE_UID with that one group, from inside
+    the target directory (entered as root), so the kernel checks what a VMM
+    in the VM's pod meets: the published directory's search bit and the
+    socket's write bit, not the host path above the mount. `setpriv` drops
+    the identity: a child forked from this process (gRPC's threads) that
+    changed its own ids before exec died of SIGSEGV. Raises
+    FailedPrecondition naming the socket's owner, group and mode.
+    """
+    socket = target / SOCKET_NAME
+    proc = await asyncio.create_subprocess_exec(
+        "setpriv", f"--reuid={PROBE_UID}", f"--regid={int(group)}", "--clear-groups", "--",
+        "test", "-S", SOCKET_NAME, "-a", "-w", SOCKET_NAME,
+        cwd=target, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL, env=tool_env(),
+    )
+    try:
+        code = await asyncio.wait_for(proc.wait(), PROBE_TIMEOUT_S)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if code != 0:
+        raise FailedPrecondition(
+            f"a VMM in group {group} could not open the vhost-user-blk socket at {socket} "
+            f"({_describe(target)}, {_describe(socket)}); a VM would wait on it for ever: check the group "
+            "(the StorageClass parameter vmmGroup, else the pod's fsGroup) and what restricts the mount"
+        )
+
+
+def _describe(path: Path) -> str:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path.name or path}: {exc.strerror}"
+    return f"{path.name} {stat.filemode(st.st_mode)} {st.st_uid}:{st.st_gid}"
 
 
 def _require_parent(target: Path) -> None:

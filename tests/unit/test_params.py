@@ -46,6 +46,7 @@ def test_no_parameters_gives_the_safe_defaults() -> None:
     ({"detectZeroes": "unmap"}, "detect_zeroes", P.DetectZeroes.UNMAP),
     ({**VHOST, "iothreadPollMaxNs": "0"}, "iothread_poll_max_ns", 0),
     ({**VHOST, "iothreadPollMaxNs": "1000000"}, "iothread_poll_max_ns", 1_000_000),
+    ({**VHOST, "vmmGroup": "107"}, "vmm_group", "107"),
     ({"pool": "default"}, "pool", "default"),
     ({"pool": "nvme-0"}, "pool", "nvme-0"),
     ({"pool": "nvme-0"}, "format", P.ImageFormat.RAW),  # a device pool's volumes are raw extents
@@ -63,7 +64,7 @@ def test_every_key_and_value(parameters: dict[str, str], field: str, value: obje
 def test_every_supported_key_is_covered_above() -> None:
     assert P.SUPPORTED_KEYS == {
         "format", "preallocation", "export", "numQueues", "logicalBlockSize", "cache", "discard",
-        "detectZeroes", "iothreadPollMaxNs", "pool", "changedBlockGranularity",
+        "detectZeroes", "iothreadPollMaxNs", "vmmGroup", "pool", "changedBlockGranularity",
     }
 
 
@@ -192,7 +193,7 @@ def test_json_form_is_stable_and_stores_enum_values() -> None:
     assert raw == {
         "format": "raw", "preallocation": "falloc", "export": "vhost-user-blk", "num_queues": 7,
         "logical_block_size": 4096, "cache": "writeback", "discard": "ignore", "detect_zeroes": "unmap",
-        "iothread_poll_max_ns": 32768, "pool": "default", "granularity": 8192,
+        "iothread_poll_max_ns": 32768, "vmm_group": "", "pool": "default", "granularity": 8192,
     }
     assert ALL_SET.to_json() == ALL_SET.to_json() and list(raw) == sorted(raw)
 

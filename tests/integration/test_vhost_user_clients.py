@@ -1,0 +1,214 @@
+"""A published vhost-user-blk socket used by a client that is not QEMU's device: libblkio.
+
+libblkio's `virtio-blk-vhost-user` driver (Debian's qemu-block-extra, bundled
+with the runtime) speaks vhost-user to the socket from `qemu-io`, here as the
+VMM's user and group (107:107) from inside the published directory, as a VMM
+in the VM's pod would. It does verified I/O, finds every acknowledged byte
+after a QSD SIGKILL and restart, and sees the volume grown. Ownership: a
+class naming `vmmGroup` gives the socket to that group whatever the staging
+pod's fsGroup; a publish for a pod of another group than the stage's, without
+`vmmGroup`, is refused. While a client is connected, NodeUnpublishVolume is
+FAILED_PRECONDITION; the retry after it left succeeds.
+
+Measured on QSD 10.0.13 (pinned below): a `block_resize` under the export
+while a libblkio client is connected kills QSD (it logs "vu_panic: Error while
+writing: Bad file descriptor" and exits): libblkio sets up no back-end channel
+and QSD writes the config-change message to it anyway. A guest's QEMU sets
+one up and sees the growth live; a libblkio client sees it when it connects
+after the growth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import stat
+import subprocess
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.errors import FailedPrecondition
+from csi_qsd.publish import vhost_user
+from csi_qsd.server import Driver
+from csi_qsd.sys import unix_peers
+from csi_qsd.tools import bundled
+from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd
+
+MIB = 1 << 20
+SIZE = 64 * MIB
+VMM = 107
+ATTACHMENT_GROUP = "2000"
+SOCKET = vhost_user.SOCKET_NAME
+TIMEOUT_S = 60.0
+
+
+def blkio_missing() -> bool:
+    try:
+        out = subprocess.run([bundled("qemu-img"), "--help"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return True
+    return "virtio-blk-vhost-user" not in out
+
+
+needs_blkio = pytest.mark.skipif(blkio_missing(), reason="the bundled QEMU has no virtio-blk-vhost-user driver (libblkio, qemu-block-extra)")
+
+
+def client_argv(uid: int, gid: int, *commands: str) -> list[str]:
+    """qemu-io on the socket in the current directory, as uid:gid with no other group."""
+    argv = [bundled("qemu-io"), "--image-opts", f"driver=virtio-blk-vhost-user,path={SOCKET},cache.direct=on"]
+    for command in commands:
+        argv += ["-c", command]
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--", *argv]
+
+
+async def blkio(target: Path, *commands: str, uid: int = VMM, gid: int = VMM) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *client_argv(uid, gid, *commands), cwd=target, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), TIMEOUT_S)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace")
+
+
+async def verified(target: Path, *commands: str) -> str:
+    code, out = await blkio(target, *commands)
+    assert code == 0 and "failed" not in out, out
+    return out
+
+
+@contextlib.asynccontextmanager
+async def connected_client(target: Path) -> AsyncIterator[None]:
+    """A libblkio client that stays connected (qemu-io reading commands) until the block ends."""
+    proc = await asyncio.create_subprocess_exec(
+        *client_argv(VMM, VMM), cwd=target, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b"read -P 0x5a 0 1M\n")
+        await proc.stdin.drain()
+        async with asyncio.timeout(TIMEOUT_S):
+            while b"read 1048576/1048576 bytes" not in await proc.stdout.readline():
+                pass
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.write(b"quit\n")
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), TIMEOUT_S)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+def owner(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
+
+
+async def refused(call: Awaitable[None]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+@needs_blkio
+async def test_libblkio_client_does_verified_io_through_a_qsd_restart_and_growth(
+    box: Sandbox, driver: tuple[Driver, CSIClient],
+) -> None:
+    _, csi = driver
+    vid = (await csi.create_volume("vm-blkio", SIZE, {"export": "vhost-user-blk", "vmmGroup": str(VMM)})).volume_id
+    staging, target = box.staging("vm-blkio"), box.target("hp-attach")
+    await csi.stage(vid, str(staging), mount_group=ATTACHMENT_GROUP)
+    await csi.publish(vid, str(staging), str(target), mount_group=ATTACHMENT_GROUP)
+    export = box.state_dir / "exports" / vid / "vhost" / SOCKET  # the address QSD listens on
+    # The VMM's group owns the socket, not the attachment pod's fsGroup.
+    assert owner(target) == (0, VMM, 0o750) and owner(target / SOCKET) == (0, VMM, 0o660)
+    code, out = await blkio(target, "read 0 4k", uid=65534, gid=int(ATTACHMENT_GROUP))
+    assert code != 0, f"a process of the attachment pod's group must not open the socket: {out}"
+
+    out = await verified(target, "length", "write -P 0x5a 0 4M", "read -P 0x5a 0 4M")
+    assert "64 MiB" in out.splitlines(), out
+
+    # Grown while no libblkio client is connected (see the module docstring): the next one sees it.
+    assert await csi.expand(vid, str(target), 2 * SIZE) == 2 * SIZE
+    out = await verified(target, "length", "write -P 0x3c 127M 1M", "read -P 0x3c 127M 1M", "read -P 0x5a 0 4M")
+    assert "128 MiB" in out.splitlines(), out
+
+    # QSD dies; the supervisor brings the export back and every acknowledged byte is there.
+    old = qsd_pid(box)
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    await wait_new_qsd(box, old)
+    await until(lambda: unix_peers.peers(export).listening and owner(target / SOCKET)[1] == VMM,
+                "the export back, owned by the VMM's group", TIMEOUT_S)
+    out = await verified(target, "length", "read -P 0x5a 0 4M", "read -P 0x3c 127M 1M",
+                         "write -P 0xa5 4M 4M", "read -P 0xa5 4M 4M")
+    assert "128 MiB" in out.splitlines(), out
+
+    # Connected: the attachment pod's unpublish is refused, and so is the unstage; the target stays.
+    async with connected_client(target):
+        assert unix_peers.peers(export).clients == 1
+        error = await refused(csi.unpublish(vid, str(target)))
+        assert error.code() is grpc.StatusCode.FAILED_PRECONDITION and vid in (error.details() or "")
+        error = await refused(csi.unstage(vid, str(staging)))
+        assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert (target / SOCKET).exists()
+    # The client left: kubelet's retry succeeds, and nothing of the export is left.
+    await until(lambda: unix_peers.peers(export).clients == 0, "the client gone from QSD", TIMEOUT_S)
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
+    assert not target.exists()
+    assert not unix_peers.peers(export).listening
+
+
+async def test_publish_for_a_pod_of_another_group_than_the_stage_is_refused(
+    box: Sandbox, driver: tuple[Driver, CSIClient],
+) -> None:
+    _, csi = driver
+    vid = (await csi.create_volume("vm-groups", SIZE, {"export": "vhost-user-blk"})).volume_id
+    staging, target = box.staging("vm-groups"), box.target("vm-groups")
+    await csi.stage(vid, str(staging), mount_group="3000")
+    error = await refused(csi.publish(vid, str(staging), str(target), mount_group="3001"))
+    assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
+    details = error.details() or ""
+    assert vid in details and "3000" in details and "3001" in details and "vmmGroup" in details
+    assert not target.exists() or not os.listdir(target)
+    await csi.publish(vid, str(staging), str(target), mount_group="3000")
+    assert owner(target / SOCKET) == (0, 3000, 0o660)
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
+
+
+async def test_the_access_probe_follows_the_kernels_answer(tmp_path: Path) -> None:
+    """check_openable: a group member may connect only with the directory's search and the socket's write bit."""
+    published = tmp_path / "volume"
+    published.mkdir()
+    os.chmod(tmp_path, 0o700)  # the host path above the target is closed: only the target's own bits count
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(published / SOCKET))
+        for dir_mode, socket_mode, group, allowed in (
+            (0o750, 0o660, 4242, True),
+            (0o750, 0o640, 4242, False),  # no write bit for the group: connect() is EACCES
+            (0o700, 0o660, 4242, False),  # no search bit on the directory
+            (0o750, 0o660, 0, False),  # another group owns it
+        ):
+            os.chown(published, 0, group)
+            os.chmod(published, dir_mode)
+            os.chown(published / SOCKET, 0, group)
+            os.chmod(published / SOCKET, socket_mode)
+            if allowed:
+                await vhost_user.check_openable(published, "4242")
+            else:
+                with pytest.raises(FailedPrecondition, match="group 4242 could not open"):
+                    await vhost_user.check_openable(published, "4242")
