@@ -58,6 +58,8 @@ class FuseLoopExport(ExportPath):
     ) -> StageRecord:
         top = self.host.top_image(volume)
         export = self.export_file(volume.id)
+        # Asked before QSD opens the image: a volume never written needs no probe for a filesystem.
+        blank = await asyncio.to_thread(self.host.pools[volume.pool].reads_as_zeros, volume.image)
         fresh_export = not await attach.has_export(client, top.nodes.fuse_export)
         if fresh_export:
             await self._drop_stale_host_state(volume, stage, publishes)
@@ -73,7 +75,7 @@ class FuseLoopExport(ExportPath):
         if stage.access_type is AccessType.MOUNT:
             try:
                 fs_type = await filesystem.ensure_staged(
-                    device, stage.staging_path, stage.fs_type, list(stage.mount_flags))
+                    device, stage.staging_path, stage.fs_type, list(stage.mount_flags), blank=blank)
             except FailedPrecondition as exc:
                 raise FailedPrecondition(f"volume {volume.id}: {exc}") from exc
             self.host.failpoints.hit("stage.after_mount")

@@ -128,6 +128,13 @@ class Pool(abc.ABC):
         """
         return ""
 
+    def reads_as_zeros(self, image: Path) -> bool:
+        """True when what `image` names is known to read as zeros (never written): no filesystem to probe for.
+
+        Cheap (reads metadata only), and False whenever unsure, which the default always is.
+        """
+        return False
+
     def check_parameters(self, params: VolumeParameters) -> None:
         """Refuse StorageClass parameters this pool cannot serve. Raises InvalidArgument."""
 

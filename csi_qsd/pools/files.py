@@ -8,6 +8,7 @@ image under a volume's name.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 from pathlib import Path
@@ -121,6 +122,23 @@ class FilePool(Pool):
 
     def images(self) -> list[Path]:
         return sorted(p for p in self.directory.glob("vol-*") if not p.name.endswith(TMP_SUFFIX))
+
+    def reads_as_zeros(self, image: Path) -> bool:
+        """A qcow2 image with no backing and no L2 table, or a raw file with no data extent."""
+        try:
+            fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if image.suffix == ".qcow2":
+                return qcow2_image.reads_as_zeros(fd)
+            try:
+                os.lseek(fd, 0, os.SEEK_DATA)
+            except OSError as exc:
+                return exc.errno == errno.ENXIO  # no data from offset 0 on: all hole
+            return False
+        finally:
+            os.close(fd)
 
     def storage(self, image: Path) -> ImageFile:
         return ImageFile(image)

@@ -15,8 +15,11 @@ def _devno(device: Path) -> str:
     return f"{os.major(rdev)}:{os.minor(rdev)}"
 
 
-async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str]) -> str:
+async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str], *, blank: bool = False) -> str:
     """Mount the volume's filesystem at `staging`, creating it only if the device holds none.
+
+    `blank`: the volume is known to read as zeros (its pool says so from its
+    metadata), so there is nothing to probe for.
 
     Returns the filesystem type mounted. Raises FailedPrecondition when the
     device holds another filesystem than asked, or `staging` holds another mount.
@@ -26,8 +29,9 @@ async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str
         if entry.major_minor == _devno(loop):
             return entry.fs_type
         raise FailedPrecondition(f"staging path {staging} already has {entry.source} mounted")
-    existing = await filesystems.probe(loop)
-    if not existing:
+    existing = "" if blank else await filesystems.probe(loop)
+    made = not existing
+    if made:
         filesystems.check_fits(fs_type, device_size(loop))
         await filesystems.make(loop, fs_type)
         existing = fs_type
@@ -40,7 +44,7 @@ async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str
     # A volume restored or cloned into a larger size, or expanded while unstaged,
     # carries a smaller filesystem: grow it to the device. ext4 grows before the
     # mount (online growth needs CAP_SYS_RESOURCE), xfs only while mounted.
-    if existing == "ext4":
+    if existing == "ext4" and not made:  # a filesystem just made fills its device
         await filesystems.grow_ext4_offline(loop)
     await mounts.mount(loop, staging, fs_type=existing, options=_mount_options(existing, flags))
     if existing == "xfs":

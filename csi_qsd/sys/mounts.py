@@ -1,17 +1,19 @@
 """Read the mount table and mount, bind and unmount paths.
 
 The mount table comes from /proc/self/mountinfo, parsed here, so checks are
-exact (octal escapes decoded) and cost no subprocess.
+exact (octal escapes decoded) and cost no subprocess; mounts are made with
+the system calls themselves (`mount_calls`), in a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 from pathlib import Path
 
 from csi_qsd.errors import HostCommandError
-from csi_qsd.sys.run import run
+from csi_qsd.sys import mount_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,26 +79,21 @@ def mounted_at(path: Path) -> MountEntry | None:
 
 
 async def mount(source: Path, target: Path, *, fs_type: str, options: list[str]) -> None:
-    argv = ["mount", "-t", fs_type]
-    if options:
-        argv += ["-o", ",".join(options)]
-    await run(*argv, str(source), str(target))
+    await asyncio.to_thread(mount_calls.mount, source, target, fs_type, options)
 
 
 async def bind(source: Path, target: Path, *, readonly: bool, options: list[str]) -> None:
     """Bind-mount `source` on `target`, then remount with read-only and the flags if asked."""
-    await run("mount", "--bind", str(source), str(target))
-    if readonly or options:
-        extra = (["ro"] if readonly else []) + options
-        try:
-            await run("mount", "-o", ",".join(["remount", "bind", *extra]), str(target))
-        except HostCommandError:
+    extra = (["ro"] if readonly else []) + options
+    try:
+        await asyncio.to_thread(mount_calls.bind, source, target, extra)
+    except HostCommandError:
+        if mounted_at(target) is not None:
             await unmount(target)
-            raise
+        raise
 
 
 async def unmount(target: Path, *, lazy: bool = False) -> None:
     """Unmount every mount stacked at `target`; a path with nothing mounted is fine."""
     while mounted_at(target) is not None:
-        await run("umount", *(["--lazy"] if lazy else []), str(target))
-
+        await asyncio.to_thread(mount_calls.unmount, target, lazy=lazy)

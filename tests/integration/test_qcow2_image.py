@@ -124,3 +124,20 @@ def test_the_host_qemu_reads_them(tmp_path: Path) -> None:
 def test_what_qcow2_cannot_hold_is_refused(kwargs: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         qcow2_image.image_bytes(**kwargs)
+
+
+def test_reads_as_zeros_until_something_is_written(tmp_path: Path) -> None:
+    """A never-written image needs no filesystem probe; once written, or over a backing, it does."""
+    image = made_here(tmp_path / "v.qcow2", 64 * MIB, 64 * KIB)
+    overlay = made_here(tmp_path / "o.qcow2", 64 * MIB, 64 * KIB, backing=image.name, backing_format="qcow2")
+
+    def blank(path: Path) -> bool:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return qcow2_image.reads_as_zeros(fd)
+        finally:
+            os.close(fd)
+
+    assert blank(image) and not blank(overlay)
+    tool(bundled("qemu-io"), "-c", "write -P 1 60m 4k", str(image))
+    assert not blank(image)

@@ -1,0 +1,263 @@
+"""Control plane beside the reference driver: p50 of each CSI step, ours against csi-driver-host-path's.
+
+The reference is the Kubernetes CSI community's host-path driver. When its
+`hostpathplugin` binary is on PATH it is served beside ours and driven with
+the same calls. Otherwise this bench prints a fixed floor in its place: the
+same gRPC round trip (a Probe to our own server, measured in the same run)
+plus the host work that driver does for each call, run with the host's tools:
+
+    CreateVolume         filesystem: mkdir            block: fallocate -l SIZE
+    Stage + Publish      filesystem: truncate, losetup, mkfs.ext4 (our options), mount, bind mount
+                         block:      truncate, losetup, bind mount of the device onto a file
+    Unpublish + Unstage  the same undone: umount(s), losetup -d
+    DeleteVolume         rmdir / unlink
+
+That floor is not durable (nothing is fsynced), as the reference is not;
+every answer of ours is. Each floor sample is taken right before the sample
+it is compared with. At the end each ratio is held against the target
+(<= 2x the reference, p50) and printed as PASS or MISS. Usage:
+
+    .venv/bin/python -m e2e.bench.vs_hostpath [--volumes 40] [--size-mib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+from csi_qsd.csi_client import CSIClient
+from e2e.bench.common import ms, ratio, retrying, sh, stop_driver_and_qsd, table, timed
+from tests.harness import DriverProcess, Sandbox, sandbox, terminate, until
+
+MIB = 1 << 20
+MODES = ("filesystem", "block")
+STEPS = ("CreateVolume", "Stage + Publish", "Unpublish + Unstage", "DeleteVolume")
+TARGET = 2.0
+MKFS_EXT4 = ("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard")
+REFERENCE = "hostpathplugin"
+
+Samples = dict[tuple[str, str], list[float]]
+
+
+class Floor:
+    """The reference driver's host work per call, plus one measured round trip to a CSI server."""
+
+    def __init__(self, base: Path, size: int, csi: CSIClient) -> None:
+        self.base, self.size, self.csi = base, size, csi
+        self.devices: dict[int, str] = {}
+
+    async def _rtt(self) -> None:
+        await self.csi.probe()
+
+    async def create(self, mode: str, i: int) -> None:
+        await self._rtt()
+        if mode == "filesystem":
+            os.mkdir(self.base / f"v{i}")
+        else:
+            sh("fallocate", "-l", str(self.size), str(self.base / f"v{i}.img"))
+
+    async def stage_publish(self, mode: str, i: int) -> None:
+        await self._rtt()
+        raw = self.base / f"raw{i}.img"
+        with open(raw, "wb") as handle:
+            handle.truncate(self.size)
+        device = sh("losetup", "--find", "--show", str(raw)).strip()
+        self.devices[i] = device
+        target = self.base / f"target{i}"
+        if mode == "filesystem":
+            staging = self.base / f"staging{i}"
+            sh(*MKFS_EXT4, device)
+            staging.mkdir()
+            sh("mount", "-t", "ext4", device, str(staging))
+            await self._rtt()
+            target.mkdir()
+            sh("mount", "--bind", str(staging), str(target))
+        else:
+            await self._rtt()
+            target.touch()
+            sh("mount", "--bind", device, str(target))
+
+    async def unpublish_unstage(self, mode: str, i: int) -> None:
+        await self._rtt()
+        target = self.base / f"target{i}"
+        sh("umount", str(target))
+        if mode == "filesystem":
+            target.rmdir()
+            await self._rtt()
+            sh("umount", str(self.base / f"staging{i}"))
+            (self.base / f"staging{i}").rmdir()
+        else:
+            target.unlink()
+            await self._rtt()
+        sh("losetup", "--detach", self.devices.pop(i))
+        (self.base / f"raw{i}.img").unlink()
+
+    async def delete(self, mode: str, i: int) -> None:
+        await self._rtt()
+        if mode == "filesystem":
+            os.rmdir(self.base / f"v{i}")
+        else:
+            os.unlink(self.base / f"v{i}.img")
+
+
+class Driven:
+    """A CSI driver driven as the provisioner and kubelet do: create, stage, publish and back."""
+
+    def __init__(self, csi: CSIClient, box: Sandbox, prefix: str, size: int, parameters: dict[str, str]) -> None:
+        self.csi, self.box, self.prefix, self.size, self.parameters = csi, box, prefix, size, parameters
+        self.ids: dict[int, str] = {}
+
+    def _paths(self, mode: str, i: int) -> tuple[Path, Path]:
+        staging = self.box.kubelet / "plugins" / self.prefix / f"{mode}{i}"
+        target = self.box.kubelet / "pods" / f"{self.prefix}-{mode}{i}" / "volume"
+        return staging, target
+
+    async def create(self, mode: str, i: int) -> None:
+        volume = await self.csi.create_volume(f"{self.prefix}-{mode}-{i}", self.size, self.parameters,
+                                              block=mode == "block")
+        self.ids[i] = volume.volume_id
+
+    def prepare(self, mode: str, i: int) -> None:
+        """What kubelet makes before it calls: the staging directory and the target's parent."""
+        staging, target = self._paths(mode, i)
+        staging.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+    async def stage_publish(self, mode: str, i: int) -> None:
+        staging, target = self._paths(mode, i)
+        block = mode == "block"
+        await self.csi.stage(self.ids[i], str(staging), block=block)
+        await self.csi.publish(self.ids[i], str(staging), str(target), block=block)
+
+    async def unpublish_unstage(self, mode: str, i: int) -> None:
+        staging, target = self._paths(mode, i)
+        await self.csi.unpublish(self.ids[i], str(target))
+        await self.csi.unstage(self.ids[i], str(staging))
+
+    async def delete(self, mode: str, i: int) -> None:
+        await self.csi.delete_volume(self.ids.pop(i))
+
+
+async def measure(ours: Driven, reference: Floor | Driven, n: int) -> tuple[Samples, Samples]:
+    """Every step of every mode for `n` volumes, the reference's sample right before ours."""
+    mine: Samples = {}
+    theirs: Samples = {}
+    for mode in MODES:
+        steps: list[tuple[str, Callable[[str, int], Awaitable[None]], Callable[[str, int], Awaitable[None]]]] = [
+            ("CreateVolume", reference.create, ours.create),
+            ("Stage + Publish", reference.stage_publish, ours.stage_publish),
+            ("Unpublish + Unstage", reference.unpublish_unstage, ours.unpublish_unstage),
+            ("DeleteVolume", reference.delete, ours.delete),
+        ]
+        for step, theirs_call, our_call in steps:
+            print(f"{mode}: {step} x{n} ...", file=sys.stderr, flush=True)
+            for i in range(n):
+                for driven in (ours, reference):
+                    if step == "Stage + Publish" and isinstance(driven, Driven):
+                        driven.prepare(mode, i)
+                with timed(theirs.setdefault((mode, step), [])):
+                    await theirs_call(mode, i)
+                with timed(mine.setdefault((mode, step), [])):
+                    await our_call(mode, i)
+    return mine, theirs
+
+
+async def serve_reference(box: Sandbox, stack: AsyncExitStack) -> str:
+    """Start `hostpathplugin` beside ours; its endpoint."""
+    binary = shutil.which(REFERENCE)
+    assert binary is not None
+    state = box.root / "hostpath"
+    state.mkdir()
+    endpoint = f"unix://{state / 'csi.sock'}"
+    log = open(box.root / "hostpath.log", "ab")
+    proc = await asyncio.create_subprocess_exec(
+        binary, f"--endpoint={endpoint}", "--nodeid=node-a", f"--statedir={state}", "--drivername=hostpath.csi.k8s.io",
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    stack.push_async_callback(terminate, proc)
+    async with CSIClient(endpoint, timeout=5) as probe:
+        async def ready() -> bool:
+            try:
+                return bool(await probe.probe())
+            except Exception:  # not serving yet
+                return False
+        await until(ready, f"{REFERENCE} to answer Probe", 30)
+    return endpoint
+
+
+def report(mine: Samples, theirs: Samples, reference: str, header: str) -> str:
+    rows = []
+    verdicts = []
+    for mode in MODES:
+        for step in STEPS:
+            ours_p50 = statistics.median(mine[(mode, step)])
+            ref_p50 = statistics.median(theirs[(mode, step)])
+            r = ours_p50 / ref_p50 if ref_p50 else float("inf")
+            rows.append([f"{step} ({mode})", ms(ours_p50), ms(ref_p50), ratio(ours_p50, ref_p50)])
+            verdicts.append([f"{step} ({mode}) <= {TARGET:.0f}x", f"{r:.2f}x", "PASS" if r <= TARGET else "MISS"])
+    return "\n\n".join([
+        header,
+        table(["p50, ms", "csi-qsd", reference, "ratio"], rows),
+        table(["target (from the issue)", "measured", "result"], verdicts),
+    ])
+
+
+async def run(box: Sandbox, n: int, size: int) -> str:
+    driver = DriverProcess(box, "--log-level", "warning")
+    await driver.start(timeout=60)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(stop_driver_and_qsd, driver)
+        csi = await stack.enter_async_context(CSIClient(box.endpoint, timeout=120))
+        ours = Driven(csi, box, "ours", size, {})
+        stack.push_async_callback(cleanup, ours)
+        if shutil.which(REFERENCE):
+            endpoint = await serve_reference(box, stack)
+            ref_csi = await stack.enter_async_context(CSIClient(endpoint, timeout=120))
+            reference: Floor | Driven = Driven(ref_csi, box, "ref", size, {})
+            name = f"{REFERENCE} (served)"
+        else:
+            base = box.root / "floor"
+            base.mkdir()
+            reference = Floor(base, size, csi)
+            name = "floor: round trip + host-path's host work"
+        mine, theirs = await measure(ours, reference, n)
+    qsd = sh("qemu-storage-daemon", "--version").splitlines()[0]
+    header = (f"csi-qsd vs {name}: {n} volumes of {size // MIB} MiB per mode (qcow2; ext4 / block), p50; "
+              f"{qsd}; {os.cpu_count()} CPUs; load average at the end {os.getloadavg()[0]:.2f}")
+    return report(mine, theirs, name, header)
+
+
+async def cleanup(ours: Driven) -> None:
+    """Whatever a failed run left of ours, through the driver."""
+    for volume in await ours.csi.list_volumes():
+        await retrying(f"delete {volume.volume_id}", lambda: ours.csi.delete_volume(volume.volume_id))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.vs_hostpath", description=__doc__.split("\n")[0])
+    parser.add_argument("--volumes", type=int, default=40, help="volumes per mode (default 40)")
+    parser.add_argument("--size-mib", type=int, default=1024, help="volume size in MiB (default 1024)")
+    args = parser.parse_args(argv)
+    if args.volumes < 1 or args.size_mib < 64:
+        parser.error("--volumes must be at least 1 and --size-mib at least 64")
+    if os.geteuid() != 0:
+        print("run as root: the bench mounts filesystems and attaches loop devices", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    with sandbox() as box:
+        print(asyncio.run(run(box, args.volumes, args.size_mib * MIB)), flush=True)
+    print(f"wall time {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
