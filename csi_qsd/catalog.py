@@ -3,7 +3,11 @@
 WAL with synchronous=FULL, so a committed row survives a crash. Callers record
 intent (a row in a transitional state) before they act and commit the final
 state after; the start-up reconcile finishes or undoes what is left in a
-transitional state. All I/O runs in a worker thread, never on the event loop.
+transitional state. An intent may be committed without its own fsync
+(`durable=False`, 0.3-0.8 ms saved per call): it survives the driver's crash
+(the WAL is in the page cache), the final commit's fsync makes it durable
+with itself, and what a power loss can leave without it is an image no row
+names that holds no data of its own, which the reconcile removes. All I/O runs in a worker thread, never on the event loop.
 This module knows nothing of QSD, mounts or gRPC.
 """
 
@@ -255,15 +259,16 @@ class Catalog:
 
     # volumes ------------------------------------------------------------
 
-    async def add_volume(self, record: VolumeRecord) -> None:
-        await self._run(lambda db: _insert_volume(db, record))
+    async def add_volume(self, record: VolumeRecord, *, durable: bool = True) -> None:
+        await self._run(lambda db: _insert_volume(db, record), durable=durable)
 
     async def update_volume(self, record: VolumeRecord) -> None:
         """Rewrite a volume's row (same ID) in one transaction."""
         await self._run(lambda db: _update_volume(db, record))
 
-    async def set_volume_state(self, volume_id: str, state: VolumeState) -> None:
-        await self._run(lambda db: db.execute("UPDATE volumes SET state=? WHERE id=?", (state.value, volume_id)))
+    async def set_volume_state(self, volume_id: str, state: VolumeState, *, durable: bool = True) -> None:
+        await self._run(lambda db: db.execute("UPDATE volumes SET state=? WHERE id=?", (state.value, volume_id)),
+                        durable=durable)
 
     async def delete_volume(self, volume_id: str) -> None:
         def delete(db: sqlite3.Connection) -> None:
@@ -540,15 +545,22 @@ class Catalog:
                 raise RuntimeError("catalog is closed")
             return fn(self._db)
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], object]) -> None:
+    async def _run(self, fn: Callable[[sqlite3.Connection], object], *, durable: bool = True) -> None:
+        """`fn` in one transaction; `durable=False` commits an intent without waiting for its fsync."""
         def transaction(db: sqlite3.Connection) -> None:
-            db.execute("BEGIN IMMEDIATE")
+            if not durable:
+                db.execute("PRAGMA synchronous=NORMAL")
             try:
-                fn(db)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    fn(db)
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            finally:
+                if not durable:
+                    db.execute("PRAGMA synchronous=FULL")
         await asyncio.to_thread(self._call, transaction)
 
     async def _query(self, sql: str, args: tuple[Any, ...]) -> list[sqlite3.Row]:

@@ -6,6 +6,7 @@ so a crash leaves a row the start-up reconcile can finish or undo.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 import enum
@@ -157,7 +158,7 @@ class Volumes:
                 created_at=now(), backing=str(base) if base is not None else "", source=source, qos=qos,
             )
             async with self._volume_locks.hold(volume_id):
-                await self._catalog.add_volume(record)
+                await self._catalog.add_volume(record, durable=False)  # the READY commit makes it durable
                 self._failpoints.hit("create.after_intent")
                 try:
                     if base is not None:
@@ -183,7 +184,8 @@ class Volumes:
                 return
             if await self._catalog.stage(volume_id) is not None:
                 raise FailedPrecondition(f"volume {volume_id} is still staged on node; unstage it first")
-            await self._catalog.set_volume_state(volume_id, VolumeState.DELETING)
+            # Not waited for: lost only with power, when the CO's retry of the unanswered call deletes again.
+            await self._catalog.set_volume_state(volume_id, VolumeState.DELETING, durable=False)
             self._failpoints.hit("delete.after_intent")
             pool = self._pool_of(record)
             await pool.delete(record.image)
@@ -260,9 +262,16 @@ class Volumes:
                 await chains.reclaim(self._catalog, pool, record.backing)
         known = {r.image for r in await self._catalog.volumes()}
         known |= {r.image for r in await self._catalog.snapshots()}
-        for image in (path for pool in self._pools.values() for path in pool.images()):
-            if image not in known:
-                log.warning("event=reconcile_unknown_image path=%s action=kept", image)
+        for pool in self._pools.values():
+            for image in pool.images():
+                if image in known:
+                    continue
+                if await asyncio.to_thread(pool.holds_no_data, image):
+                    # A create cut off by power before its intent reached the disk: never anyone's data.
+                    log.info("event=reconcile_remove_empty_image path=%s", image)
+                    await pool.delete(image)
+                else:
+                    log.warning("event=reconcile_unknown_image path=%s action=kept", image)
 
     async def _discard(self, record: VolumeRecord) -> None:
         """Remove a volume that never reached READY: its image holds no user data yet."""

@@ -128,6 +128,13 @@ class Pool(abc.ABC):
         """
         return ""
 
+    def holds_no_data(self, image: Path) -> bool:
+        """True when `image` itself holds no byte of data (whatever it reads through): safe to drop unnamed.
+
+        Cheap (reads metadata only), and False whenever unsure, which the default always is.
+        """
+        return False
+
     def reads_as_zeros(self, image: Path) -> bool:
         """True when what `image` names is known to read as zeros (never written): no filesystem to probe for.
 

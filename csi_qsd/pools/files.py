@@ -125,13 +125,20 @@ class FilePool(Pool):
 
     def reads_as_zeros(self, image: Path) -> bool:
         """A qcow2 image with no backing and no L2 table, or a raw file with no data extent."""
+        return self._empty(image, backing_allowed=False)
+
+    def holds_no_data(self, image: Path) -> bool:
+        """A qcow2 image with no L2 table (over a backing or not), or a raw file with no data extent."""
+        return self._empty(image, backing_allowed=True)
+
+    def _empty(self, image: Path, *, backing_allowed: bool) -> bool:
         try:
             fd = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return False
         try:
             if image.suffix == ".qcow2":
-                return qcow2_image.reads_as_zeros(fd)
+                return qcow2_image.holds_nothing(fd, backing_allowed=backing_allowed)
             try:
                 os.lseek(fd, 0, os.SEEK_DATA)
             except OSError as exc:

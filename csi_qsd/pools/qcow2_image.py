@@ -140,12 +140,13 @@ def write(fd: int, pieces: list[tuple[int, bytes]]) -> None:
             raise OSError(f"short write of qcow2 metadata at offset {offset}")
 
 
-def reads_as_zeros(fd: int) -> bool:
-    """True when the qcow2 image open as `fd` is known to read as zeros everywhere: no L2 table, no backing.
+def holds_nothing(fd: int, *, backing_allowed: bool = False) -> bool:
+    """True when the qcow2 image open as `fd` holds no data of its own: no L2 table (and no backing, unless allowed).
 
-    What a volume never written holds, so the driver need not probe it for a
-    filesystem before making one. False whenever unsure (another version, an
-    external data file, a header this does not know): the caller then probes.
+    Without a backing, such an image reads as zeros everywhere: what a volume
+    never written holds, so the driver need not probe it for a filesystem
+    before making one. False whenever unsure (another version, an external
+    data file, a header this does not know): the caller then assumes data.
     """
     head = os.pread(fd, _HEADER.size, 0)
     if len(head) < _HEADER.size:
@@ -153,7 +154,9 @@ def reads_as_zeros(fd: int) -> bool:
     (magic, version, backing_offset, _backing_size, _cluster_bits, _size, _crypt, l1_size, l1_offset,
      *_rest) = _HEADER.unpack(head)
     incompatible = _rest[4]
-    if magic != MAGIC or version != VERSION or backing_offset or incompatible & ~INCOMPAT_EXTENDED_L2:
+    if magic != MAGIC or version != VERSION or incompatible & ~INCOMPAT_EXTENDED_L2:
+        return False
+    if backing_offset and not backing_allowed:
         return False
     table = os.pread(fd, l1_size * 8, l1_offset)
     return len(table) == l1_size * 8 and not any(table)

@@ -7,6 +7,7 @@ database from its file instead of trusting the open connection.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -216,6 +217,12 @@ async def test_reconcile_finishes_or_undoes_transitional_volumes(tmp_path: Path)
         leftover.write_bytes(b"half")
         stray = pool.directory / f"{validate.new_volume_id()}.raw"
         stray.write_bytes(b"user data nobody told us about")
+        # What a create cut off by power can leave: an image no row names that holds nothing of its own.
+        never_named = pool.directory / f"{validate.new_volume_id()}.qcow2"
+        await pool.create(never_named, 64 << 20, VolumeParameters())
+        sparse = pool.directory / f"{validate.new_volume_id()}.raw"
+        sparse.touch()
+        os.truncate(sparse, 64 << 20)
 
         await volumes.reconcile()
 
@@ -225,6 +232,7 @@ async def test_reconcile_finishes_or_undoes_transitional_volumes(tmp_path: Path)
         assert not records[VolumeState.DELETING].image.exists()
         assert not leftover.exists()
         assert stray.read_bytes() == b"user data nobody told us about"  # never lose what we did not make
+        assert not never_named.exists() and not sparse.exists()
         await volumes.reconcile()  # idempotent
         assert [r.id for r in await catalog.volumes()] == [records[VolumeState.READY].id]
 
