@@ -25,7 +25,7 @@ from csi_qsd.config import (
     DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config, DevicePoolSpec, QSDMode,
 )
 from csi_qsd.csi_client import CSIClient
-from csi_qsd.datapath import LoopIO
+from csi_qsd.datapath import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
 from csi_qsd.errors import DriverError
 from csi_qsd.qsd import iothreads
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     _option(serve, "--loop-io", LoopIO.AUTO.value,
             "loop devices of container volumes: auto (direct I/O where QSD's FUSE export is known to keep "
             "parallel writes intact, >= 10.0.8), direct or buffered", choices=[m.value for m in LoopIO])
+    _option(serve, "--fuse-threads", FuseThreads.AUTO.value,
+            "where QSD >= 11 serves FUSE exports (container volumes): auto (the --iothreads pool, one /dev/fuse "
+            f"queue each, on nodes of {FUSE_IOTHREADS_MIN_CORES} or more cores; the main loop on smaller ones), "
+            "pool or main", choices=[m.value for m in FuseThreads])
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
     serve.add_argument("--device-pool", action="append", type=_device_pool, metavar="NAME=PATH|nvme://PCI[/NS][,force]",
                        default=_env_list(serve, "--device-pool", _device_pool),
@@ -265,6 +269,7 @@ def config_from(args: argparse.Namespace) -> Config:
         qsd_mode=QSDMode(getattr(args, "qsd_mode", QSDMode.MANAGED.value)),
         max_volumes=int(getattr(args, "max_volumes", 0)),
         loop_io=LoopIO(getattr(args, "loop_io", LoopIO.AUTO.value)),
+        fuse_threads=FuseThreads(getattr(args, "fuse_threads", FuseThreads.AUTO.value)),
         qmp_timeout=float(getattr(args, "qmp_timeout", 10.0)),
         qsd_binary=args.qsd_binary,
         qemu_img=args.qemu_img,

@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 from csi_qsd.csi import unix_socket
-from csi_qsd.datapath import LoopIO
+from csi_qsd.datapath import FuseThreads, LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME, NvmeAddress
 from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
@@ -103,6 +103,7 @@ class Config:
     # polling budget in ns (None: QEMU's default).
     iothreads: int = dataclasses.field(default_factory=node_cores)
     poll_max_ns: int | None = None
+    fuse_threads: FuseThreads = FuseThreads.AUTO
     device_pools: tuple[DevicePoolSpec, ...] = ()
     # The mutual-TLS listener for the snapshot-metadata router (host:port; empty: off).
     metadata_address: str = ""

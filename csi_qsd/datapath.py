@@ -65,11 +65,27 @@ def vhost_export_in_iothread(version: tuple[int, int, int]) -> bool:
 # QEMU 11 rewrote the FUSE export: requests run in coroutines, one /dev/fuse queue per iothread of
 # an `iothread` list, with parallel direct writes. Before it a FUSE export takes no list.
 FUSE_IOTHREAD_LIST = (11, 0, 0)
+# Below this many cores the list loses: on 2 cores (e2e.bench.scaling, one pod volume at 4k QD32) QSD 11.1.3
+# over 2 iothreads gave 16-31k IOPS where its main loop gave more and 10.0.13's main loop 44-52k; its authors
+# measured 61k -> 232k randwrite with four threads on a larger machine.
+FUSE_IOTHREADS_MIN_CORES = 4
 
 
-def fuse_iothreads(version: tuple[int, int, int], pool: list[str]) -> list[str] | None:
+class FuseThreads(enum.Enum):
+    """The operator's setting for FUSE exports on QEMU >= 11: by the node's cores, or forced."""
+
+    AUTO = "auto"
+    POOL = "pool"  # the pool's iothreads, one /dev/fuse queue each
+    MAIN = "main"  # QSD's main loop, as before QEMU 11
+
+
+def fuse_iothreads(
+    version: tuple[int, int, int], pool: list[str], cores: int, setting: FuseThreads = FuseThreads.AUTO,
+) -> list[str] | None:
     """The iothreads a new FUSE export is served by, or None for QSD's main loop (the only choice before 11)."""
-    if version < FUSE_IOTHREAD_LIST or not pool:
+    if version < FUSE_IOTHREAD_LIST or not pool or setting is FuseThreads.MAIN:
+        return None
+    if setting is FuseThreads.AUTO and cores < FUSE_IOTHREADS_MIN_CORES:
         return None
     return list(pool)
 

@@ -302,7 +302,8 @@ class QSDDaemon:
 
     def fuse_iothreads(self) -> list[str] | None:
         """The iothreads a new FUSE export is served by, or None for the main loop (QEMU < 11)."""
-        return datapath.fuse_iothreads(self.version, self.iothreads.ids)
+        return datapath.fuse_iothreads(self.version, self.iothreads.ids, iothreads.node_cores(),
+                                       self._config.fuse_threads)
 
     async def _ensure_iothreads(self) -> None:
         """Add the pool's threads an adopted QSD lacks (one started by an older driver had only the first)."""

@@ -25,7 +25,10 @@ Needs root, /dev/fuse, loop devices and fio. About 5 minutes with the default
 2 rounds of 5 s per job, 1.5 with --quick. Usage:
 
     .venv/bin/python -m e2e.bench.container_path [--runtime 5] [--rounds 2] [--quick]
-        [--param format=raw --param preallocation=full] [--loop-io auto|direct|buffered]
+        [--param format=raw --param preallocation=full] [--loop-io auto|direct|buffered] [--qsd 10|11]
+
+Beside each ratio: QSD's CPU per thread during the volume's last run of the
+job (/proc/PID/task/*/stat), so a single saturated thread shows.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import filesystems
-from e2e.bench.common import GIB, MIB, Job, ratio, retrying, run_to_end, sh, stop_driver_and_qsd, table
-from tests.harness import DriverProcess, Sandbox, sandbox
+from csi_qsd.tools import bundled
+from e2e.bench.common import GIB, MIB, Job, ThreadCPU, ratio, retrying, run_to_end, sh, stop_driver_and_qsd, table
+from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
 VOLUME_SIZE = 1 * GIB
 REGION = 512 * MIB  # what the jobs touch: half the volume, leaving ext4 its metadata
@@ -77,6 +81,7 @@ class Pair:
     baseline: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     volume_loop: str = "?"
     baseline_loop: str = "?"
+    threads: dict[str, str] = dataclasses.field(default_factory=dict)  # job -> QSD's CPU per thread (last run)
 
 
 def progress(message: str) -> None:
@@ -167,13 +172,14 @@ class Bench:
     """A sandbox, a served driver, the volumes it made, and the two pairs' figures."""
 
     def __init__(self, box: Sandbox, parameters: dict[str, str], loop_io: str, runtime: int, rounds: int,
-                 region: int) -> None:
+                 region: int, qsd: str = "") -> None:
         self.box = box
         self.parameters = parameters
         self.runtime = runtime
         self.rounds = rounds
         self.region = region
         extra = ["--log-level", "info"] + (["--loop-io", loop_io] if loop_io else [])
+        extra += ["--qsd-binary", bundled(f"qemu-storage-daemon-{qsd}")] if qsd else []
         self.driver = DriverProcess(box, *extra)
         self.pool = box.state_dir / "pool"
         self.pairs: list[Pair] = []
@@ -195,11 +201,13 @@ class Bench:
             await stop_driver_and_qsd(self.driver)
 
     def _qsd_from_log(self) -> str:
-        found = re.findall(r"event=qsd_version version=(\S+) loop_io=(\S+) setting=(\S+)", self.driver.log())
+        found = re.findall(r"event=qsd_version version=(\S+) loop_io=(\S+) setting=(\S+)(?: iothreads=(\d+) "
+                           r"vhost_exports_in=\S+ fuse_exports_in=(\S+))?", self.driver.log())
         if not found:
             return "? (the driver logged no version)"
-        version, mode, setting = found[-1]
-        return f"QSD {version}, loop devices {mode} (--loop-io {setting})"
+        version, mode, setting, threads, fuse = found[-1]
+        return (f"QSD {version}, loop devices {mode} (--loop-io {setting}), FUSE exports in "
+                f"{fuse or 'main_loop'} ({threads or 1} iothreads)")
 
     async def _volume(self, csi: CSIClient, name: str, *, block: bool) -> tuple[str, Path]:
         vid = (await csi.create_volume(name, VOLUME_SIZE, self.parameters, block=block)).volume_id
@@ -220,13 +228,18 @@ class Bench:
         await lay_out(volume, self.region)
         await lay_out(baseline, self.region)
         self.pairs.append(pair)
+        pid = qsd_pid(self.box)
+        assert pid is not None
         turn = 0
         for job in JOBS:
             progress(f"{pair.title}: {job.name}, {self.rounds} x {self.runtime} s each")
             for _ in range(self.rounds):
                 order = [(pair.volume, volume), (pair.baseline, baseline)]
                 for results, path in order if turn % 2 == 0 else reversed(order):
+                    before = ThreadCPU.take(pid)
                     results.setdefault(job.name, []).append(await measure(path, self.region, job, self.runtime))
+                    if results is pair.volume:
+                        pair.threads[job.name] = ThreadCPU.take(pid).since(before)
                 turn += 1
 
     async def _filesystem(self, csi: CSIClient) -> None:
@@ -284,13 +297,15 @@ def report(bench: Bench, parameters: dict[str, str], runtime: int, rounds: int, 
         rows = []
         for job in done:
             volume, baseline = mean(pair.volume[job.name]), mean(pair.baseline[job.name])
-            rows.append([job.label, figure(volume), figure(baseline), ratio(volume, baseline)])
+            spread = f"{figure(min(pair.volume[job.name]))}-{figure(max(pair.volume[job.name]))}"
+            rows.append([job.label, figure(volume), spread, figure(baseline), ratio(volume, baseline),
+                         pair.threads.get(job.name, "-")])
         what = "ext4 in the published volume" if pair.title == "filesystem" else "the published block device"
         base = "ext4 on a loop device on a raw file" if pair.title == "filesystem" else "a loop device on a raw file"
         lines += [
             "",
             f"{pair.title}: {what} (loop {pair.volume_loop}) vs {base} (loop {pair.baseline_loop})",
-            table(["job", "csi-qsd", "baseline", "ratio"], rows),
+            table(["job", "csi-qsd", "spread", "baseline", "ratio", "QSD CPU per thread"], rows),
         ]
     return "\n".join(lines)
 
@@ -315,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="StorageClass parameter of the volumes (repeatable), e.g. format=raw")
     parser.add_argument("--loop-io", default="", choices=["", "auto", "direct", "buffered"],
                         help="passed to `csi-qsd serve` (default: the driver's own default)")
+    parser.add_argument("--qsd", default="", choices=["", "10", "11"],
+                        help="the install's qemu-storage-daemon-10 or -11 (default: the default runtime)")
     args = parser.parse_args(argv)
     try:
         parameters = parse_params(args.param)
@@ -332,10 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"missing tools: {', '.join(missing)}", file=sys.stderr)
         return 2
-    progress(sh("qemu-storage-daemon", "--version").splitlines()[0])
+    qsd = bundled(f"qemu-storage-daemon-{args.qsd}") if args.qsd else "qemu-storage-daemon"
+    progress(sh(qsd, "--version").splitlines()[0])
     started = time.monotonic()
     with sandbox() as box:
-        bench = Bench(box, parameters, args.loop_io, runtime, rounds, region)
+        bench = Bench(box, parameters, args.loop_io, runtime, rounds, region, args.qsd)
         status = run_to_end(bench.run(), bench.driver)
     print(report(bench, parameters, runtime, rounds, region), flush=True)
     print(f"wall time {time.monotonic() - started:.0f} s", flush=True)

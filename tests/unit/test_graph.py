@@ -150,8 +150,13 @@ def test_vhost_export_runs_in_the_pool_thread_given_unless_it_has_its_own() -> N
 
 def test_fuse_export_over_a_list_of_iothreads_only_from_qemu_11() -> None:
     pool = ["iothread0", "iothread1"]
-    assert datapath.fuse_iothreads((10, 0, 13), pool) is None
-    assert datapath.fuse_iothreads((11, 1, 3), pool) == pool
+    auto, forced, main = datapath.FuseThreads.AUTO, datapath.FuseThreads.POOL, datapath.FuseThreads.MAIN
+    assert datapath.fuse_iothreads((10, 0, 13), pool, 8, auto) is None
+    assert datapath.fuse_iothreads((10, 0, 13), pool, 8, forced) is None  # 10.0 takes no list
+    assert datapath.fuse_iothreads((11, 1, 3), pool, 4, auto) == pool
+    assert datapath.fuse_iothreads((11, 1, 3), pool, 2, auto) is None  # too few cores: the main loop is faster
+    assert datapath.fuse_iothreads((11, 1, 3), pool, 2, forced) == pool
+    assert datapath.fuse_iothreads((11, 1, 3), pool, 8, main) is None
     spec = graph.fuse_export(NODES, Path("/e/disk"), writable=True, iothreads=pool)
     assert spec["iothread"] == pool
     assert "iothread" not in graph.fuse_export(NODES, Path("/e/disk"), writable=True, iothreads=None)

@@ -1,0 +1,269 @@
+"""Scaling over cores: 1, 2 and 4 volumes at QD32 at once vs as many regions of raw files, pods and VMs, one run.
+
+Run as ``.venv/bin/python -m e2e.bench.scaling`` (root). It prints figures,
+never pass/fail.
+
+For each QSD runtime asked for (``--qsd 10,11``: the install's
+``qemu-storage-daemon-10`` and ``-11``; ``11:4:pool`` also sets ``--iothreads 4
+--fuse-threads pool``)
+it serves the driver with that QSD and makes 4 raw, fully allocated volumes
+of each kind:
+
+  pod  a block volume as a pod gets it (QSD's FUSE export, a direct-I/O loop
+       device on it); N of them driven at once by one fio (libaio, O_DIRECT,
+       4k random, QD32 each), against N direct-I/O loop devices over N raw
+       files in the same pool directory, driven the same way;
+  vm   a vhost-user-blk volume; N polling libblkio clients at once
+       (`e2e.bench.blkio_client`: registered memory, a poll queue, 4k random,
+       QD32 each), against the same client with libblkio's io_uring driver
+       on N raw files (O_DIRECT). Not qemu-img bench, which copies every
+       request through a bounce buffer in one thread and understates the export.
+
+Volume and baseline alternate which goes first (ABBA) over ``--rounds``; a
+figure is the mean. Beside each it prints the aggregate's scaling over one
+volume and QSD's CPU per thread (/proc/PID/task/*/stat) during the volumes'
+runs: a single saturated thread (QSD 10.0's main loop serving every export)
+shows there. On QEMU 11 the driver spreads VM exports over its iothreads
+(one per core by default) and gives each FUSE export all of them, so on a
+machine with more cores the same command shows how far that carries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from csi_qsd.csi_client import CSIClient
+from csi_qsd.tools import bundled
+from e2e.bench import blkio_client
+from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
+from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+
+SIZE = 256 * MIB
+PARAMS = {"format": "raw", "preallocation": "full"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    version: str  # "10" or "11": the install's qemu-storage-daemon-<version>
+    iothreads: int | None  # --iothreads, None for the driver's default (one per core)
+    fuse: str = ""  # --fuse-threads, "" for the driver's default
+
+    @classmethod
+    def parse(cls, text: str) -> "Runtime":
+        version, _, rest = text.partition(":")
+        threads, _, fuse = rest.partition(":")
+        if version not in ("10", "11") or (threads and not threads.isdigit()) or fuse not in ("", "pool", "main"):
+            raise argparse.ArgumentTypeError(f"expected VERSION[:IOTHREADS[:pool|main]], got {text!r}")
+        return cls(version, int(threads) if threads else None, fuse)
+
+    @property
+    def binary(self) -> str:
+        return bundled(f"qemu-storage-daemon-{self.version}")
+
+    def flags(self) -> list[str]:
+        return ["--qsd-binary", self.binary, *(["--iothreads", str(self.iothreads)] if self.iothreads else []),
+                *(["--fuse-threads", self.fuse] if self.fuse else [])]
+
+
+@dataclasses.dataclass
+class Row:
+    kind: str
+    job: str
+    count: int
+    volume: list[float] = dataclasses.field(default_factory=list)
+    baseline: list[float] = dataclasses.field(default_factory=list)
+    threads: list[str] = dataclasses.field(default_factory=list)
+
+
+async def run(*argv: str) -> str:
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, env=dict(os.environ, LC_ALL="C"))
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+    return out.decode(errors="replace")
+
+
+async def fio_iops(devices: list[Path], rw: str, runtime: int) -> float:
+    """Aggregate IOPS of one fio with a job per device, all at once (4k, QD32 each)."""
+    argv = ["fio", "--output-format=json", "--group_reporting", "--direct=1", "--ioengine=libaio", "--bs=4k",
+            f"--rw={rw}", "--iodepth=32", "--time_based", f"--runtime={runtime}", "--randrepeat=0",
+            "--norandommap", f"--size={SIZE}"]
+    for index, device in enumerate(devices):
+        argv += [f"--name=j{index}", f"--filename={device}"]
+    report = json.loads(await run(*argv))
+    side = report["jobs"][0]["write" if "write" in rw else "read"]
+    return float(side["iops"])
+
+
+async def blkio_iops(driver: str, paths: list[Path], write: bool, seconds: int) -> float:
+    """Aggregate IOPS of one polling libblkio client per path, all at once (4k random, QD32 each)."""
+    runs = [blkio_client.iops(driver, path, write=write, seconds=seconds, size=SIZE) for path in paths]
+    return sum(await asyncio.gather(*runs))
+
+
+class Bench:
+    def __init__(self, box: Sandbox, runtime: Runtime, counts: list[int], kinds: list[str], seconds: int,
+                 rounds: int) -> None:
+        self.box, self.runtime, self.counts, self.kinds = box, runtime, counts, kinds
+        self.seconds, self.rounds = seconds, rounds
+        self.driver = DriverProcess(box, "--log-level", "info", *runtime.flags())
+        self.rows: list[Row] = []
+        self.version = "?"
+        self.placement = "?"
+        self.staged: dict[str, tuple[Path, Path]] = {}
+        self.loops: list[Path] = []
+        self.raws: list[Path] = []
+
+    async def run(self) -> None:
+        await self.driver.start(timeout=60)
+        try:
+            found = re.findall(r"event=qsd_version version=(\S+) .*iothreads=(\d+) vhost_exports_in=(\S+) "
+                               r"fuse_exports_in=(\S+)", self.driver.log())
+            if found:
+                version, threads, vhost, fuse = found[-1]
+                self.version = f"QSD {version}"
+                self.placement = f"{threads} iothreads; VM exports in {vhost}, FUSE exports in {fuse}"
+            async with CSIClient(self.box.endpoint, timeout=600) as csi:
+                try:
+                    raws = await self._raw_files(max(self.counts))
+                    if "pod" in self.kinds:
+                        await self._pods(csi, raws)
+                    if "vm" in self.kinds:
+                        await self._vms(csi, raws)
+                finally:
+                    await self._undo(csi)
+        finally:
+            await stop_driver_and_qsd(self.driver)
+
+    async def _raw_files(self, count: int) -> list[Path]:
+        pool = self.box.state_dir / "pool"
+        for index in range(count):
+            raw = pool / f"baseline-{index}.raw"
+            await run("fallocate", "-l", str(SIZE), str(raw))
+            await run("dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={SIZE // MIB}", "oflag=direct",
+                      "conv=notrunc", "status=none")
+            self.raws.append(raw)
+        return list(self.raws)
+
+    async def _volume(self, csi: CSIClient, name: str, params: dict[str, str], *, block: bool) -> Path:
+        vid = (await csi.create_volume(name, SIZE, params, block=block)).volume_id
+        staging, target = self.box.staging(name), self.box.target(name)
+        self.staged[vid] = (staging, target)
+        await csi.stage(vid, str(staging), block=block)
+        await csi.publish(vid, str(staging), str(target), block=block)
+        return target
+
+    async def _pods(self, csi: CSIClient, raws: list[Path]) -> None:
+        volumes = [await self._volume(csi, f"pod-{i}", PARAMS, block=True) for i in range(max(self.counts))]
+        for raw in raws:
+            self.loops.append(Path((await run("losetup", "--find", "--show", "--direct-io=on", str(raw))).strip()))
+        for rw in ("randwrite", "randread"):
+            for n in self.counts:
+                await self._compare(Row("pod", f"4k {rw} QD32", n),
+                                    lambda n=n, rw=rw: fio_iops(volumes[:n], rw, self.seconds),  # type: ignore[misc]
+                                    lambda n=n, rw=rw: fio_iops(self.loops[:n], rw, self.seconds))  # type: ignore[misc]
+
+    async def _vms(self, csi: CSIClient, raws: list[Path]) -> None:
+        # writeback: a VM that flushes (the default writethrough adds a flush to every write, measured apart
+        # by e2e.bench.partitions_vm)
+        params = {**PARAMS, "export": "vhost-user-blk", "cache": "writeback"}
+        targets = [await self._volume(csi, f"vm-{i}", params, block=False) for i in range(max(self.counts))]
+        sockets = [t / "vhost-user-blk.sock" for t in targets]
+        for write in (True, False):
+            for n in self.counts:
+                job = f"4k rand{'write' if write else 'read'} QD32"
+                await self._compare(
+                    Row("vm", job, n),
+                    lambda n=n, w=write: blkio_iops("virtio-blk-vhost-user", sockets[:n], w, self.seconds),  # type: ignore[misc]
+                    lambda n=n, w=write: blkio_iops("io_uring", raws[:n], w, self.seconds))  # type: ignore[misc]
+
+    async def _compare(self, row: Row, volume: Callable[[], Awaitable[float]],
+                       baseline: Callable[[], Awaitable[float]]) -> None:
+        pid = qsd_pid(self.box)
+        assert pid is not None
+        print(f"[{time.strftime('%H:%M:%S')}] {row.kind} {row.job} x{row.count}", file=sys.stderr, flush=True)
+        for turn in range(self.rounds):
+            async def on_volume() -> None:
+                before = ThreadCPU.take(pid)
+                row.volume.append(await volume())
+                row.threads.append(ThreadCPU.take(pid).since(before))
+
+            async def on_baseline() -> None:
+                row.baseline.append(await baseline())
+
+            for step in ((on_volume, on_baseline) if turn % 2 == 0 else (on_baseline, on_volume)):
+                await step()
+        self.rows.append(row)
+
+    async def _undo(self, csi: CSIClient) -> None:
+        for loop in self.loops:
+            with contextlib.suppress(RuntimeError):
+                await run("losetup", "--detach", str(loop))
+        for vid, (staging, target) in self.staged.items():
+            await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(target)))
+            await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(staging)))
+            await retrying(f"delete {vid}", lambda: csi.delete_volume(vid))
+        for raw in self.raws:
+            raw.unlink(missing_ok=True)
+
+    def render(self) -> str:
+        rows = []
+        ones: dict[tuple[str, str], tuple[float, float]] = {}
+        for row in self.rows:
+            vol, base = statistics.mean(row.volume), statistics.mean(row.baseline)
+            if row.count == 1:
+                ones[(row.kind, row.job)] = (vol, base)
+            one_vol, one_base = ones.get((row.kind, row.job), (0.0, 0.0))
+            spread = f"{min(row.volume) / 1000:.1f}-{max(row.volume) / 1000:.1f}k"
+            rows.append([f"{row.kind} {row.job}", str(row.count), f"{vol / 1000:.1f}k", spread,
+                         f"{base / 1000:.1f}k", ratio(vol, base), ratio(vol, one_vol), ratio(base, one_base),
+                         row.threads[-1] if row.threads else "-"])
+        head = [f"{self.version} ({self.placement}); {os.cpu_count()} cores; {self.rounds} rounds, mean"]
+        return "\n".join(head) + "\n" + table(
+            ["job", "N", "volumes", "spread", "regions", "ratio", "vol xN/x1", "reg xN/x1",
+             "QSD CPU per thread (volumes' last run)"], rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--qsd", type=lambda t: [Runtime.parse(p) for p in t.split(",")],
+                        default=[Runtime("10", None), Runtime("11", None)],
+                        help="QSD runtimes, comma-separated: VERSION[:IOTHREADS[:pool|main]], e.g. 10,11,11:4:pool "
+                             "(the driver's --iothreads and --fuse-threads; default 10,11)")
+    parser.add_argument("--counts", type=lambda t: [int(p) for p in t.split(",")], default=[1, 2, 4])
+    parser.add_argument("--kinds", type=lambda t: t.split(","), default=["pod", "vm"])
+    parser.add_argument("--runtime", type=int, default=5, help="seconds per run")
+    parser.add_argument("--rounds", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        print("needs root (loop devices, FUSE, mounts)", file=sys.stderr)
+        return 1
+    args = parse_args()
+    for runtime in args.qsd:
+        with sandbox() as box:
+            bench = Bench(box, runtime, args.counts, args.kinds, args.runtime, args.rounds)
+            code = run_to_end(bench.run(), bench.driver, what=f"scaling on QSD {runtime.version}")
+            if code:
+                return code
+            print(bench.render(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
