@@ -20,7 +20,7 @@ import pytest
 
 from csi_qsd import datapath
 from csi_qsd.csi_client import CSIClient
-from csi_qsd.server import Driver
+from csi_qsd.server import Driver, serving
 from csi_qsd.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid
 
@@ -88,3 +88,18 @@ async def test_vm_clients_come_and_go_while_other_volumes_change(
     assert (qsd_pid(box), daemon.daemon.restarts) == (pid, restarts), "QSD died under the VM clients"
     await csi.unpublish(vid, str(target))
     await csi.unstage(vid, str(staging))
+
+
+async def test_an_adopted_qsd_gets_the_pool_it_lacks(box: Sandbox) -> None:
+    """A QSD started with fewer iothreads (an older driver made one) is given the rest live, with their budget."""
+    async with serving(box.config(iothreads=1)) as first:
+        assert await first.daemon.client.iothreads() >= {"iothread0"}
+        pid = qsd_pid(box)
+    async with serving(box.config(iothreads=2, poll_max_ns=0)) as second:
+        assert qsd_pid(box) == pid, "the second driver adopts the running QSD"
+        assert await second.daemon.client.iothreads() >= {"iothread0", "iothread1"}
+        for thread in ("iothread0", "iothread1"):
+            budget = await second.daemon.client.execute(
+                "qom-get", {"path": f"/objects/{thread}", "property": "poll-max-ns"})
+            assert budget == 0, f"{thread} kept its polling budget"
+        await second.daemon.shutdown()
