@@ -29,3 +29,31 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
     await asyncio.sleep(0)
     leaked = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()]
     assert not leaked, f"test leaked asyncio tasks: {leaked}"
+
+
+# A leaked loop device outlives every sandbox: once its FUSE export is gone, sysfs shows its backing
+# file as "/" and no cleanup by path can find it. The session fails if it ends with more of those.
+_ORPHANS_AT_START: set[str] = set()
+
+
+def _orphaned_loop_devices() -> set[str]:
+    found = set()
+    for attribute in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if attribute.read_text().strip() in ("/", "/ (deleted)"):
+                found.add(attribute.parent.parent.name)
+        except OSError:
+            continue  # detached meanwhile
+    return found
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _ORPHANS_AT_START.update(_orphaned_loop_devices())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    leaked = sorted(_orphaned_loop_devices() - _ORPHANS_AT_START)
+    if leaked and not hasattr(session.config, "workerinput"):
+        session.config.get_terminal_writer().line(
+            f"leaked loop devices whose backing file is gone (attached during this run): {leaked}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -360,7 +360,7 @@ class Catalog:
 
     # stages -------------------------------------------------------------
 
-    async def put_stage(self, record: StageRecord) -> None:
+    async def put_stage(self, record: StageRecord, *, durable: bool = True) -> None:
         await self._run(
             lambda db: db.execute(
                 "INSERT OR REPLACE INTO stages (volume_id, staging_path, access_type, fs_type, mount_flags,"
@@ -368,7 +368,8 @@ class Catalog:
                 (record.volume_id, str(record.staging_path), record.access_type.value, record.fs_type,
                  json.dumps(list(record.mount_flags)), record.mount_group, record.state.value,
                  record.loop_device),
-            )
+            ),
+            durable=durable,
         )
 
     async def delete_stage(self, volume_id: str) -> None:
@@ -383,7 +384,7 @@ class Catalog:
 
     # publishes ----------------------------------------------------------
 
-    async def put_publish(self, record: PublishRecord) -> None:
+    async def put_publish(self, record: PublishRecord, *, durable: bool = True) -> None:
         await self._run(
             lambda db: db.execute(
                 "INSERT OR REPLACE INTO publishes (target_path, volume_id, readonly, mount_flags, state,"
@@ -391,7 +392,8 @@ class Catalog:
                 (str(record.target_path), record.volume_id, int(record.readonly),
                  json.dumps(list(record.mount_flags)), record.state.value, record.loop_device,
                  int(record.single_writer)),
-            )
+            ),
+            durable=durable,
         )
 
     async def delete_publish(self, target_path: Path) -> None:

@@ -1,8 +1,10 @@
 """The node side of the domain: stage, publish, unpublish, unstage, expand, stats, rebuild.
 
-Each operation holds the volume's lock, records intent in the catalog, asks
-the volume's export path (`csi_qsd.exports`) to bring QSD and the host into
-the wanted shape with idempotent steps, then commits. The same steps rebuild
+Each operation holds the volume's lock, records intent in the catalog (not
+waited for on disk: a power loss takes the host state the intent guards with
+it, and the final commit makes it durable), asks the volume's export path
+(`csi_qsd.exports`) to bring QSD and the host into the wanted shape with
+idempotent steps, then commits. The same steps rebuild
 everything after a QSD restart. No gRPC types here, no QMP, no mounts.
 """
 
@@ -88,7 +90,10 @@ class NodeVolumes:
             existing = await self._catalog.stage(spec.volume_id)
             if existing is not None and existing.state is StageState.STAGED:
                 _check_restage(spec, existing, access, fs_type)
-                await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id), self._daemon.client)
+                brought = await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id),
+                                              self._daemon.client)
+                if brought != existing:  # a lost export came back on a new loop device: unstage must find it
+                    await self._catalog.put_stage(brought)
                 return
             if existing is not None:
                 await kind.tear_down(volume, existing, self._daemon.client, thorough=True)
@@ -96,7 +101,7 @@ class NodeVolumes:
                 volume_id=spec.volume_id, staging_path=spec.staging_path, access_type=access, fs_type=fs_type,
                 mount_flags=spec.mount_flags, mount_group=spec.mount_group, state=StageState.STAGING,
             )
-            await self._catalog.put_stage(record)
+            await self._catalog.put_stage(record, durable=False)
             self._failpoints.hit("stage.after_intent")
             try:
                 record = await kind.bring_up(volume, record, [], self._daemon.client)
@@ -120,7 +125,7 @@ class NodeVolumes:
                 )
             self._require_qsd()
             await self._exports.of(volume).check_unused(volume, record)
-            await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING))
+            await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING), durable=False)
             self._failpoints.hit("unstage.after_intent")
             await self._exports.of(volume).tear_down(volume, record, self._daemon.client, thorough=False)
             await self._catalog.delete_stage(volume_id)
@@ -156,7 +161,7 @@ class NodeVolumes:
                 target_path=spec.target_path, volume_id=spec.volume_id, readonly=spec.readonly,
                 mount_flags=spec.mount_flags, state=PublishState.PUBLISHING, single_writer=spec.single_writer,
             )
-            await self._catalog.put_publish(record)
+            await self._catalog.put_publish(record, durable=False)
             self._failpoints.hit("publish.after_intent")
             try:
                 record = await kind.publish(volume, stage, record, others)
@@ -176,7 +181,7 @@ class NodeVolumes:
                 return
             kind = self._exports.of(volume)
             await kind.check_unused(volume, await self._catalog.stage(volume_id))
-            await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.UNPUBLISHING))
+            await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.UNPUBLISHING), durable=False)
             self._failpoints.hit("unpublish.after_intent")
             await self._remove_publish(kind, volume, await self._catalog.stage(volume_id), record)
             log.info("event=unpublished volume_id=%s target=%s", volume_id, target_path)
@@ -326,7 +331,7 @@ class NodeVolumes:
         """
         try:
             yield
-        except Internal as exc:
+        except (Internal, OSError) as exc:  # OSError: a host call on the dead FUSE file (ENOTCONN, EIO)
             if isinstance(exc, Unavailable):
                 raise
             if self._daemon.ready and not self._exports.export_broken(volume_id):

@@ -241,19 +241,26 @@ class FuseLoopExport(ExportPath):
         export = self.export_file(volume.id)
         if not os.path.lexists(export.parent):
             return  # never exported on this node: nothing can be stale
-        stale = loop.find_loop(export)
+        stale = [lp.device for lp in loop.find_loop(export)]
+        # The one the catalog recorded, once its FUSE file is gone, shows no path of ours (sysfs says "/").
+        if stage.loop_device and loop.backing_of(Path(stage.loop_device)) == ORPHANED:
+            stale.append(Path(stage.loop_device))
         if not stale and mounts.mounted_at(export) is None:
             return
-        log.warning("event=drop_stale volume_id=%s loops=%s", volume.id, [str(s.device) for s in stale])
+        log.warning("event=drop_stale volume_id=%s loops=%s", volume.id, [str(device) for device in stale])
         for publish in publishes:
             await mounts.unmount(publish.target_path, lazy=True)
         if stage.access_type is AccessType.MOUNT:
             entry = mounts.mounted_at(stage.staging_path)
             if entry is not None and _is_loop_over(entry.source, export):
                 await mounts.unmount(stage.staging_path, lazy=True)
-        for lp in stale:
-            await loop.detach(lp.device)
+        for device in stale:
+            await loop.detach(device)
         await mounts.unmount(export, lazy=True)
+
+
+# What sysfs gives as the backing file of a loop device whose file lay on a FUSE mount that is gone.
+ORPHANED = Path("/")
 
 
 def _is_loop_over(source: str, export: Path) -> bool:

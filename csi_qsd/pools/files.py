@@ -139,11 +139,10 @@ class FilePool(Pool):
         try:
             if image.suffix == ".qcow2":
                 return qcow2_image.holds_nothing(fd, backing_allowed=backing_allowed)
-            try:
-                os.lseek(fd, 0, os.SEEK_DATA)
-            except OSError as exc:
-                return exc.errno == errno.ENXIO  # no data from offset 0 on: all hole
+            os.lseek(fd, 0, os.SEEK_DATA)
             return False
+        except OSError as exc:
+            return exc.errno == errno.ENXIO and image.suffix != ".qcow2"  # raw, no data from offset 0 on: all hole
         finally:
             os.close(fd)
 

@@ -13,6 +13,7 @@ below it leaves filter and exports in place.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 from csi_qsd import layer_bitmaps
@@ -22,6 +23,8 @@ from csi_qsd.qsd import graph, vhost_greeting
 from csi_qsd.qsd.client import BlockNodeInfo, QSDClient, node_info
 from csi_qsd.qsd.iothreads import IOThreadPool
 from csi_qsd.qsd.storage import Storage
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +141,25 @@ async def resize(client: QSDClient, top: TopImage, size: int) -> None:
         raise OutOfRange(f"volume {top.volume_id} holds a fixed extent of {limit} bytes and cannot grow to {size}")
     await ensure_top(client, top)
     if limit is None:
+        await _drop_inconsistent_bitmaps(client, top.nodes.format)
         await client.block_resize(top.nodes.throttle, size)
         return
     await reopen_window(client, top)
+
+
+async def _drop_inconsistent_bitmaps(client: QSDClient, node: str) -> None:
+    """Remove the bitmaps of `node` that a QSD crash left inconsistent: QEMU refuses to resize beside them.
+
+    Such a record is lost already (QEMU never reads it again), and a layer
+    whose record is missing counts as lost exactly like one whose record is
+    inconsistent (`layer_bitmaps`): a delta that needs it answers with a
+    superset. So nothing changed-block tracking knows goes with it.
+    """
+    _, bitmaps = await _nodes_and_bitmaps(client)
+    for bitmap in bitmaps.get(node, {}).values():
+        if not bitmap.consistent:
+            log.warning("event=drop_inconsistent_bitmap node=%s bitmap=%s reason=resize", node, bitmap.name)
+            await client.execute("block-dirty-bitmap-remove", {"node": node, "name": bitmap.name})
 
 
 async def reopen_window(client: QSDClient, top: TopImage) -> None:

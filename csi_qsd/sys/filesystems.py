@@ -107,11 +107,14 @@ async def ext4_size(device: Path) -> int:
 
 
 def _ext4_size(device: Path) -> int:
-    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        sb = os.pread(fd, EXT4_SUPERBLOCK, EXT4_SUPERBLOCK)
-    finally:
-        os.close(fd)
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            sb = os.pread(fd, EXT4_SUPERBLOCK, EXT4_SUPERBLOCK)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise HostCommandError(f"cannot read the superblock of {device}: {exc.strerror}") from exc
     if len(sb) < EXT4_SUPERBLOCK or struct.unpack_from("<H", sb, 0x38)[0] != EXT4_MAGIC:
         raise HostCommandError(f"{device} holds no ext4 superblock")
     (blocks_lo,) = struct.unpack_from("<I", sb, 0x04)

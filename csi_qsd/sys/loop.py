@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from csi_qsd.errors import HostCommandError
+from csi_qsd.sys import loop_calls
 from csi_qsd.sys.run import run
 
 
@@ -50,23 +51,19 @@ def find_loop(backing_file: Path, *, readonly: bool | None = None) -> list[LoopD
 
 
 async def attach(backing_file: Path, *, readonly: bool = False, direct_io: bool = False) -> Path:
-    argv = ["losetup", "--find", "--show", f"--direct-io={'on' if direct_io else 'off'}"]
-    if readonly:
-        argv.append("--read-only")
-    _, out = await run(*argv, str(backing_file))
-    device = Path(out.strip())
-    if not device.name.startswith("loop"):
-        raise HostCommandError(f"losetup gave an unexpected device {out.strip()!r}")
-    return device
+    """A loop device over `backing_file` (`loop_calls`: the ioctls losetup makes). Raises HostCommandError."""
+    return await asyncio.to_thread(loop_calls.attach, backing_file, readonly=readonly, direct_io=direct_io)
 
 
 async def detach(device: Path) -> None:
     """Detach `device`; one still held open is detached by the kernel on last close."""
     if not device.exists():
         return
-    code, _ = await run("losetup", "--detach", str(device), check=False)
-    if code != 0 and _backing(device) is not None:
-        raise HostCommandError(f"cannot detach loop device {device}")
+    try:
+        await asyncio.to_thread(loop_calls.detach, device)
+    except HostCommandError:
+        if _backing(device) is not None:
+            raise
 
 
 def uses_direct_io(device: Path) -> bool:

@@ -16,6 +16,7 @@ from csi_qsd.csi_client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
+from csi_qsd.sys import loop
 from tests.harness import Sandbox
 
 MIB = 1 << 20
@@ -68,9 +69,15 @@ async def test_export_removed_over_qmp_while_staged(box: Sandbox, driver: tuple[
     for status in (await get(csi, vid), await listed(csi, vid)):
         condition = status.volume_condition
         assert condition.abnormal and vid in condition.message and export_id in condition.message, condition
+    first = (await drv.catalog.stage(vid)).loop_device  # type: ignore[union-attr]
     await csi.stage(vid, str(staging), block=True)  # the kubelet's re-stage brings the export back
     assert not (await get(csi, vid)).volume_condition.abnormal
+    again = (await drv.catalog.stage(vid)).loop_device  # type: ignore[union-attr]
+    export = box.state_dir / "exports" / vid / "disk"
+    # The loop device on the dead export is gone (its number may serve the new one), and the catalog knows the new one.
+    assert loop.backing_of(Path(first)) in (None, export) and loop.backing_of(Path(again)) == export
     await csi.unstage(vid, str(staging))
+    assert loop.backing_of(Path(again)) is None, "unstage finds the loop device the re-stage made"
 
 
 async def test_image_deleted_idle_and_while_staged(box: Sandbox, csi: CSIClient) -> None:

@@ -115,11 +115,11 @@ async def test_delete_snapshot_during_a_restore_from_it(
     entered, release = asyncio.Event(), asyncio.Event()
     real_add = drv.catalog.add_volume
 
-    async def held_add(record: VolumeRecord) -> None:
+    async def held_add(record: VolumeRecord, *, durable: bool = True) -> None:
         if record.name == "pvc-raced":
             entered.set()
             await release.wait()
-        await real_add(record)
+        await real_add(record, durable=durable)
 
     monkeypatch.setattr(drv.catalog, "add_volume", held_add)
     restore = asyncio.create_task(csi.create_volume("pvc-raced", 64 * MIB, from_snapshot=snapshot.snapshot_id))
