@@ -41,6 +41,7 @@ from csi_qsd.errors import HostCommandError, InvalidArgument
 from csi_qsd.extents import Extent
 from csi_qsd.granularity import BACKUP_OPTIONS
 from csi_qsd.imagemap import qcow2_spec
+from csi_qsd.sys import durable
 from csi_qsd.sys.run import run
 
 CHUNK = 4 << 20  # bytes per NBD request; qemu-nbd accepts up to 32 MiB
@@ -188,19 +189,10 @@ async def backup(
             report = BackupReport(snapshot_id, base_snapshot_id, capacity, len(ranges), read, zeros)
             sidecar = Path(f"{out}.json")
             sidecar.write_text(json.dumps(dataclasses.asdict(report)) + "\n")
-            await asyncio.to_thread(_durable_rename, tmp, out)
+            await asyncio.to_thread(durable.replace, tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
     return report
-
-
-def _durable_rename(tmp: Path, out: Path) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, out)
 
 
 def describe(backup_file: Path) -> BackupReport:
@@ -246,7 +238,7 @@ async def restore(files: list[Path], out: Path, *, qemu_img: str = "qemu-img", f
     try:
         await run(qemu_img, "convert", "-O", fmt, "json:" + json.dumps(layered_spec(files)), str(tmp),
                   timeout=24 * 3600)
-        await asyncio.to_thread(_durable_rename, tmp, out)
+        await asyncio.to_thread(durable.replace, tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return reports[-1]

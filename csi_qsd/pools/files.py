@@ -21,6 +21,7 @@ from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.pools import qcow2_image
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd.storage import ImageFile
+from csi_qsd.sys import durable
 from csi_qsd.sys.run import run
 
 __all__ = ["FilePool", "PoolUsage"]
@@ -80,7 +81,7 @@ class FilePool(Pool):
             await run(*argv, str(tmp), str(size), timeout=3600)
             if params.format is ImageFormat.QCOW2:
                 await image_bitmaps.add_tracking(self._qemu_img, tmp, params.granularity)
-            await asyncio.to_thread(_fsync_and_rename, tmp, image)
+            await asyncio.to_thread(durable.replace, tmp, image)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -114,7 +115,7 @@ class FilePool(Pool):
         await run(self._qemu_img, "rebase", "-q", "-f", "qcow2", "-b", "", str(image), timeout=24 * 3600)
 
     async def delete(self, image: Path) -> None:
-        await asyncio.to_thread(_unlink_durably, image)
+        await asyncio.to_thread(durable.unlink, image)
 
     def leftovers(self) -> list[Path]:
         """Temporary files a crash left during creation: never user data."""
@@ -211,27 +212,4 @@ def _write_durably(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size
         raise
     os.close(fd)
     os.rename(tmp, image)
-    _fsync_dir(image.parent)
-
-
-def _fsync_and_rename(tmp: Path, image: Path) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, image)
-    _fsync_dir(image.parent)
-
-
-def _unlink_durably(image: Path) -> None:
-    image.unlink(missing_ok=True)
-    _fsync_dir(image.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    durable.fsync_path(image.parent)
