@@ -47,6 +47,9 @@ async def raise_background(export_file: Path, limit: int = MAX_BACKGROUND) -> bo
 
 
 def _write_limits(connection: Path, limit: int) -> None:
+    # QEMU 11's FUSE export sets a far larger limit itself (65535): never lower one.
+    if int((connection / "max_background").read_text()) >= limit:
+        return
     # The kernel throttles writers once the congestion threshold is reached: keep it below the limit, as its default.
     (connection / "max_background").write_text(str(limit))
     (connection / "congestion_threshold").write_text(str(limit * 3 // 4))

@@ -25,11 +25,10 @@ import dataclasses
 import re
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 from csi_qsd.tools import bundled
-from e2e.bench.common import cpu_seconds, ratio, sh, table
+from e2e.bench.common import ThreadCPU, ratio, sh, table
 from e2e.bench.device_pool import served_pool
 from tests.harness import qsd_pid
 
@@ -124,6 +123,7 @@ async def bench(rounds: int) -> str:
 
 async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, rounds: int, version: str) -> str:
     samples: dict[str, list[float]] = {}
+    threads: dict[str, str] = {}  # QSD's CPU per thread during the last round's run
 
     def add(key: str, value: float) -> None:
         samples.setdefault(key, []).append(value)
@@ -131,9 +131,9 @@ async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, 
     for _ in range(rounds):
         for job in JOBS:
             for cache, (socket, start) in published.items():
-                cpu_before, started = cpu_seconds(pid), time.monotonic()
+                before = ThreadCPU.take(pid)
                 add(f"{job.label}/{cache}", await qemu_img_bench(through_socket(socket), job))
-                add(f"{job.label}/{cache}/cpu", (cpu_seconds(pid) - cpu_before) / (time.monotonic() - started))
+                threads[f"{job.label}/{cache}"] = ThreadCPU.take(pid).since(before)
                 add(f"{job.label}/device", await qemu_img_bench(device_region(node, start), job))
                 if job.write:
                     add(f"{job.label}/device+flush", await qemu_img_bench(device_region(node, start), job, flush=True))
@@ -150,10 +150,11 @@ async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, 
             ratio(med[f"{job.label}/writeback"], med[f"{job.label}/device"]),
             cell(f"{job.label}/device+flush"), cell(f"{job.label}/writethrough"),
             ratio(med[f"{job.label}/writethrough"], flushed),
-            f"{med[f'{job.label}/writeback/cpu']:.0%}",
+            threads.get(f"{job.label}/writeback", "-"),
         ])
     headers = ["job", "device region", "volume, cache: writeback", "ratio", "device region, flushing",
-               "volume, writethrough (default)", "ratio", "QSD CPU (writeback)"]
+               "volume, writethrough (default)", "ratio",
+               "QSD CPU per thread (writeback)"]
     return (f"{version}; VM volumes (vhost-user-blk export > raw window > direct-I/O loop device), "
             f"qemu-img bench with libblkio's virtio-blk-vhost-user driver; median of {rounds} rounds. A "
             "writethrough volume acknowledges a write once it is on the device (QSD flushes after it): its "

@@ -4,7 +4,8 @@ QSD 11 takes a list of iothreads for a FUSE export, one /dev/fuse queue each,
 with parallel direct writes: a new request path, so the parallel verified
 writers of test_integrity run through it (forced with `--fuse-threads pool`:
 on fewer than 4 cores the driver keeps the main loop), and each pool thread
-must have done work (QEMU 11 names its threads "IO <id>").
+must have done work (QEMU 11 names its threads "IO <id>"). QEMU 11 sets the
+connection's background limit itself (65535), which the driver must not lower.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from csi_qsd import datapath
+from csi_qsd.exports import fuse_loop
+from csi_qsd.sys import fusectl
 from csi_qsd.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid
 from tests.integration.test_integrity import GROUPS, MIB, THREADS, cgroups, loop_dio, published, run_fio
@@ -43,6 +46,10 @@ async def test_parallel_writers_verify_over_the_fuse_iothread_list(box: Sandbox)
         assert pid is not None
         async with published(box, csi, "fio", block=True) as volume:
             assert loop_dio(volume), "QEMU 11 keeps parallel writes intact: a direct-I/O loop device"
+            export = fuse_loop.export_file(box.state_dir / "exports", volume.vid)
+            connection = fusectl.CONNECTIONS / str(os.minor(os.stat(export).st_dev))
+            background = int((connection / "max_background").read_text())
+            assert background > fusectl.MAX_BACKGROUND, "the driver must not lower the limit QEMU 11 sets itself"
             before = iothread_cpu(pid)
             with cgroups() as groups:
                 fio = await run_fio(box, groups, volume.target, block=True)
