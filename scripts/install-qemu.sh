@@ -29,10 +29,14 @@ host_version() {
   /usr/bin/qemu-storage-daemon --version | sed -n '1s/.*version \([0-9.]*\).*/\1/p'
 }
 
-# unpack ROOT SUITE [mmdebstrap options and sources...]: Debian's qemu-utils and qemu-block-extra in ROOT.
+# unpack ROOT SUITE [--mmdebstrap-options...] [sources...]: Debian's qemu-utils and qemu-block-extra in ROOT.
+# mmdebstrap takes its options first and its sources after the target: SUITE TARGET [MIRROR...].
 unpack() {
-  local root="$1" suite="$2"
+  local root="$1" suite="$2" options=() sources=()
   shift 2
+  for arg in "$@"; do
+    case "$arg" in --*) options+=("$arg") ;; *) sources+=("$arg") ;; esac
+  done
   if [ -x "$root/usr/bin/qemu-storage-daemon" ] && [ -e "$root/usr/lib/x86_64-linux-gnu/qemu/block-blkio.so" ]; then
     return
   fi
@@ -42,7 +46,8 @@ unpack() {
   echo "qemu: unpacking Debian ${suite}'s qemu-utils and qemu-block-extra into $root"
   rm -rf "$root.tmp"
   mkdir -p "$(dirname "$root")"
-  mmdebstrap --quiet --variant=apt --include=qemu-utils,qemu-block-extra "$@" "$suite" "$root.tmp"
+  mmdebstrap --quiet --variant=apt --include=qemu-utils,qemu-block-extra "${options[@]}" "$suite" "$root.tmp" \
+    "${sources[@]}"
   rm -rf "$root"
   mv "$root.tmp" "$root"
 }
