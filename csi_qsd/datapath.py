@@ -90,5 +90,15 @@ def fuse_iothreads(
     return list(pool)
 
 
+# From this version on QEMU refuses a persistent dirty bitmap on a read-only node ("Cannot add a persistent
+# bitmap to read-only or inactive node"): a flatten carries the merged layers' records into the backing
+# image once block-stream has reopened it read-write, before the job finalizes (10.0 took them before).
+PERSISTENT_BITMAP_NEEDS_WRITABLE = (11, 0, 0)
+
+
+def bitmaps_carried_before_stream(version: tuple[int, int, int]) -> bool:
+    return version < PERSISTENT_BITMAP_NEEDS_WRITABLE
+
+
 def describe(direct: bool) -> str:
     return "direct" if direct else "buffered"

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from csi_qsd import layer_bitmaps
+from csi_qsd import datapath, layer_bitmaps
 from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph, vhost_greeting
@@ -257,19 +257,32 @@ async def stream_into_backing(
     base = _format_node_of(nodes, str(backing_image))
     if not base:
         return False
-    await carry_bitmaps(client, base, nodes, bitmaps, layers or [])
-    await client.stream(f"stream-{volume_id}", base)
+    if datapath.bitmaps_carried_before_stream(await client.version()):
+        await carry_bitmaps(client, base, nodes, bitmaps, layers or [])
+        await client.stream(f"stream-{volume_id}", base)
+        return True
+    # QEMU >= 11: the base's own record stops before the copy writes into it; the rest is carried while
+    # the job holds the base read-write, before it finalizes (a crash before then leaves the chain as it was).
+    own = bitmaps[base].get(layer_bitmaps.OWN)
+    if own is not None and own.consistent:
+        await client.execute("block-dirty-bitmap-disable", {"node": base, "name": layer_bitmaps.OWN})
+
+    async def carry() -> None:
+        await carry_bitmaps(client, base, nodes, bitmaps, layers or [], own_disabled=True)
+
+    await client.stream(f"stream-{volume_id}", base, carry)
     return True
 
 
 async def carry_bitmaps(
     client: QSDClient, target: str, nodes: dict[str, BlockNodeInfo],
-    bitmaps: dict[str, dict[str, layer_bitmaps.Bitmap]], layers: list[Path],
+    bitmaps: dict[str, dict[str, layer_bitmaps.Bitmap]], layers: list[Path], *, own_disabled: bool = False,
 ) -> None:
-    """Before merging `layers` into node `target`: freeze its own record and copy theirs into it, atomically."""
+    """Before merging `layers` into node `target`: freeze its own record (unless `own_disabled` already) and
+    copy theirs into it, atomically."""
     own = bitmaps[target]
     actions: list[graph.QMPArgs] = []
-    if (mine := own.get(layer_bitmaps.OWN)) is not None and mine.consistent:
+    if (mine := own.get(layer_bitmaps.OWN)) is not None and mine.consistent and not own_disabled:
         actions.append({"type": "block-dirty-bitmap-disable", "data": {"node": target, "name": layer_bitmaps.OWN}})
     sources = [_format_node_of(nodes, str(image)) for image in layers]
     found = [(image.name, bitmaps[node] if node else {}) for image, node in zip(layers, sources)]

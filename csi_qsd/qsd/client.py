@@ -385,13 +385,18 @@ class QSDClient:
             except asyncio.TimeoutError as exc:
                 raise QSDError(f"export {export_id} was not removed within {self._timeout}s") from exc
 
-    async def stream(self, job_id: str, node: str) -> None:
+    async def stream(self, job_id: str, node: str, before_finalize: Callable[[], Awaitable[None]] | None = None,
+                     ) -> None:
         """Flatten into `node`: copy everything below it into it (block-stream), and wait for the end.
 
-        No timeout on the copy itself (it takes as long as the data); a QSD
-        that goes away ends it with QSDUnavailable. Raises QSDError if the job fails.
+        `before_finalize` runs once the copy is done, while `node` is still
+        open read-write and the images below it still in the graph; if it
+        fails, the job is cancelled and its error raised. No timeout on the
+        copy itself (it takes as long as the data); a QSD that goes away ends
+        it with QSDUnavailable. Raises QSDError if the job fails.
         """
-        await self.run_job("block-stream", {"job-id": job_id, "device": node, **JOB_BY_HAND}, job_id)
+        await self.execute("block-stream", {"job-id": job_id, "device": node, **JOB_BY_HAND})
+        await self.finish_job(job_id, before_finalize)
 
     async def run_job(self, command: str, arguments: QMPArgs, job_id: str) -> None:
         """Start a block job (made with `JOB_BY_HAND`) and see it through, without a timeout; QSDError if it failed."""
@@ -405,7 +410,7 @@ class QSDClient:
                 return dict(info)
         return None
 
-    async def finish_job(self, job_id: str) -> None:
+    async def finish_job(self, job_id: str, before_finalize: Callable[[], Awaitable[None]] | None = None) -> None:
         """Wait for a job made with `JOB_BY_HAND` to end: finalize it from here, dismiss it; QSDError if it failed.
 
         Finalizing drains the job's nodes. QSD 10.0's FUSE export serves a
@@ -416,14 +421,25 @@ class QSDClient:
         The monitor runs commands outside those polls, so a job-finalize
         sent here cannot.
         """
+        failed: BaseException | None = None
         while True:
             info = await self.job(job_id)
             if info is None:
                 raise QSDError(f"block job {job_id} is gone")
-            if info["status"] == "pending":
+            if info["status"] == "pending" and before_finalize is not None:
+                step, before_finalize = before_finalize, None
+                try:
+                    await step()
+                except QSDError as exc:
+                    failed = exc
+                    await self.execute("job-cancel", {"id": job_id})
+                    continue
+            if info["status"] == "pending" and failed is None:
                 await self.execute("job-finalize", {"id": job_id})
             elif info["status"] == "concluded":
                 await self.execute("job-dismiss", {"id": job_id})
+                if failed is not None:
+                    raise failed
                 if info.get("error"):
                     raise QSDError(f"block job {job_id} ended without success: {info['error']}")
                 return
