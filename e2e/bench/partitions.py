@@ -9,7 +9,7 @@ CSI (stage and publish with the block access type: QSD's FUSE export of the
 extent, a loop device on it, the device file bind-mounted at the target).
 Table 1: the same fio jobs (O_DIRECT, libaio) on a partition's target and,
 right after, on the same byte range of the device directly (``--offset`` =
-the extent's start), with QSD's CPU use during the partition's job. Table
+the extent's start), with QSD's CPU per thread during the partition's job. Table
 2: 1, 2 and 4 partitions driven at once (4k random read QD32 on each),
 aggregate IOPS beside one partition alone, and beside the device driven
 directly over the same regions at once. Every figure is the median of the
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from csi_qsd.tools import bundled
-from e2e.bench.common import Job, cpu_share, ratio, sh, table
+from e2e.bench.common import Job, ThreadCPU, ratio, sh, table
 from e2e.bench.device_pool import served_pool
 from tests.harness import qsd_pid
 
@@ -94,6 +94,7 @@ async def bench(runtime: int, rounds: int) -> str:
 async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime: int, rounds: int,
                   version: str) -> str:
     samples: dict[str, list[float]] = {}
+    threads: dict[str, str] = {}  # QSD's CPU per thread during the last round's run of each job
 
     def add(key: str, value: float) -> None:
         samples.setdefault(key, []).append(value)
@@ -101,9 +102,9 @@ async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime
     for _ in range(rounds):
         target, start = targets[0]
         for job in JOBS:
-            part, cpu = await cpu_share(pid, fio(target, job, runtime), runtime)
-            add(f"{job.name}/part", part)
-            add(f"{job.name}/cpu", cpu)
+            before = ThreadCPU.take(pid)
+            add(f"{job.name}/part", await fio(target, job, runtime))
+            threads[job.name] = ThreadCPU.take(pid).since(before)
             add(f"{job.name}/device", await fio(node, job, runtime, start))
         read = JOBS[0]
         for count in AT_ONCE:
@@ -113,9 +114,9 @@ async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime
             add(f"{count}/device", sum(directs))
     med = {key: statistics.median(values) for key, values in samples.items()}
     rows = [[job.label, figure(med[f"{job.name}/device"]), figure(med[f"{job.name}/part"]),
-             ratio(med[f"{job.name}/part"], med[f"{job.name}/device"]), f"{med[f'{job.name}/cpu']:.0%}"]
+             ratio(med[f"{job.name}/part"], med[f"{job.name}/device"]), threads[job.name]]
             for job in JOBS]
-    first = table(["job", "device region (baseline)", "partition volume", "ratio", "QSD CPU"], rows)
+    first = table(["job", "device region (baseline)", "partition volume", "ratio", "QSD CPU per thread"], rows)
     one = med["1/part"]
     rows = [[str(count), figure(med[f"{count}/device"]), figure(med[f"{count}/part"]),
              ratio(med[f"{count}/part"], med[f"{count}/device"]), ratio(med[f"{count}/part"], one)]
