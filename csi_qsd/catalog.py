@@ -579,9 +579,11 @@ class Catalog:
             try:
                 if self._db is None:
                     raise RuntimeError("catalog is closed")
-                return self._db.execute(sql, args).fetchall()
+                rows = self._db.execute(sql, args).fetchall()
             finally:
                 self._lock.release()
+            await asyncio.sleep(0)  # still a point where other tasks run, as the hop was: no caller starves them
+            return rows
         return await asyncio.to_thread(self._call, lambda db: db.execute(sql, args).fetchall())
 
 
