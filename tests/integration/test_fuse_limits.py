@@ -33,13 +33,13 @@ async def test_exports_get_the_loop_devices_queue_depth(
     staging = box.staging("q")
     await csi.stage(volume.volume_id, str(staging), block=True)
     export = export_file(server.config.exports_dir, volume.volume_id)
-    assert max_background(export) == fusectl.MAX_BACKGROUND
+    assert max_background(export) >= fusectl.MAX_BACKGROUND  # QEMU 11 sets more itself (65535), never lowered
 
     old = qsd_pid(box)
     assert old is not None
     os.kill(old, signal.SIGKILL)
     await wait_new_qsd(box, old)
     await until(lambda: server.daemon.ready, "the new QSD rebuilt", 60)
-    assert max_background(export) == fusectl.MAX_BACKGROUND  # a new export, a new connection, raised again
+    assert max_background(export) >= fusectl.MAX_BACKGROUND  # a new export, a new connection, raised again
     await csi.unstage(volume.volume_id, str(staging))
     await csi.delete_volume(volume.volume_id)
