@@ -285,6 +285,7 @@ class QSDDaemon:
         await self._connect()
         self.version = await self.client.version()
         self.loop_direct_io = datapath.direct_io(self._config.loop_io, self.version)
+        self.iothreads.spread = datapath.vhost_exports_spread(self.version)
         await self._ensure_iothreads()
         log.info("event=qsd_version version=%s loop_io=%s setting=%s iothreads=%d vhost_exports_in=%s "
                  "fuse_exports_in=%s", ".".join(map(str, self.version)), datapath.describe(self.loop_direct_io),

@@ -1,10 +1,11 @@
 """QSD's pool of iothreads, and which vhost-user-blk export runs in which.
 
 A vhost-user-blk (or VDUSE, NBD) export runs in one iothread; only a FUSE
-export takes a list. So the many VM disks of a node are spread over a pool
+export takes a list. So the many VM disks of a node can be spread over a pool
 of `--iothreads` threads (default: one per core the driver may run on), each
-new export in the thread that serves the fewest, and a FUSE export on QEMU
->= 11 gets the whole pool. The pool is `iothread0`..`iothreadN-1`: the first
+new export in the thread that serves the fewest, where QSD is known to
+survive that (`csi_qsd.datapath.vhost_exports_spread`; else all in the
+first), and a FUSE export on QEMU >= 11 gets the whole pool. The pool is `iothread0`..`iothreadN-1`: the first
 is the one iothread older drivers made, so an adopted QSD keeps its exports
 and gets the rest added live (`object-add`).
 
@@ -68,9 +69,10 @@ def command_line(count: int, poll_max_ns: int | None) -> list[str]:
 class IOThreadPool:
     """The pool's thread IDs and where each export this process added runs."""
 
-    def __init__(self, count: int, poll_max_ns: int | None = None) -> None:
+    def __init__(self, count: int, poll_max_ns: int | None = None, *, spread: bool = True) -> None:
         self.ids = pool_ids(count)
         self.poll_max_ns = poll_max_ns
+        self.spread = spread  # False: every export in the first thread (see csi_qsd.datapath)
         self._placed: dict[str, str] = {}
 
     def place(self, export_id: str, live: Iterable[str]) -> str:
@@ -81,7 +83,8 @@ class IOThreadPool:
         if export_id in self._placed:
             return self._placed[export_id]
         load = collections.Counter(self._placed.values())
-        chosen = min(self.ids, key=lambda thread: (load[thread], self.ids.index(thread)))
+        candidates = self.ids if self.spread else self.ids[:1]
+        chosen = min(candidates, key=lambda thread: (load[thread], self.ids.index(thread)))
         self._placed[export_id] = chosen
         return chosen
 

@@ -5,9 +5,10 @@ On QSD 10.0.13 a vhost-user-blk export in an iothread aborted QSD
 failed") when a client connected or left while a graph change (any
 blockdev-add or blockdev-del, which drains every node) was under way: within
 the first 1 to 43 connections. There the driver runs these exports in QSD's
-main loop. QEMU 11.1.3 lives through it with the exports in its iothreads,
-which is why the driver puts them there from that version on: the test runs
-on the default QSD and on the 11 runtime the install provides beside it.
+main loop. QEMU 11.1.3 no longer aborts with the exports in iothreads, but
+fails later graph changes with EBADF in some runs (see csi_qsd.datapath), so
+the driver keeps them in the main loop there too: the test runs on the
+default QSD and on the 11 runtime the install provides beside it.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ async def churn_driver(request: pytest.FixtureRequest, box: Sandbox) -> AsyncIte
         overrides["qsd_binary"] = bundled("qemu-storage-daemon-11")
     async with in_process_driver(box, **overrides) as pair:
         if request.param == "11":
-            assert pair[0].daemon.version >= datapath.VHOST_IOTHREAD_SAFE, "the install provides QEMU 11.1.3"
-            assert pair[0].daemon.vhost_iothreads() is not None, "on QEMU 11 VM exports run in iothreads"
+            assert pair[0].daemon.version >= (11, 1, 3), "the install provides QEMU 11.1.3"
+        assert (pair[0].daemon.vhost_iothreads() is not None) is datapath.vhost_export_in_iothread(
+            pair[0].daemon.version)
         yield pair
 
 

@@ -33,6 +33,11 @@ def test_exports_go_to_the_least_loaded_thread_and_stay_there() -> None:
     assert pool.load() == {"iothread0": 2, "iothread1": 1}
 
 
+def test_without_spreading_every_export_goes_to_the_first_thread() -> None:
+    pool = IOThreadPool(4, spread=False)
+    assert [pool.place(name, ["a", "b"]) for name in ("a", "b", "c")] == ["iothread0"] * 3
+
+
 def test_exports_gone_from_qsd_free_their_thread() -> None:
     pool = IOThreadPool(2)
     for name, live in (("a", []), ("b", ["a"]), ("c", ["a", "b"])):
