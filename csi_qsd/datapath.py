@@ -56,7 +56,7 @@ VHOST_IOTHREAD_ABORTS = (10, 0, 0)
 # block-export-add fails inside QSD with EBADF ("The device is not writable: Bad file descriptor",
 # "Failed to bind socket ...: Bad file descriptor", "Could not refresh total sector count: Bad file
 # descriptor"), so QSD closed a descriptor it did not own: exports spread over two iothreads, 5 of 15 runs;
-# all in one iothread, 2 of 19; in the main loop 0 of 9 (10.0.13's main loop: 0 in every run). No release
+# all in one iothread, 2 of 19; in the main loop 0 of 19 (10.0.13's main loop: 0 in every run). No release
 # is known to be safe: every vhost-user-blk export of QSD >= 10 stays in the main loop.
 VHOST_IOTHREAD_SAFE: tuple[int, int, int] | None = None
 
