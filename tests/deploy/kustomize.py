@@ -13,7 +13,11 @@ the features deploy/ uses and nothing more:
   example, put a namespace on a VolumeSnapshotClass);
 * ``images``: ``name`` with ``newName`` / ``newTag`` / ``digest``, applied to
   every ``containers[].image`` and ``initContainers[].image`` anywhere in an
-  object.
+  object;
+* ``patches``: JSON patches (RFC 6902: ``add``, ``replace``, ``remove``,
+  ``test``) from ``path`` or inline ``patch``, on the objects a ``target``
+  names by kind and name (and group / version when given). A strategic-merge
+  patch (a mapping rather than a list of operations) is refused.
 
 Any other key in a kustomization (patches, generators, labels, ...) raises
 `UnsupportedKustomization`, so that a change to deploy/ that this renderer
@@ -30,7 +34,7 @@ import yaml
 
 KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 
-SUPPORTED_KEYS = frozenset({"apiVersion", "kind", "resources", "namespace", "images"})
+SUPPORTED_KEYS = frozenset({"apiVersion", "kind", "resources", "namespace", "images", "patches"})
 
 # Built-in cluster-scoped kinds (the ones kustomize's built-in schema knows).
 CLUSTER_SCOPED_KINDS = frozenset(
@@ -139,6 +143,60 @@ def _set_namespace(obj: Obj, namespace: str) -> None:
                 subject["namespace"] = namespace
 
 
+def _pointer(path: str) -> list[str]:
+    if not path.startswith("/"):
+        raise ValueError(f"JSON pointer {path!r} does not start with '/'")
+    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def _json_patch(obj: Obj, operations: list[Obj]) -> None:
+    """Apply RFC 6902 operations to `obj` in place; a path that does not resolve raises KeyError/IndexError."""
+    for operation in operations:
+        op, parts = operation["op"], _pointer(operation["path"])
+        parent: Any = obj
+        for part in parts[:-1]:
+            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        last = parts[-1]
+        if op == "test":
+            here = parent[int(last)] if isinstance(parent, list) else parent[last]
+            if here != operation["value"]:
+                raise ValueError(f"JSON patch test failed at {operation['path']}: {here!r}")
+        elif op == "add" and isinstance(parent, list):
+            parent.insert(len(parent) if last == "-" else int(last), copy.deepcopy(operation["value"]))
+        elif op in ("add", "replace"):
+            if isinstance(parent, list):
+                parent[int(last)] = copy.deepcopy(operation["value"])
+            else:
+                if op == "replace" and last not in parent:
+                    raise KeyError(f"JSON patch replace: {operation['path']} does not exist")
+                parent[last] = copy.deepcopy(operation["value"])
+        elif op == "remove":
+            del parent[int(last) if isinstance(parent, list) else last]
+        else:
+            raise UnsupportedKustomization(f"JSON patch operation {op!r}")
+
+
+def _apply_patch(objects: list[Obj], entry: Obj, directory: Path, kustomization_path: Path) -> None:
+    unknown = sorted(set(entry) - {"path", "patch", "target"})
+    if unknown or "target" not in entry or ("path" in entry) == ("patch" in entry):
+        raise UnsupportedKustomization(f"{kustomization_path}: patches need a target and one of path/patch")
+    text = (directory / entry["path"]).read_text(encoding="utf-8") if "path" in entry else entry["patch"]
+    operations = yaml.safe_load(text)
+    if not isinstance(operations, list):
+        raise UnsupportedKustomization(f"{kustomization_path}: only JSON patches (a list of operations)")
+    target = entry["target"]
+    matched = [
+        obj for obj in objects
+        if obj["kind"] == target.get("kind") and obj["metadata"].get("name") == target.get("name")
+        and ("group" not in target or obj["apiVersion"].rpartition("/")[0] == target["group"])
+        and ("version" not in target or obj["apiVersion"].rpartition("/")[2] == target["version"])
+    ]
+    if not matched:
+        raise ValueError(f"{kustomization_path}: patch target {target} matches no object")
+    for obj in matched:
+        _json_patch(obj, operations)
+
+
 def render(directory: Path) -> list[Obj]:
     """Render the kustomization in `directory` into a list of objects."""
     directory = directory.resolve()
@@ -166,6 +224,9 @@ def render(directory: Path) -> list[Obj]:
             objects.extend(copy.deepcopy(load_yaml_documents(path)))
         else:
             raise FileNotFoundError(f"{kustomization_path}: resource {entry!r} does not exist")
+
+    for entry in kustomization.get("patches") or []:
+        _apply_patch(objects, entry, directory, kustomization_path)
 
     namespace = kustomization.get("namespace")
     if namespace is not None:

@@ -75,7 +75,7 @@ def test_split_image() -> None:
     assert split_image("reg:5000/a") == ("reg:5000/a", None, None)
 
 
-@pytest.mark.parametrize("key", ["patches", "commonLabels", "configMapGenerator", "helmCharts"])
+@pytest.mark.parametrize("key", ["patchesStrategicMerge", "commonLabels", "configMapGenerator", "helmCharts"])
 def test_unsupported_features_are_refused(tmp_path: Path, key: str) -> None:
     _write(tmp_path / "kustomization.yaml", f"resources: []\n{key}: []\n")
     with pytest.raises(UnsupportedKustomization):
