@@ -1,0 +1,125 @@
+"""VM clients coming and going while other volumes change, with vhost-user-blk exports placed three ways.
+
+Run as ``.venv/bin/python -m e2e.bench.vhost_churn [--qsd 11] [--runs 10]``
+(root). It prints counts, never pass/fail.
+
+The churn of tests/integration/test_vhost_churn.py (a client connects to a
+published VM volume's socket and leaves, again and again, while other VM
+volumes are created, staged, snapshotted, unstaged and deleted, until 500
+connections), run ``--runs`` times for each placement of the exports:
+
+  main  QSD's main loop (what the driver does on QSD >= 10)
+  one   every export in the first iothread of the pool
+  pool  spread over a pool of two iothreads, the least loaded first
+
+The driver's own choice (`csi_qsd.datapath`) is overridden in this process
+only. Per placement: runs, connections, runs in which QSD died (an abort:
+the supervisor restarted it) and runs in which a QMP command failed inside
+QSD (the first error of each kind printed). On QSD 10.0.13 an export in an
+iothread aborts QSD; on 11.1.3 it does not, but later graph changes fail
+with EBADF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import os
+import sys
+
+import grpc
+
+from csi_qsd import datapath
+from csi_qsd.tools import bundled
+from e2e.bench.common import table
+from tests.harness import in_process_driver, qsd_pid, sandbox
+from tests.integration.test_vhost_churn import CONNECTIONS, VM, come_and_go
+
+MIB = 1 << 20
+PLACEMENTS = ("main", "one", "pool")
+ALWAYS = (0, 0, 0)
+
+
+@dataclasses.dataclass
+class Tally:
+    runs: int = 0
+    connections: int = 0
+    died: int = 0
+    failed: int = 0
+    errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+def place(placement: str) -> None:
+    """Override the driver's choice of where exports run, in this process."""
+    datapath.VHOST_IOTHREAD_SAFE = None if placement == "main" else ALWAYS
+    datapath.VHOST_SPREAD_SAFE = ALWAYS if placement == "pool" else None
+    if placement == "main":
+        # 7.2 and older run exports in iothreads whatever the setting: not measured here.
+        datapath.VHOST_IOTHREAD_ABORTS = ALWAYS
+
+
+async def one_run(qsd: str, placement: str, tally: Tally) -> None:
+    place(placement)
+    with sandbox() as box:
+        async with in_process_driver(box, qsd_binary=qsd, iothreads=2) as (driver, csi):
+            pid, restarts = qsd_pid(box), driver.daemon.restarts
+            vid = (await csi.create_volume("pvc-vm-churn", 32 * MIB, VM)).volume_id
+            staging, target = box.staging("vm-churn"), box.target("vm-churn")
+            await csi.stage(vid, str(staging))
+            await csi.publish(vid, str(staging), str(target))
+            stop, count = asyncio.Event(), [0]
+            clients = asyncio.create_task(come_and_go(str(target / "vhost-user-blk.sock"), stop, count))
+            deadline = asyncio.get_running_loop().time() + 240
+            i = 0
+            try:
+                while count[0] < CONNECTIONS and asyncio.get_running_loop().time() < deadline:
+                    other = (await csi.create_volume(f"pvc-other-{i}", 32 * MIB, VM)).volume_id
+                    other_staging = box.staging(f"other-{i}")
+                    await csi.stage(other, str(other_staging))
+                    snapshot = await csi.create_snapshot(f"snap-other-{i}", other)
+                    await csi.delete_snapshot(snapshot.snapshot_id)
+                    await csi.unstage(other, str(other_staging))
+                    await csi.delete_volume(other)
+                    i += 1
+            except grpc.aio.AioRpcError as exc:
+                tally.failed += 1
+                tally.errors[f"{exc.code().name}: {(exc.details() or '')[:160]}"] += 1
+            finally:
+                stop.set()
+                try:
+                    await clients
+                except OSError as exc:  # QSD went away under the clients
+                    tally.errors[f"client: {exc!r}"[:160]] += 1
+            tally.runs += 1
+            tally.connections += count[0]
+            if (qsd_pid(box), driver.daemon.restarts) != (pid, restarts):
+                tally.died += 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--qsd", default="11", choices=["10", "11"], help="the install's qemu-storage-daemon-N")
+    parser.add_argument("--runs", type=int, default=5, help="runs per placement")
+    parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated: main, one, pool")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (mounts, FUSE)", file=sys.stderr)
+        return 1
+    qsd = bundled(f"qemu-storage-daemon-{args.qsd}")
+    rows = []
+    for placement in args.placements.split(","):
+        tally = Tally()
+        for _ in range(args.runs):
+            asyncio.run(one_run(qsd, placement, tally))
+        errors = "; ".join(f"{n}x {text}" for text, n in tally.errors.most_common(2)) or "-"
+        rows.append([placement, str(tally.runs), str(tally.connections), str(tally.died), str(tally.failed), errors])
+        print(f"{placement}: {rows[-1][1:]}", file=sys.stderr, flush=True)
+    print(f"QSD {args.qsd} (qemu-storage-daemon-{args.qsd}), churn to {CONNECTIONS} connections a run")
+    print(table(["placement", "runs", "connections", "QSD died", "calls failed", "errors"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
