@@ -29,7 +29,7 @@ from csi_qsd.datapath import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
 from csi_qsd.errors import DriverError
 from csi_qsd.qsd import iothreads
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
-from csi_qsd.tls import PemFiles
+from csi_qsd.pem import PemFiles
 from csi_qsd.sys.signals import stop_event
 from csi_qsd.tools import bundled
 

@@ -11,12 +11,12 @@ import enum
 import socket
 from pathlib import Path
 
-from csi_qsd.csi import unix_socket
+from csi_qsd import endpoint as unix_endpoint
 from csi_qsd.datapath import FuseThreads, LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME, NvmeAddress
 from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
-from csi_qsd.tls import PemFiles
+from csi_qsd.pem import PemFiles
 from csi_qsd.tools import bundled
 
 DEFAULT_DRIVER_NAME = "csi-qsd.io"
@@ -145,4 +145,4 @@ class Config:
     @property
     def socket_path(self) -> Path:
         """The UNIX socket path of the endpoint (only unix:// endpoints are served)."""
-        return unix_socket.socket_path(self.endpoint)
+        return unix_endpoint.socket_path(self.endpoint)

@@ -11,33 +11,15 @@ modification time moves. This module knows nothing of CSI.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from pathlib import Path
 
 import grpc
 
+from csi_qsd.pem import PemFiles
+
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(frozen=True)
-class PemFiles:
-    """A certificate, its private key, and the CA that peers' certificates must chain to."""
-
-    cert: Path
-    key: Path
-    ca: Path
-
-    def missing(self) -> list[Path]:
-        return [path for path in (self.cert, self.key, self.ca) if not path.is_file()]
-
-    def read(self) -> tuple[bytes, bytes, bytes]:
-        """(certificate chain, private key, CA bundle); raises OSError when one cannot be read."""
-        return self.cert.read_bytes(), self.key.read_bytes(), self.ca.read_bytes()
-
-    def stamp(self) -> tuple[int, ...]:
-        """Modification times (ns) of the three files, resolved: changes when kubelet swaps a Secret's files."""
-        return tuple(path.stat().st_mtime_ns for path in (self.cert, self.key, self.ca))
+__all__ = ["PemFiles", "channel_credentials", "server_credentials"]
 
 
 def _server_config(pem: tuple[bytes, bytes, bytes]) -> grpc.ServerCertificateConfiguration:

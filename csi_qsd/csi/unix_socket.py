@@ -5,18 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 
-PREFIX = "unix://"
-
-
-def socket_path(endpoint: str) -> Path:
-    """The UNIX socket path of `endpoint` (only unix:// endpoints are served). Raises ValueError."""
-    if not endpoint.startswith(PREFIX):
-        raise ValueError(f"endpoint {endpoint!r} must start with unix://")
-    return Path(endpoint[len(PREFIX):])
+from csi_qsd.endpoint import socket_path
 
 
 @contextlib.asynccontextmanager

@@ -6,8 +6,8 @@ import dataclasses
 import re
 
 from csi_qsd.config import DEFAULT_DRIVER_NAME
-from csi_qsd.csi import unix_socket
-from csi_qsd.tls import PemFiles
+from csi_qsd import endpoint as unix_endpoint
+from csi_qsd.pem import PemFiles
 
 DEFAULT_SERVER_NAME = "csi-qsd-node"
 # A node name as Kubernetes allows it (DNS subdomain), and host:port or [v6]:port.
@@ -53,7 +53,7 @@ class RouterConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        unix_socket.socket_path(self.endpoint)
+        unix_endpoint.socket_path(self.endpoint)
         if bool(self.nodes) == bool(self.nodes_dns):
             raise ValueError("give the node plugins either as --node NAME=HOST:PORT (repeatable) or as --nodes-dns")
         if self.nodes_dns:
