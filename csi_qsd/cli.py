@@ -23,10 +23,12 @@ from google.protobuf import json_format
 from csi_qsd import __version__
 from csi_qsd.config import (
     DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config, DevicePoolSpec, QSDMode,
+    parse_remote_pool,
 )
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.datapath import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
 from csi_qsd.errors import DriverError
+from csi_qsd.pools.remote_spec import RemotePoolSpec
 from csi_qsd.qsd import iothreads
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
 from csi_qsd.pem import PemFiles
@@ -96,6 +98,13 @@ def _device_pool(text: str) -> DevicePoolSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _remote_pool(text: str) -> RemotePoolSpec:
+    try:
+        return parse_remote_pool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _env_list(parser: argparse.ArgumentParser, flag: str, parse: Callable[[str], T]) -> list[T]:
     """A repeatable flag's values from its variable (space-separated); a bad one is a usage error naming it."""
     name = env_name(flag)
@@ -148,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "itself (VM volumes only); ',force' takes a device "
                             f"holding a partition table or filesystem (repeatable; env {env_name('--device-pool')}, "
                             "space-separated)")
+    serve.add_argument("--remote-pool", action="append", type=_remote_pool,
+                       metavar="NAME=URL[,secret=DIR][,tls=DIR][,on-error=wait|fail][,force]",
+                       default=_env_list(serve, "--remote-pool", _remote_pool),
+                       help="a remote target carved into volumes like a device pool, reached by QSD's own "
+                            "drivers: iscsi://HOST[:PORT]/IQN/LUN (secret=DIR holds CHAP 'username' and "
+                            "'password'), nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH (tls=DIR: "
+                            "ca-cert.pem, client-cert.pem, client-key.pem); on-error: I/O waits for a target that "
+                            "went away, or fails after a few seconds (repeatable; env "
+                            f"{env_name('--remote-pool')}, space-separated)")
     _option(serve, "--qmp-timeout", "10", "seconds QSD may take to answer a QMP command; a QSD that stays "
             "silent longer is treated as dead: logged, killed and replaced", type=_seconds)
 
@@ -277,6 +295,7 @@ def config_from(args: argparse.Namespace) -> Config:
         poll_max_ns=args.poll_max_ns,
         failpoints=os.environ.get(env_name("--failpoints"), ""),
         device_pools=tuple(getattr(args, "device_pool", None) or ()),
+        remote_pools=tuple(getattr(args, "remote_pool", None) or ()),
         metadata_address=getattr(args, "metadata_address", ""),
         metadata_tls=_pem_files(getattr(args, "metadata_cert", ""), getattr(args, "metadata_key", ""),
                                 getattr(args, "metadata_client_ca", "")),

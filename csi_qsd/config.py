@@ -15,6 +15,7 @@ from csi_qsd import endpoint as unix_endpoint
 from csi_qsd.datapath import FuseThreads, LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME, NvmeAddress
+from csi_qsd.pools.remote_spec import RemotePoolSpec
 from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
 from csi_qsd.pem import PemFiles
 from csi_qsd.tools import bundled
@@ -80,6 +81,11 @@ class DevicePoolSpec:
         return cls(name, Path(path), option == "force")
 
 
+def parse_remote_pool(text: str) -> RemotePoolSpec:
+    """`--remote-pool NAME=URL[,...]` (`csi_qsd.pools.remote_spec`); raises ValueError naming the flag."""
+    return RemotePoolSpec.parse(text, POOL_NAME_RE, DEFAULT_POOL_NAME)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything one driver needs to know, resolved to absolute paths."""
@@ -105,6 +111,8 @@ class Config:
     poll_max_ns: int | None = None
     fuse_threads: FuseThreads = FuseThreads.AUTO
     device_pools: tuple[DevicePoolSpec, ...] = ()
+    # Device pools on remote targets through QEMU's own drivers (iSCSI, NBD): `csi_qsd.pools.remote`.
+    remote_pools: tuple[RemotePoolSpec, ...] = ()
     # The mutual-TLS listener for the snapshot-metadata router (host:port; empty: off).
     metadata_address: str = ""
     metadata_tls: PemFiles | None = None
@@ -117,9 +125,9 @@ class Config:
         check_iothreads(self.iothreads, node_cores())
         if self.poll_max_ns is not None and self.poll_max_ns not in POLL_MAX_NS_RANGE:
             raise ValueError(f"poll-max-ns {self.poll_max_ns}: must be 0..{POLL_MAX_NS_RANGE.stop - 1}")
-        names = [spec.name for spec in self.device_pools]
+        names = [spec.name for spec in self.device_pools] + [spec.name for spec in self.remote_pools]
         if len(set(names)) != len(names):
-            raise ValueError(f"device pool names must be unique: {names}")
+            raise ValueError(f"device and remote pool names must be unique: {names}")
         if self.metadata_address and self.metadata_tls is None:
             raise ValueError("--metadata-address needs --metadata-cert, --metadata-key and --metadata-client-ca")
         if not self.endpoint:

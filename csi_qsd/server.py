@@ -93,7 +93,8 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         locks = KeyedLocks("volume")
         failpoints = Failpoints.parse(config.failpoints)
         device_pools = {
-            p.id: p for p in await open_device_pools(config.device_pools, catalog, config.state_dir, failpoints)}
+            p.id: p for p in await open_device_pools(config.device_pools, catalog, config.state_dir, failpoints,
+                                                     remote=config.remote_pools)}
         volumes = Volumes(catalog, pool, locks, failpoints, pools=device_pools)
         await volumes.reconcile()
         daemon = QSDDaemon(config)

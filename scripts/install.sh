@@ -12,6 +12,7 @@ PACKAGES=(
   qemu-system-common qemu-utils qemu-system-x86
   fuse3 e2fsprogs xfsprogs util-linux mount
   fio curl ca-certificates mmdebstrap podman buildah
+  tgt
 )
 
 missing=()

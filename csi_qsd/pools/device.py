@@ -225,7 +225,7 @@ class DevicePool(Pool):
         if found and not self.spec.force:
             raise StartupError(
                 f"device {where} holds data ({found}); csi-qsd will not overwrite it. "
-                f"Wipe it, or configure --device-pool {self.id}={self.spec.source},force"
+                f"Wipe it, or configure {self.configured_as()},force"
             )
         layout = Layout(size, extents.alignment_for(optimal_io_size))
         if layout.data_size <= 0:
@@ -239,6 +239,10 @@ class DevicePool(Pool):
         return label
 
     # the device as this way in reaches it: the host's block device (the NVMe way in overrides these)
+
+    def configured_as(self) -> str:
+        """The flag that configures this pool, for messages that tell an admin what to change."""
+        return f"--device-pool {self.id}={self.spec.source}"
 
     def describe(self) -> str:
         """The device for messages: its configured name and what it is now."""
@@ -441,7 +445,7 @@ class DevicePool(Pool):
         return ExtentOnDevice(self._host, extent.start, extent.length)
 
     async def check(self, image: Path, *, in_use: bool) -> str:
-        gone = await asyncio.to_thread(self.device_problem)
+        gone = await self.problem()
         if gone:
             return gone
         if self.extent_of(self._volume_of(image)) is None:
@@ -471,6 +475,10 @@ class DevicePool(Pool):
             if row.volume_id == volume_id and row.state is ExtentState.USED:
                 return Extent(row.start, row.length)
         return None
+
+    async def problem(self) -> str:
+        """Why the device is unusable now ('' if nothing is known to be wrong), bounded and without I/O on it."""
+        return await asyncio.to_thread(self.device_problem)
 
     def device_problem(self) -> str:
         """Why the device is unusable now, from udev and the stable path alone (no I/O on the device)."""

@@ -1,4 +1,5 @@
-"""Open the configured device pools, each by its way in: the host's block device or QSD's NVMe driver."""
+"""Open the configured device pools, each by its way in: the host's block device, QSD's NVMe driver, or a
+remote target through QSD's iSCSI or NBD driver."""
 
 from __future__ import annotations
 
@@ -10,15 +11,19 @@ from csi_qsd.errors import StartupError
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.nvme import NvmeDevicePool
+from csi_qsd.pools.remote import RemotePool
+from csi_qsd.pools.remote_spec import RemotePoolSpec
 
 
 async def open_device_pools(
     specs: tuple[DevicePoolSpec, ...], catalog: Catalog, state_dir: Path, failpoints: Failpoints = NO_FAILPOINTS,
+    remote: tuple[RemotePoolSpec, ...] = (),
 ) -> list[DevicePool]:
-    """Open every configured device pool, by its way in; two pools on one device are refused."""
+    """Open every configured device and remote pool, by its way in; two pools on one device are refused."""
     pools: list[DevicePool] = []
-    for spec in specs:
-        pool = (DevicePool(spec, catalog, failpoints) if spec.nvme is None
+    for spec in specs + remote:
+        pool = (RemotePool(spec, catalog, state_dir / "pools", failpoints) if isinstance(spec, RemotePoolSpec)
+                else DevicePool(spec, catalog, failpoints) if spec.nvme is None
                 else NvmeDevicePool(spec, catalog, state_dir / "pools", failpoints))
         await pool.open()
         clash = next((p for p in pools if p.same_device(pool)), None)

@@ -18,19 +18,17 @@ QSD, as `blkid -p` probes a block device).
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyudev
 
-from csi_qsd.errors import InvalidArgument, QSDError, StartupError
+from csi_qsd.errors import InvalidArgument
 from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ExportKind, VolumeParameters
 from csi_qsd.pools.nvme_address import NvmeAddress
-from csi_qsd.pools.device import DevicePool, foreign_signatures, read_label, write_label
-from csi_qsd.qsd import device_io
-from csi_qsd.qsd.client import QSDClient
+from csi_qsd.pools.device import DevicePool
+from csi_qsd.pools.through_qsd import DevicePoolThroughQSD
 from csi_qsd.qsd.storage import NvmeNamespace
 
 if TYPE_CHECKING:
@@ -69,49 +67,21 @@ def base_node_name(pool: str) -> str:
     return f"d-{pool}"
 
 
-class NvmeDevicePool(DevicePool):
-    """A device pool whose device QSD drives itself: opened in two steps, `open` then `attach`.
-
-    `open` runs before QSD does: it checks what udev and sysfs say (a clear
-    start-up error for a missing device, a wrong driver, no IOMMU group)
-    and loads the pool's extents from the catalog. `attach` runs at the
-    start of every graph rebuild (a fresh or adopted QSD): it adds the
-    namespace's node if QSD lacks it and, the first time, reads the size
-    and label through QSD, refuses foreign data, and finishes scrubs.
-    Scrubs asked for before that wait in the catalog (SCRUBBING rows are
-    never handed out).
-    """
+class NvmeDevicePool(DevicePoolThroughQSD):
+    """A device pool whose device QSD drives itself over VFIO (see `DevicePoolThroughQSD` for the two steps)."""
 
     def __init__(self, spec: DevicePoolSpec, catalog: Catalog, view_dir: Path,
                  failpoints: Failpoints = NO_FAILPOINTS) -> None:
-        super().__init__(spec, catalog, failpoints)
         if spec.nvme is None:
             raise ValueError(f"device pool {spec.name} names no NVMe address")
+        super().__init__(spec, catalog, view_dir,
+                         NvmeNamespace(spec.nvme.pci, spec.nvme.namespace, base_node_name(spec.name)), failpoints)
         self.address = spec.nvme
-        self.namespace = NvmeNamespace(self.address.pci, self.address.namespace, base_node_name(spec.name))
-        self._host = self.namespace
-        self._view = view_dir / spec.name / "head"
-        self._client: QSDClient | None = None
 
-    async def open(self) -> None:
-        """Check the controller can be handed to QSD, and load the extents; no I/O. Raises StartupError."""
-        problem = await asyncio.to_thread(self.device_problem)
-        if problem:
-            raise StartupError(f"device pool {self.id} ({self.address}): {problem}")
-        self._rows = {row.start: row for row in await self._catalog.extents(self.id)}
-
-    async def attach(self, client: QSDClient) -> None:
-        if self.namespace.node_name not in await client.node_names():
-            try:
-                await client.blockdev_add(self.namespace.base_blockdev())
-            except QSDError as exc:
-                raise StartupError(f"device pool {self.id}: qemu-storage-daemon cannot open {self.address}: "
-                                   f"{exc}") from None
-        self._client = client
-        if self._layout is None:
-            await self._open_device(await device_io.node_size(client, self.namespace.node_name), 0)
-        else:
-            await self._scrub_pending()
+    @property
+    def namespace(self) -> NvmeNamespace:
+        assert isinstance(self.base, NvmeNamespace)
+        return self.base
 
     def check_parameters(self, params: VolumeParameters) -> None:
         super().check_parameters(params)
@@ -122,37 +92,8 @@ class NvmeDevicePool(DevicePool):
                 "one shared NVMe node conflicts with every other volume's (QEMU's resize permission)"
             )
 
-    # the device, through QSD ------------------------------------------------
-
     def describe(self) -> str:
         return str(self.address)
-
-    @property
-    def client(self) -> QSDClient:
-        if self._client is None:
-            raise RuntimeError(f"device pool {self.id} is not attached to qemu-storage-daemon yet")
-        return self._client
-
-    async def _read_label(self) -> dict[str, object] | None:
-        async with device_io.view(self.client, self.namespace.node_name, self._view) as head:
-            return await asyncio.to_thread(read_label, head)
-
-    async def _foreign_data(self) -> str:
-        # No O_EXCL test: bound to vfio-pci, no kernel driver can hold it, and QSD's VFIO container is exclusive.
-        async with device_io.view(self.client, self.namespace.node_name, self._view) as head:
-            return await foreign_signatures(head)
-
-    async def _zero(self, start: int, length: int) -> None:
-        await device_io.zero_range(self.client, self.namespace.node_name, start, length)
-
-    async def _write_label(self, label: dict[str, object]) -> None:
-        # Only when the pool takes the device, before any volume's window exists beside the writable view.
-        async with device_io.view(self.client, self.namespace.node_name, self._view, writable=True) as head:
-            await asyncio.to_thread(write_label, head, label)
-
-    async def _scrub_pending(self) -> None:
-        if self._client is not None:  # before QSD is up, SCRUBBING rows wait for `attach`
-            await super()._scrub_pending()
 
     def device_problem(self) -> str:
         return vfio_problem(self.address)

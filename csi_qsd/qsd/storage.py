@@ -5,7 +5,8 @@ module (with graph.py) knows the QMP that opens it. A new pool kind adds
 its class here: `ImageFile` for the file pool, `ExtentOnDevice` (a raw
 window, offset/size, on a whole device) for device pools, whose device is
 a `HostDevice` (a kernel block device, one node per volume) or an
-`NvmeNamespace` (QEMU's userspace NVMe driver over VFIO, one shared node).
+`NvmeNamespace` (QEMU's userspace NVMe driver over VFIO, one shared node)
+or a `RemoteDevice` (an iSCSI LUN or NBD export through QEMU's own drivers).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from csi_qsd.params import VolumeParameters
+from csi_qsd.pools.remote_spec import OnError, RemoteTarget, Scheme
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.graph import QMPArgs
 
@@ -99,7 +101,88 @@ class NvmeNamespace:
         return self.node_name
 
 
-WholeDevice = HostDevice | NvmeNamespace
+# How long a request waits for an NBD server that went away before it fails, with on-error=fail: well
+# inside the QMP timeout, since QSD 10.0 serves FUSE exports in its main loop, which waits with the request.
+FAIL_AFTER_SECONDS = 5
+# iSCSI has no such bound: QEMU's driver retries a command that timed out 8 times with a growing pause,
+# so with libiscsi's shortest timeout (1 s) a write to a target that had gone failed after 45 s (QEMU 11.1.3).
+ISCSI_TIMEOUT_SECONDS = 1
+# on-error=wait: an NBD client waits this long for its server to come back (QEMU's limit, about 136 years).
+WAIT_FOREVER_SECONDS = 2**32 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteDevice:
+    """A remote target opened by QEMU's own driver (libiscsi, or the NBD client), carved like a device pool.
+
+    Like `HostDevice`, each volume's window gets its own unnamed node (its
+    own iSCSI session or NBD connection: a shared node would make a
+    writable FUSE export's RESIZE permission conflict with its neighbours);
+    the pool's own named node (`base_blockdev`) serves its label, foreign
+    data probe and scrubs. Credentials reach QSD as objects that name
+    files (`objects`), never as values on the wire or in a log.
+    """
+
+    target: RemoteTarget
+    node_name: str
+    on_error: OnError = OnError.WAIT
+    user: str = ""
+    password_file: Path | None = None
+    tls_dir: Path | None = None
+    tls_name: str = ""
+
+    @property
+    def secret_id(self) -> str:
+        return f"{self.node_name}-pw"
+
+    @property
+    def tls_id(self) -> str:
+        return f"{self.node_name}-tls"
+
+    def objects(self) -> list[QMPArgs]:
+        """The `object-add` arguments QSD needs before any node of the pool: CHAP password, x509 credentials."""
+        found: list[QMPArgs] = []
+        if self.password_file is not None:
+            found.append({"qom-type": "secret", "id": self.secret_id, "file": str(self.password_file),
+                          "format": "raw"})
+        if self.tls_dir is not None:
+            found.append({"qom-type": "tls-creds-x509", "id": self.tls_id, "dir": str(self.tls_dir),
+                          "endpoint": "client", "verify-peer": True})
+        return found
+
+    def _options(self) -> QMPArgs:
+        target = self.target
+        fail = self.on_error is OnError.FAIL
+        if target.scheme is Scheme.ISCSI:
+            options: QMPArgs = {"driver": "iscsi", "transport": "tcp", "portal": f"{target.host}:{target.port}",
+                                "target": target.iqn, "lun": target.lun,
+                                "timeout": ISCSI_TIMEOUT_SECONDS if fail else 0}
+            if self.user:
+                options["user"] = self.user
+            if self.password_file is not None:
+                options["password-secret"] = self.secret_id
+        else:
+            server: QMPArgs = ({"type": "unix", "path": str(target.socket)} if target.scheme is Scheme.NBD_UNIX
+                               else {"type": "inet", "host": target.host, "port": str(target.port)})
+            options = {"driver": "nbd", "server": server, "export": target.export,
+                       "reconnect-delay": FAIL_AFTER_SECONDS if fail else WAIT_FOREVER_SECONDS}
+            if self.tls_dir is not None:
+                options["tls-creds"] = self.tls_id
+            if self.tls_name:
+                options["tls-hostname"] = self.tls_name
+        options.update({"cache": {"direct": True, "no-flush": False}, "discard": "unmap"})
+        return options
+
+    def base_blockdev(self) -> QMPArgs:
+        """`blockdev-add` of the pool's own node: its label, probe and scrubs go through it."""
+        return {**self._options(), "node-name": self.node_name}
+
+    def child(self, *, read_only: bool) -> QMPArgs:
+        """An unnamed node of the target for one volume's window: its own session or connection."""
+        return {**self._options(), "read-only": read_only}
+
+
+WholeDevice = HostDevice | NvmeNamespace | RemoteDevice
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,8 +63,8 @@ class StandInPool(NvmeDevicePool):
     def __init__(self, catalog: Catalog, view_dir: Path, device: FakeNVMe, force: bool = False) -> None:
         super().__init__(DevicePoolSpec.parse(f"fast=nvme://0000:01:00.0{',force' if force else ''}"),
                          catalog, view_dir)
-        self.namespace = LoopStandIn(device.node, self.namespace.node_name)  # type: ignore[assignment]
-        self._host = self.namespace
+        self.base = LoopStandIn(device.node, self.namespace.node_name)  # type: ignore[assignment]
+        self._host = self.base
 
     def device_problem(self) -> str:
         return ""
@@ -142,7 +142,8 @@ async def test_vm_volume_lifecycle_and_a_qsd_restart(
     box: Sandbox, nvme: FakeNVMe, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     """The driver serves the stand-in pool as it would a controller: attach before every rebuild."""
-    async def open_stand_in(specs: object, catalog: Catalog, state_dir: Path, failpoints: object) -> list[StandInPool]:
+    async def open_stand_in(specs: object, catalog: Catalog, state_dir: Path, failpoints: object,
+                            remote: object = ()) -> list[StandInPool]:
         pool = StandInPool(catalog, state_dir / "pools", nvme)
         await pool.open()
         return [pool]
@@ -173,7 +174,7 @@ async def test_vm_volume_lifecycle_and_a_qsd_restart(
         await wait_new_qsd(box, old)
         await until(lambda: driver.daemon.ready, "the new QSD rebuilt", 60)
         assert await attach.has_export(client, nodes.vhost_export)
-        assert pool.namespace.node_name in await client.node_names()  # attached again before the rebuild
+        assert pool.base.node_name in await client.node_names()  # attached again before the rebuild
         assert (target / "vhost-user-blk.sock").is_socket()
 
         # A second VM volume's window shares the node beside the first's live export.
