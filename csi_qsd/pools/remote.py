@@ -14,9 +14,9 @@ What must never happen, and how it is prevented:
   names the file, so it is not even on the QMP wire; only the user name is
   read here.
 * **A target that goes away wedges the node's QSD.** At start-up, and in
-  every volume check, the target is only connected to (TCP or UNIX socket)
-  within `REACH_TIMEOUT`, never logged into or read, so a check cannot
-  hang; QSD is asked to open a target only once it answered that way (QEMU's
+  every volume check, the target is only connected to (TCP or UNIX socket;
+  an NBD server's greeting read) within `REACH_TIMEOUT`, never logged into
+  or read from, so a check cannot hang; QSD is asked to open a target only once it answered that way (QEMU's
   iSCSI login runs in QSD's main loop and would stall its monitor for a
   black-holed address). While the target is away, I/O waits for it
   (`on-error=wait`) or fails after `FAIL_AFTER_SECONDS` (`on-error=fail`),
@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,20 @@ if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
 
 REACH_TIMEOUT = 2.0
+# The NBD handshake (newstyle, fixed): the server's greeting, and the client's goodbye before any option.
+NBD_GREETING = b"NBDMAGIC" + b"IHAVEOPT"
+NBD_FLAG_C_FIXED_NEWSTYLE = 1
+NBD_OPT_ABORT = 2
+
+
+async def nbd_greets(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """True if the peer greets as an NBD server (then told goodbye). Raises IncompleteReadError, OSError."""
+    greeting = await reader.readexactly(len(NBD_GREETING) + 2)  # + the server's 16-bit handshake flags
+    if not greeting.startswith(NBD_GREETING):
+        return False
+    writer.write(struct.pack(">I", NBD_FLAG_C_FIXED_NEWSTYLE) + b"IHAVEOPT" + struct.pack(">II", NBD_OPT_ABORT, 0))
+    await writer.drain()
+    return True
 
 
 def read_credentials(spec: RemotePoolSpec) -> tuple[str, Path | None]:
@@ -98,21 +113,33 @@ class RemotePool(DevicePoolThroughQSD):
         return str(self.remote.target)
 
     async def problem(self) -> str:
-        """Whether the target accepts a connection within REACH_TIMEOUT: no login, no I/O, bounded."""
+        """Whether the target answers within REACH_TIMEOUT: no login, no I/O on the device, bounded.
+
+        iSCSI: it accepts a connection. NBD: its server also sends its
+        greeting, and is told goodbye (NBD_OPT_ABORT): a listening socket
+        alone proves nothing, as one outlived a SIGKILLed QSD 11.1.3 (its
+        io_uring held it) and took connections nobody would serve.
+        """
         target = self.remote.target
         try:
-            if target.scheme is Scheme.NBD_UNIX:
-                opening = asyncio.open_unix_connection(str(target.socket))
-            else:
-                opening = asyncio.open_connection(target.host, target.port)
-            _, writer = await asyncio.wait_for(opening, REACH_TIMEOUT)
-        except asyncio.TimeoutError:
-            return f"target {target} of pool {self.id} does not answer (no connection within {REACH_TIMEOUT:g}s)"
+            async with asyncio.timeout(REACH_TIMEOUT):
+                if target.scheme is Scheme.NBD_UNIX:
+                    reader, writer = await asyncio.open_unix_connection(str(target.socket))
+                else:
+                    reader, writer = await asyncio.open_connection(target.host, target.port)
+                try:
+                    if target.scheme is not Scheme.ISCSI and not await nbd_greets(reader, writer):
+                        return f"target {target} of pool {self.id} does not answer as an NBD server"
+                finally:
+                    writer.close()
+                    with contextlib.suppress(OSError):
+                        await writer.wait_closed()
+        except TimeoutError:
+            return f"target {target} of pool {self.id} does not answer (nothing within {REACH_TIMEOUT:g}s)"
         except OSError as exc:
             return f"target {target} of pool {self.id} is unreachable: {exc.strerror or exc}"
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+        except asyncio.IncompleteReadError:
+            return f"target {target} of pool {self.id} is unreachable: it closed the connection"
         return ""
 
     def device_problem(self) -> str:
