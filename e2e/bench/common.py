@@ -180,13 +180,6 @@ def sh(*argv: str) -> str:
     return done.stdout
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 # --- cleanup shared by the benchmarks that serve the driver ---------------------------
 

@@ -40,8 +40,9 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.sys import loop, mounts
+from csi_qsd.sys.durable import fsync_path
 from e2e.bench.common import (
-    GIB, KIB, fsync_path, log_problems, ms, open_fds, ratio, retrying, run_to_end, sh, status_field_kib,
+    GIB, KIB, log_problems, ms, open_fds, ratio, retrying, run_to_end, sh, status_field_kib,
     stop_driver_and_qsd, Summary, table, timed,
 )
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox

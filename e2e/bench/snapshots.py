@@ -57,8 +57,9 @@ import grpc
 
 from csi_qsd.csi_client import CSIClient
 from csi_qsd.snapshots import MAX_CHAIN_DEPTH
+from csi_qsd.sys.durable import fsync_path
 from e2e.bench.common import (
-    GIB, MIB, fsync_path, log_problems, ms, retrying, run_to_end, sh, stop_driver_and_qsd, Summary, table, timed,
+    GIB, MIB, log_problems, ms, retrying, run_to_end, sh, stop_driver_and_qsd, Summary, table, timed,
 )
 from tests.harness import DriverProcess, Sandbox, sandbox
 

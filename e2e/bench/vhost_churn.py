@@ -35,7 +35,7 @@ from csi_qsd import datapath
 from csi_qsd.tools import bundled
 from e2e.bench.common import table
 from tests.harness import in_process_driver, qsd_pid, sandbox
-from tests.integration.test_vhost_churn import CONNECTIONS, VM, come_and_go
+from tests.integration.test_vhost_churn import CONNECTIONS, VM, come_and_go, graph_round
 
 MIB = 1 << 20
 PLACEMENTS = ("main", "one", "pool")
@@ -75,13 +75,7 @@ async def one_run(qsd: str, placement: str, tally: Tally) -> None:
             i = 0
             try:
                 while count[0] < CONNECTIONS and asyncio.get_running_loop().time() < deadline:
-                    other = (await csi.create_volume(f"pvc-other-{i}", 32 * MIB, VM)).volume_id
-                    other_staging = box.staging(f"other-{i}")
-                    await csi.stage(other, str(other_staging))
-                    snapshot = await csi.create_snapshot(f"snap-other-{i}", other)
-                    await csi.delete_snapshot(snapshot.snapshot_id)
-                    await csi.unstage(other, str(other_staging))
-                    await csi.delete_volume(other)
+                    await graph_round(csi, box, i)
                     i += 1
             except grpc.aio.AioRpcError as exc:
                 tally.failed += 1

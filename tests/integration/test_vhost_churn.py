@@ -45,6 +45,17 @@ async def come_and_go(socket: str, stop: asyncio.Event, count: list[int]) -> Non
         await asyncio.sleep(0.005)
 
 
+async def graph_round(csi: CSIClient, box: Sandbox, i: int) -> None:
+    """Another VM volume made, staged, snapshotted and taken away again: block nodes added and removed."""
+    other = (await csi.create_volume(f"pvc-other-{i}", 32 * MIB, VM)).volume_id
+    other_staging = box.staging(f"other-{i}")
+    await csi.stage(other, str(other_staging))
+    snapshot = await csi.create_snapshot(f"snap-other-{i}", other)
+    await csi.delete_snapshot(snapshot.snapshot_id)
+    await csi.unstage(other, str(other_staging))
+    await csi.delete_volume(other)
+
+
 @pytest.fixture(params=["default", "11"])
 async def churn_driver(request: pytest.FixtureRequest, box: Sandbox) -> AsyncIterator[tuple[Driver, CSIClient]]:
     overrides: dict[str, object] = {}
@@ -74,13 +85,7 @@ async def test_vm_clients_come_and_go_while_other_volumes_change(
     try:
         # Each stage, snapshot and unstage adds or removes block nodes: graph changes.
         while i < ROUNDS_MIN or (count[0] < CONNECTIONS and asyncio.get_running_loop().time() < deadline):
-            other = (await csi.create_volume(f"pvc-other-{i}", 32 * MIB, VM)).volume_id
-            other_staging = box.staging(f"other-{i}")
-            await csi.stage(other, str(other_staging))
-            snapshot = await csi.create_snapshot(f"snap-other-{i}", other)
-            await csi.delete_snapshot(snapshot.snapshot_id)
-            await csi.unstage(other, str(other_staging))
-            await csi.delete_volume(other)
+            await graph_round(csi, box, i)
             i += 1
     finally:
         stop.set()
