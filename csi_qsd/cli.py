@@ -22,18 +22,19 @@ from google.protobuf import json_format
 
 from csi_qsd import __version__
 from csi_qsd.config import (
-    DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config, DevicePoolSpec, QSDMode,
-    parse_remote_pool,
+    DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config, parse_remote_pool,
 )
-from csi_qsd.csi_client import CSIClient
-from csi_qsd.datapath import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
+from csi_qsd.pools.spec import DevicePoolSpec
+from csi_qsd.qsd.settings import QSDMode
+from csi_qsd.csi.client import CSIClient
+from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
 from csi_qsd.errors import DriverError
-from csi_qsd.pools.remote_spec import RemotePoolSpec
+from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.qsd import iothreads
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
-from csi_qsd.pem import PemFiles
+from csi_qsd.sys.pem import PemFiles
 from csi_qsd.sys.signals import stop_event
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 
 ENV_PREFIX = "CSI_QSD_"
 
@@ -387,19 +388,19 @@ async def _client(args: argparse.Namespace) -> int:
             print(json.dumps({"name": info.name, "version": info.vendor_version,
                               "ready": await client.probe(), "available_bytes": await client.capacity()}))
         elif action == "nbd-export":
-            from csi_qsd import snapshot_nbd
+            from csi_qsd.backup import snapshot_nbd
 
             return await snapshot_nbd.serve(Config(state_dir=Path(args.state_dir)).catalog_path, args.snapshot_id,
                                             Path(args.socket), qemu_img=args.qemu_img, qemu_nbd=args.qemu_nbd)
         elif action in ("backup", "restore"):
-            from csi_qsd import backup
+            from csi_qsd.backup import incremental
 
             if action == "backup":
-                report = await backup.backup_snapshot(
+                report = await incremental.backup_snapshot(
                     client, Config(state_dir=Path(args.state_dir)).catalog_path, args.snapshot_id, Path(args.output),
                     since=args.since, qemu_img=args.qemu_img, qemu_nbd=args.qemu_nbd)
             else:
-                report = await backup.restore([Path(b) for b in args.backups], Path(args.output),
+                report = await incremental.restore([Path(b) for b in args.backups], Path(args.output),
                                               qemu_img=args.qemu_img, fmt=args.format)
             print(json.dumps(dataclasses.asdict(report)))
     return 0

@@ -7,18 +7,18 @@ variables, and passed down explicitly: no module reads the environment.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import socket
 from pathlib import Path
 
-from csi_qsd import endpoint as unix_endpoint
-from csi_qsd.datapath import FuseThreads, LoopIO
+from csi_qsd.sys import endpoint as unix_endpoint
+from csi_qsd.qsd.features import FuseThreads, LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
-from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME, NvmeAddress
-from csi_qsd.pools.remote_spec import RemotePoolSpec
+from csi_qsd.pools.spec import DevicePoolSpec
+from csi_qsd.qsd.remote_spec import RemotePoolSpec
+from csi_qsd.qsd.settings import QSDMode
 from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
-from csi_qsd.pem import PemFiles
-from csi_qsd.tools import bundled
+from csi_qsd.sys.pem import PemFiles
+from csi_qsd.sys.tools import bundled
 
 DEFAULT_DRIVER_NAME = "csi-qsd.io"
 DEFAULT_STATE_DIR = Path("/var/lib/csi-qsd")
@@ -30,59 +30,9 @@ TOPOLOGY_KEY_VHOST_USER = "topology.csi-qsd.io/vhost-user-blk"
 POLL_MAX_NS_RANGE = range(0, 1_000_001)
 
 
-class QSDMode(enum.Enum):
-    """Who starts qemu-storage-daemon: this process, or a sibling container."""
-
-    MANAGED = "managed"
-    EXTERNAL = "external"
-
-
-@dataclasses.dataclass(frozen=True)
-class DevicePoolSpec:
-    """`--device-pool NAME=PATH[,force]` or `NAME=nvme://PCI[/NAMESPACE][,force]`: a whole device carved into volumes.
-
-    PATH should be a stable name (/dev/disk/by-id/…) so a reboot that
-    renumbers devices cannot point the pool at another disk. An `nvme://`
-    address names a PCI NVMe controller bound to vfio-pci that QSD drives
-    itself (`nvme`, then `path` is unused). `force` lets the driver take a
-    device that holds a partition table or filesystem.
-    """
-
-    name: str
-    path: Path
-    force: bool = False
-    nvme: NvmeAddress | None = None
-
-    @property
-    def source(self) -> str:
-        """The device as configured: a path or an nvme:// address."""
-        return str(self.nvme) if self.nvme is not None else str(self.path)
-
-    @classmethod
-    def parse(cls, text: str) -> "DevicePoolSpec":
-        """Parse NAME=PATH[,force] or NAME=nvme://PCI[/NAMESPACE][,force]; raises ValueError naming what is wrong."""
-        name, eq, rest = text.partition("=")
-        path, _, option = rest.partition(",")
-        if not eq or not path:
-            raise ValueError(f"--device-pool {text!r}: expected NAME=PATH[,force] or NAME=nvme://PCI[/NS][,force]")
-        if not POOL_NAME_RE.match(name) or name == DEFAULT_POOL_NAME:
-            raise ValueError(f"--device-pool {text!r}: pool name must match {POOL_NAME_RE.pattern} "
-                             f"and not be {DEFAULT_POOL_NAME!r} (the file pool)")
-        if option not in ("", "force"):
-            raise ValueError(f"--device-pool {text!r}: unknown option {option!r} (only 'force')")
-        if path.startswith(NVME_SCHEME):
-            try:
-                address = NvmeAddress.parse(path)
-            except ValueError as exc:
-                raise ValueError(f"--device-pool {text!r}: {exc}") from None
-            return cls(name, Path("/dev/vfio"), option == "force", address)
-        if not path.startswith("/"):
-            raise ValueError(f"--device-pool {text!r}: the device path must be absolute")
-        return cls(name, Path(path), option == "force")
-
 
 def parse_remote_pool(text: str) -> RemotePoolSpec:
-    """`--remote-pool NAME=URL[,...]` (`csi_qsd.pools.remote_spec`); raises ValueError naming the flag."""
+    """`--remote-pool NAME=URL[,...]` (`csi_qsd.qsd.remote_spec`); raises ValueError naming the flag."""
     return RemotePoolSpec.parse(text, POOL_NAME_RE, DEFAULT_POOL_NAME)
 
 

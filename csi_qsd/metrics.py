@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from csi_qsd import datapath
+from csi_qsd.qsd import features
 from csi_qsd.exports import fuse_loop
 from csi_qsd.catalog import StageRecord, StageState, VolumeRecord, VolumeState
 from csi_qsd.config import Config
@@ -243,7 +243,7 @@ class DriverCollector(Collector):
             "1, labelled with QSD's version and the loop-device I/O mode new container volumes get "
             "(direct where QSD's FUSE export keeps parallel writes intact, else buffered)",
             labels=["qsd_version", "loop_io", "setting"])
-        data_path.add_metric([".".join(map(str, daemon.version)), datapath.describe(daemon.loop_direct_io),
+        data_path.add_metric([".".join(map(str, daemon.version)), features.describe(daemon.loop_direct_io),
                               self._driver.config.loop_io.value], 1)
         yield data_path
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from csi_qsd.granularity import DEFAULT as DEFAULT_GRANULARITY, parse as parse_granularity
+from csi_qsd.qcow2.granularity import DEFAULT as DEFAULT_GRANULARITY, parse as parse_granularity
 from csi_qsd.errors import InvalidArgument
 
 PROVISIONER_PREFIX = "csi.storage.k8s.io/"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd import datapath
+from csi_qsd.qsd import features
 from csi_qsd.csi import unix_socket
 from csi_qsd.catalog import Catalog
-from csi_qsd.changed_blocks import ChangedBlocks
+from csi_qsd.controller.changed_blocks import ChangedBlocks
 from csi_qsd.config import Config
 from csi_qsd.csi.controller import ControllerService
 from csi_qsd.csi.errors import RpcObservers
@@ -29,20 +29,20 @@ from csi_qsd.csi.snapshot_metadata import SnapshotMetadataService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.failpoints import Failpoints
-from csi_qsd.health import HealthView
-from csi_qsd.limits import VolumeLimits
-from csi_qsd.live import LiveImages
-from csi_qsd.locks import KeyedLocks
-from csi_qsd.metadata_listener import serving_metadata_listener
+from csi_qsd.sys.failpoints import Failpoints
+from csi_qsd.node.condition import HealthView
+from csi_qsd.node.qos import VolumeLimits
+from csi_qsd.controller.live import LiveImages
+from csi_qsd.sys.locks import KeyedLocks
+from csi_qsd.csi.metadata_listener import serving_metadata_listener
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.device_pools import open_device_pools
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import QSDDaemon, Rebuild
-from csi_qsd.snapshots import Snapshots
-from csi_qsd.staging import NodeVolumes
-from csi_qsd.volumes import Volumes
+from csi_qsd.controller.snapshots import Snapshots
+from csi_qsd.node.staging import NodeVolumes
+from csi_qsd.controller.volumes import Volumes
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
     async with running_driver(config) as driver:
         server = grpc.aio.server()
         identity = IdentityService(
-            config.driver_name, driver.ready, lambda: datapath.live_resize_reaches_guest(driver.daemon.version),
+            config.driver_name, driver.ready, lambda: features.live_resize_reaches_guest(driver.daemon.version),
             observers)
         controller = ControllerService(config, driver.volumes, driver.snapshots, driver.health, driver.limits, observers)
         metadata = SnapshotMetadataService(driver.changed_blocks, observers)

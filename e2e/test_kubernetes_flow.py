@@ -53,7 +53,7 @@ import kubernetes_validate
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.guest import (
     GuestImage,

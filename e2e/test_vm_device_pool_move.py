@@ -1,7 +1,7 @@
 """A VM's disk on a device pool moves to another extent under a running guest that keeps writing.
 
 The move is the one NodeExpandVolume makes when a neighbour holds the space
-after a disk (`csi_qsd.moves`): blockdev-mirror in write-blocking mode under
+after a disk (`csi_qsd.node.moves`): blockdev-mirror in write-blocking mode under
 the vhost-user-blk export, committed once actively synced, then switched.
 NodeExpandVolume refuses a published VM disk on a device pool (QEMU cannot
 tell a running guest that a fixed window grew), so the test calls the move
@@ -13,7 +13,7 @@ at the new extent; the old extent is zeroed and free.
 
 from __future__ import annotations
 
-from csi_qsd import moves
+from csi_qsd.node import moves
 from csi_qsd.catalog import Catalog
 from e2e.conftest import e2e_marks
 from e2e.guest import (

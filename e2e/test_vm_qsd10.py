@@ -52,9 +52,9 @@ from typing import Any, cast
 import pytest
 from qemu.qmp import EventListener
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from e2e.conftest import e2e_marks
 from e2e.guest import (
     BLOCK_SIZE,

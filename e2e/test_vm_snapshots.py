@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from e2e.guest import (
     BLOCK_SIZE,
     GuestImage,

@@ -45,7 +45,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.guest import (
     BLOCK_SIZE,

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import TypeVar, overload
 
 from csi_qsd.config import Config
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.qsd.daemon import running_pid
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys import loop, mounts
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 
 T = TypeVar("T")
 POLL_INTERVAL = 0.05

@@ -14,7 +14,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from tests.certs import Authority
 from tests.harness import free_port, terminate, until
 

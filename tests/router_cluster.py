@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.csi_client import CSIClient
-from csi_qsd.tls import PemFiles
+from csi_qsd.csi.client import CSIClient
+from csi_qsd.csi.tls import PemFiles
 from tests.certs import Pki
 from tests.harness import DriverProcess, Sandbox, free_port, sandbox, terminate, until
 

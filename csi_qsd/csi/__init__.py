@@ -1,5 +1,9 @@
 """The thin gRPC layer: validate a request, call the domain, build the response.
 
-gRPC message types never leave this package; domain errors are mapped to
-status codes in exactly one place, `errors.rpc`.
+gRPC message types never leave this package (with `csi_pb`, the generated
+messages); domain errors are mapped to status codes in exactly one place,
+`errors.rpc`. `client` is the same protocol from the caller's side, for
+people and tools; `tls` and `metadata_listener` serve the router.
+
+May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports, controller, node, config.
 """

@@ -11,7 +11,7 @@ from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
-from csi_qsd.snapshots import Group, Snapshots
+from csi_qsd.controller.snapshots import Group, Snapshots
 
 _RPC = pb.GroupControllerServiceCapability.RPC.Type
 

@@ -10,15 +10,15 @@ qcow2 cluster or subcluster) except where `starting_offset` cuts the first.
 `starting_offset` resumes a stream mid-volume; `max_results` bounds the
 ranges per message (0: the plugin's choice, DEFAULT_MAX_RESULTS). Every
 stream carries at least one message, so the caller always learns
-`volume_capacity_bytes`. The work is in `csi_qsd.changed_blocks`.
+`volume_capacity_bytes`. The work is in `csi_qsd.controller.changed_blocks`.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from csi_qsd import extents
-from csi_qsd.changed_blocks import BlockMap, ChangedBlocks
+from csi_qsd.qcow2 import extents
+from csi_qsd.controller.changed_blocks import BlockMap, ChangedBlocks
 from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc

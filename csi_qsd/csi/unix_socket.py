@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from csi_qsd.endpoint import socket_path
+from csi_qsd.sys.endpoint import socket_path
 
 
 @contextlib.asynccontextmanager

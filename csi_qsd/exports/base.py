@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from csi_qsd.catalog import PublishRecord, StageRecord, VolumeRecord
 from csi_qsd.errors import InvalidArgument
-from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ExportKind
 from csi_qsd.pools.base import Pool
 from csi_qsd.qsd import attach, move as qsd_move
@@ -150,7 +150,7 @@ class ExportPath(abc.ABC):
         """Let go of a hold (`quiesced`) that a crash may have left on; harmless when none is on."""
 
     def check_move(self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord]) -> None:
-        """Refuse a move to a new home (`csi_qsd.moves`) this kind cannot do now. Raises FailedPrecondition."""
+        """Refuse a move to a new home (`csi_qsd.node.moves`) this kind cannot do now. Raises FailedPrecondition."""
 
     async def move(
         self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage, new: attach.TopImage,
@@ -161,7 +161,7 @@ class ExportPath(abc.ABC):
         The default copies with backups while the volume is in use, then
         copies the rest and switches while `quiesced` holds the consumer
         still, and commits once QSD reads the new top. Raises Aborted if
-        writes went on while held still; what a failure leaves, `csi_qsd.moves`
+        writes went on while held still; what a failure leaves, `csi_qsd.node.moves`
         undoes.
         """
         client = self.host.client

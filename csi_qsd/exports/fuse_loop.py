@@ -1,7 +1,7 @@
 """Containers: QSD FUSE export → loop device → a filesystem (mounted, bind-mounted) or the raw device.
 
 The loop device is direct-I/O where QSD's FUSE export keeps parallel writes
-intact and buffered elsewhere (`csi_qsd.datapath`, decided by the daemon);
+intact and buffered elsewhere (`csi_qsd.qsd.features`, decided by the daemon);
 a volume keeps the mode it was staged with until its next stage. When QSD
 dies, its FUSE file answers ENOTCONN and every loop device and mount on it is
 dead: `bring_up` notices a fresh export and lazily drops them first.

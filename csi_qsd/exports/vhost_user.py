@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd import datapath
+from csi_qsd.qsd import features
 from csi_qsd.catalog import PublishRecord, PublishState, StageRecord, VolumeRecord
 from csi_qsd.errors import FailedPrecondition, Unavailable
 from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block
@@ -169,7 +169,7 @@ class VhostUserExport(ExportPath):
 
     def _live(self, volume: VolumeRecord) -> bool:
         """True if a resize under the export reaches a connected guest (block_resize on QSD >= 10)."""
-        return datapath.live_resize_reaches_guest(self.host.daemon.version) and not self._fixed(volume)
+        return features.live_resize_reaches_guest(self.host.daemon.version) and not self._fixed(volume)
 
     def _fixed(self, volume: VolumeRecord) -> bool:
         """True for a device pool's extent: a window of fixed size that only a reopen can grow."""

@@ -94,7 +94,7 @@ class Pool(abc.ABC):
         """A thin qcow2 over `backing`, O(1): snapshots, restores and clones.
 
         `granularity` is the volume's changed-block granularity: the overlay
-        allocates in units of it (`csi_qsd.granularity`), as every image of
+        allocates in units of it (`csi_qsd.qcow2.granularity`), as every image of
         the volume's chain does.
         """
 

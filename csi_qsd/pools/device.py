@@ -4,7 +4,7 @@ Each volume is a `raw` node with `offset`/`size` over a `host_device` node
 of the device, with direct I/O and native AIO
 (`csi_qsd.qsd.storage.ExtentOnDevice`): no filesystem and no image format
 between a guest and the flash. Where extents lie is recorded in the
-catalog's `extents` table; `extents.py` picks them.
+catalog's `extents` table; `regions.py` picks them.
 
 What must never happen, and how it is prevented:
 
@@ -26,7 +26,7 @@ What must never happen, and how it is prevented:
 * **Growth exposes stale bytes.** A volume grows in place, into the free
   space right after its extent, chosen and recorded in one catalog
   transaction (`grow`), or moves first to a free extent large enough
-  (`reserve_move`, `csi_qsd.moves`). Free space holds only zeroes (the two
+  (`reserve_move`, `csi_qsd.node.moves`). Free space holds only zeroes (the two
   points above), so the added range needs no scrub before the volume sees it.
 * **A move loses or leaks bytes.** The new extent is MOVING (kept from
   everyone, scrubbed if the move is undone) until it holds every
@@ -56,13 +56,13 @@ from pathlib import Path
 import pyudev
 
 from csi_qsd.catalog import Catalog, ExtentRecord, ExtentState
-from csi_qsd.config import DevicePoolSpec
+from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, StartupError
-from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
-from csi_qsd.pools import extents
+from csi_qsd.pools import regions
 from csi_qsd.pools.base import Pool, PoolUsage
-from csi_qsd.pools.extents import Extent, Layout
+from csi_qsd.pools.regions import Region, Layout
 from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice, WholeDevice
 from csi_qsd.sys.run import run
 
@@ -227,7 +227,7 @@ class DevicePool(Pool):
                 f"device {where} holds data ({found}); csi-qsd will not overwrite it. "
                 f"Wipe it, or configure {self.configured_as()},force"
             )
-        layout = Layout(size, extents.alignment_for(optimal_io_size))
+        layout = Layout(size, regions.alignment_for(optimal_io_size))
         if layout.data_size <= 0:
             raise StartupError(f"device {where} is too small for a device pool ({size} bytes)")
         log.warning("event=device_pool_initialise pool=%s device=%r foreign=%r forced=%s", self.id, where,
@@ -283,14 +283,14 @@ class DevicePool(Pool):
             raise RuntimeError(f"device pool {self.id} is not open")
         return self._device
 
-    def _taken(self) -> list[Extent]:
-        return [Extent(r.start, r.length) for r in self._rows.values()]
+    def _taken(self) -> list[Region]:
+        return [Region(r.start, r.length) for r in self._rows.values()]
 
     def usage(self) -> PoolUsage:
-        return PoolUsage(total=self.layout.data_size, available=extents.total_free(self.layout, self._taken()))
+        return PoolUsage(total=self.layout.data_size, available=regions.total_free(self.layout, self._taken()))
 
     def largest_volume(self) -> int:
-        return extents.largest_free(self.layout, self._taken())
+        return regions.largest_free(self.layout, self._taken())
 
     def image_path(self, volume_id: str, fmt: ImageFormat, generation: int = 0) -> Path:
         if generation:
@@ -332,7 +332,7 @@ class DevicePool(Pool):
         volume_id = self._volume_of(image)
         extent = self._own_extent(volume_id)
         layout = self.layout
-        length = extents.align_up(size, layout.alignment)
+        length = regions.align_up(size, layout.alignment)
         if length <= extent.length:
             return True
 
@@ -340,12 +340,12 @@ class DevicePool(Pool):
             own = [r for r in rows if r.start == extent.start]
             if len(own) != 1 or own[0].volume_id != volume_id or own[0].state is not ExtentState.USED:
                 return False
-            return extents.grows_in_place(layout, [Extent(r.start, r.length) for r in rows], extent, size)
+            return regions.grows_in_place(layout, [Region(r.start, r.length) for r in rows], extent, size)
 
         if not await self._catalog.resize_extent(self.id, extent.start, length, fits):
-            if extents.choose(layout, self._taken(), size) is not None:
+            if regions.choose(layout, self._taken(), size) is not None:
                 return False
-            limit = extents.grow_limit(layout, self._taken(), extent)
+            limit = regions.grow_limit(layout, self._taken(), extent)
             raise OutOfRange(
                 f"volume {volume_id} cannot grow to {size} bytes: the space after its extent in device pool "
                 f"{self.id} is taken or the device ends (it can grow to {limit} bytes where it is), and no free "
@@ -459,21 +459,21 @@ class DevicePool(Pool):
         layout = self.layout
 
         def choose(rows: list[ExtentRecord]) -> tuple[int, int] | None:
-            picked = extents.choose(layout, [Extent(r.start, r.length) for r in rows], size)
+            picked = regions.choose(layout, [Region(r.start, r.length) for r in rows], size)
             return (picked.start, picked.length) if picked is not None else None
 
         return choose
 
-    def _own_extent(self, volume_id: str) -> Extent:
+    def _own_extent(self, volume_id: str) -> Region:
         extent = self.extent_of(volume_id)
         if extent is None:
             raise FailedPrecondition(f"device pool {self.id} has no extent for volume {volume_id}")
         return extent
 
-    def extent_of(self, volume_id: str) -> Extent | None:
+    def extent_of(self, volume_id: str) -> Region | None:
         for row in self._rows.values():
             if row.volume_id == volume_id and row.state is ExtentState.USED:
-                return Extent(row.start, row.length)
+                return Region(row.start, row.length)
         return None
 
     async def problem(self) -> str:

@@ -13,12 +13,12 @@ import json
 import os
 from pathlib import Path
 
-from csi_qsd import image_bitmaps, layer_bitmaps
+from csi_qsd.qcow2 import image_bitmaps, layer_bitmaps
 from csi_qsd.catalog import DEFAULT_POOL
 from csi_qsd.errors import ResourceExhausted
-from csi_qsd.granularity import qcow2_options
+from csi_qsd.qcow2.granularity import qcow2_options
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
-from csi_qsd.pools import qcow2_image
+from csi_qsd.qcow2 import blank
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys import durable
@@ -68,8 +68,8 @@ class FilePool(Pool):
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
         if params.preallocation is Preallocation.OFF:
-            # The common case, made in-process: an empty image is a few tables (`qcow2_image`).
-            pieces = (qcow2_image.image_bytes(size, params.granularity, layer_bitmaps.OWN)
+            # The common case, made in-process: an empty image is a few tables (`csi_qsd.qcow2.blank`).
+            pieces = (blank.image_bytes(size, params.granularity, layer_bitmaps.OWN)
                       if params.format is ImageFormat.QCOW2 else [])
             await asyncio.to_thread(_write_durably, tmp, image, pieces, size)
             return
@@ -95,7 +95,7 @@ class FilePool(Pool):
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
-        pieces = qcow2_image.image_bytes(
+        pieces = blank.image_bytes(
             size, granularity, layer_bitmaps.OWN, backing=backing.name, backing_format=backing_format)
         await asyncio.to_thread(_write_durably, tmp, image, pieces, size)
 
@@ -139,7 +139,7 @@ class FilePool(Pool):
             return False
         try:
             if image.suffix == ".qcow2":
-                return qcow2_image.holds_nothing(fd, backing_allowed=backing_allowed)
+                return blank.holds_nothing(fd, backing_allowed=backing_allowed)
             os.lseek(fd, 0, os.SEEK_DATA)
             return False
         except OSError as exc:
@@ -202,7 +202,7 @@ def _write_durably(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         if pieces:
-            qcow2_image.write(fd, pieces)
+            blank.write(fd, pieces)
         else:
             os.ftruncate(fd, size)
         os.fsync(fd)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import pyudev
 
 from csi_qsd.errors import InvalidArgument
-from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ExportKind, VolumeParameters
 from csi_qsd.pools.nvme_address import NvmeAddress
 from csi_qsd.pools.device import DevicePool
@@ -33,7 +33,7 @@ from csi_qsd.qsd.storage import NvmeNamespace
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
-    from csi_qsd.config import DevicePoolSpec
+    from csi_qsd.pools.spec import DevicePoolSpec
 
 VFIO_DRIVER = "vfio-pci"
 

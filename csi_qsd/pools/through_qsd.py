@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from csi_qsd.errors import QSDError, StartupError
-from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.pools.device import DevicePool, foreign_signatures, read_label, write_label
 from csi_qsd.qsd import device_io
 from csi_qsd.qsd.client import QSDClient
@@ -28,7 +28,7 @@ from csi_qsd.qsd.storage import NvmeNamespace, RemoteDevice
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
-    from csi_qsd.config import DevicePoolSpec
+    from csi_qsd.pools.spec import DevicePoolSpec
 
 
 class DevicePoolThroughQSD(DevicePool):

@@ -16,7 +16,9 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from csi_qsd import datapath, layer_bitmaps
+from csi_qsd.qsd import features
+
+from csi_qsd.qcow2 import layer_bitmaps
 from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph, vhost_greeting
@@ -248,7 +250,7 @@ async def stream_into_backing(
     """Copy everything below the node that reads `backing_image` into it (block-stream); wait for the end.
 
     `layers`: the images below it, newest first; their changed-block
-    records are carried into it first (`csi_qsd.layer_bitmaps`), in one
+    records are carried into it first (`csi_qsd.qcow2.layer_bitmaps`), in one
     transaction. False if QSD does not have that image open. The caller
     picks an intermediate node on purpose: QSD 7.2's writable FUSE export
     holds the 'resize' permission that a stream into the top must deny.
@@ -257,7 +259,7 @@ async def stream_into_backing(
     base = _format_node_of(nodes, str(backing_image))
     if not base:
         return False
-    if datapath.bitmaps_carried_before_stream(await client.version()):
+    if features.bitmaps_carried_before_stream(await client.version()):
         await carry_bitmaps(client, base, nodes, bitmaps, layers or [])
         await client.stream(f"stream-{volume_id}", base)
         return True

@@ -29,8 +29,8 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd import datapath
-from csi_qsd.config import Config, QSDMode
+from csi_qsd.qsd import features
+from csi_qsd.qsd.settings import QSDMode, QSDSettings
 from csi_qsd.errors import QSDError
 from csi_qsd.qsd.client import NoAnswer, QSDClient, QSDNoAnswer
 from csi_qsd.qsd import iothreads
@@ -69,15 +69,15 @@ def ping_interval(qmp_timeout: float) -> float:
     return max(PING_MIN, min(qmp_timeout / 2, PING_MAX))
 
 
-def qmp_socket(config: Config) -> Path:
+def qmp_socket(config: QSDSettings) -> Path:
     return config.qsd_dir / "qmp.sock"
 
 
-def pidfile(config: Config) -> Path:
+def pidfile(config: QSDSettings) -> Path:
     return config.qsd_dir / "qsd.pid"
 
 
-def daemon_argv(config: Config, *, daemonize: bool) -> list[str]:
+def daemon_argv(config: QSDSettings, *, daemonize: bool) -> list[str]:
     """The QSD command line: QMP monitor, the pool of iothreads, a locked pidfile."""
     argv = [
         config.qsd_binary,
@@ -91,7 +91,7 @@ def daemon_argv(config: Config, *, daemonize: bool) -> list[str]:
     return argv
 
 
-def running_pid(config: Config) -> int | None:
+def running_pid(config: QSDSettings) -> int | None:
     """The PID of a live QSD named by our pidfile, or None (stale pidfiles are ignored).
 
     In external mode the pidfile holds the PID as QSD's container sees it; it
@@ -155,7 +155,7 @@ def thread_diagnostics(pid: int) -> list[ThreadDiagnostics]:
 class QSDDaemon:
     """The supervised QSD of one pool, the QMP session to it and its runstate."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: QSDSettings) -> None:
         self._config = config
         self._rebuild: Rebuild | None = None
         self._verifier: asyncio.Task[None] | None = None
@@ -284,11 +284,11 @@ class QSDDaemon:
             log.info("event=qsd_adopt pid=%s socket=%s", running_pid(self._config), qmp_socket(self._config))
         await self._connect()
         self.version = await self.client.version()
-        self.loop_direct_io = datapath.direct_io(self._config.loop_io, self.version)
-        self.iothreads.spread = datapath.vhost_exports_spread(self.version)
+        self.loop_direct_io = features.direct_io(self._config.loop_io, self.version)
+        self.iothreads.spread = features.vhost_exports_spread(self.version)
         await self._ensure_iothreads()
         log.info("event=qsd_version version=%s loop_io=%s setting=%s iothreads=%d vhost_exports_in=%s "
-                 "fuse_exports_in=%s", ".".join(map(str, self.version)), datapath.describe(self.loop_direct_io),
+                 "fuse_exports_in=%s", ".".join(map(str, self.version)), features.describe(self.loop_direct_io),
                  self._config.loop_io.value, len(self.iothreads.ids),
                  "iothreads" if self.vhost_iothreads() else "main_loop",
                  "iothreads" if self.fuse_iothreads() else "main_loop")
@@ -299,11 +299,11 @@ class QSDDaemon:
 
     def vhost_iothreads(self) -> iothreads.IOThreadPool | None:
         """The pool a new vhost-user-blk export is placed in, or None where this QSD must run it in its main loop."""
-        return self.iothreads if datapath.vhost_export_in_iothread(self.version) else None
+        return self.iothreads if features.vhost_export_in_iothread(self.version) else None
 
     def fuse_iothreads(self) -> list[str] | None:
         """The iothreads a new FUSE export is served by, or None for the main loop (QEMU < 11)."""
-        return datapath.fuse_iothreads(self.version, self.iothreads.ids, iothreads.node_cores(),
+        return features.fuse_iothreads(self.version, self.iothreads.ids, iothreads.node_cores(),
                                        self._config.fuse_threads)
 
     async def _ensure_iothreads(self) -> None:

@@ -4,7 +4,7 @@ A vhost-user-blk (or VDUSE, NBD) export runs in one iothread; only a FUSE
 export takes a list. So the many VM disks of a node can be spread over a pool
 of `--iothreads` threads (default: one per core the driver may run on), each
 new export in the thread that serves the fewest, where QSD is known to
-survive that (`csi_qsd.datapath.vhost_exports_spread`; else all in the
+survive that (`csi_qsd.qsd.features.vhost_exports_spread`; else all in the
 first), and a FUSE export on QEMU >= 11 gets the whole pool. The pool is `iothread0`..`iothreadN-1`: the first
 is the one iothread older drivers made, so an adopted QSD keeps its exports
 and gets the rest added live (`object-add`).
@@ -72,7 +72,7 @@ class IOThreadPool:
     def __init__(self, count: int, poll_max_ns: int | None = None, *, spread: bool = True) -> None:
         self.ids = pool_ids(count)
         self.poll_max_ns = poll_max_ns
-        self.spread = spread  # False: every export in the first thread (see csi_qsd.datapath)
+        self.spread = spread  # False: every export in the first thread (see csi_qsd.qsd.features)
         self._placed: dict[str, str] = {}
 
     def place(self, export_id: str, live: Iterable[str]) -> str:

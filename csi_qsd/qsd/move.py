@@ -1,4 +1,4 @@
-"""QSD's side of moving a volume to a new home while its exports stay up (`csi_qsd.moves` orders the steps).
+"""QSD's side of moving a volume to a new home while its exports stay up (`csi_qsd.node.moves` orders the steps).
 
 The old top (`old`: format node over the old window) and the new one
 (`new`: the next generation's nodes over the new window, at the same size)

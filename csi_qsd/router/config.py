@@ -6,8 +6,8 @@ import dataclasses
 import re
 
 from csi_qsd.config import DEFAULT_DRIVER_NAME
-from csi_qsd import endpoint as unix_endpoint
-from csi_qsd.pem import PemFiles
+from csi_qsd.sys import endpoint as unix_endpoint
+from csi_qsd.sys.pem import PemFiles
 
 DEFAULT_SERVER_NAME = "csi-qsd-node"
 # A node name as Kubernetes allows it (DNS subdomain), and host:port or [v6]:port.

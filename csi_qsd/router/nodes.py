@@ -23,7 +23,7 @@ import grpc
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.router.config import RouterConfig
-from csi_qsd.tls import channel_credentials
+from csi_qsd.csi.tls import channel_credentials
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Loop devices over export files: attach, find (through sysfs), detach.
 
-Direct or buffered I/O is the caller's choice (see `csi_qsd.datapath`): a
+Direct or buffered I/O is the caller's choice (see `csi_qsd.qsd.features`): a
 direct-I/O loop device over the FUSE export of a QSD older than 10.0.8
 corrupts parallel writes, so the mode is always passed explicitly.
 """

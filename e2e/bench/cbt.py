@@ -11,7 +11,7 @@ and snapshot S1 is cut. Then, in the same run:
     GetMetadataDelta(S0, S1)          the driver: qcow2 allocation maps of the layers between them
     block-by-block comparison         both snapshots read whole (qemu-nbd, 4 MiB requests) and
                                       compared per 4 KiB: the answer a tool without CBT computes
-    incremental backup                `csi_qsd.backup` of the delta: bytes read vs bytes changed
+    incremental backup                `csi_qsd.backup.incremental` of the delta: bytes read vs bytes changed
 
 The comparison must find no changed block the delta missed. At 64 KiB each
 scattered 4 KiB write allocates a whole cluster, so the delta and the
@@ -42,11 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from csi_qsd import backup, extents, imagemap
+from csi_qsd.backup import incremental
+
+from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.config import Config
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.catalog import Catalog
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from e2e.bench.common import GIB, KIB, MIB, stop_driver_and_qsd, table
 from tests.harness import DriverProcess, Sandbox, sandbox
 
@@ -101,13 +103,13 @@ async def compare_block_by_block(image0: Path, image1: Path, size: int, qemu_nbd
     changed: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="cbt-bench-") as work:
         async with (
-            backup.nbd_export(qemu_nbd, imagemap.qcow2_spec(image0, read_only=True), Path(work) / "a.sock",
+            incremental.nbd_export(qemu_nbd, imagemap.qcow2_spec(image0, read_only=True), Path(work) / "a.sock",
                               read_only=True) as a,
-            backup.nbd_export(qemu_nbd, imagemap.qcow2_spec(image1, read_only=True), Path(work) / "b.sock",
+            incremental.nbd_export(qemu_nbd, imagemap.qcow2_spec(image1, read_only=True), Path(work) / "b.sock",
                               read_only=True) as b,
         ):
-            for at in range(0, size, backup.CHUNK):
-                length = min(backup.CHUNK, size - at)
+            for at in range(0, size, incremental.CHUNK):
+                length = min(incremental.CHUNK, size - at)
                 old, new = await a.read(at, length), await b.read(at, length)
                 if old != new:
                     differing_blocks(at, old, new, changed)
@@ -153,7 +155,7 @@ async def measure(csi: CSIClient, box: Sandbox, size: int, granularity: int, off
 
     out = box.root / f"{name}.qcow2"
     started = time.monotonic()
-    report = await backup.backup(rec1.image, ranges, size, out, snapshot_id=s1, base_snapshot_id=s0,
+    report = await incremental.backup(rec1.image, ranges, size, out, snapshot_id=s1, base_snapshot_id=s0,
                                  qemu_img=bundled("qemu-img"), qemu_nbd=qemu_nbd)
     backup_seconds = time.monotonic() - started
     out.unlink()

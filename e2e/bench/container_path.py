@@ -48,9 +48,9 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys import filesystems
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from e2e.bench.common import GIB, MIB, Job, ThreadCPU, ratio, retrying, run_to_end, sh, stop_driver_and_qsd, table
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 

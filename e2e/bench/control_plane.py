@@ -38,7 +38,7 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys import loop, mounts
 from csi_qsd.sys.durable import fsync_path
 from e2e.bench.common import (

@@ -45,7 +45,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from e2e.bench.common import MIB, Job, ratio, table
 from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
 from tests.harness import DriverProcess, Sandbox, sandbox

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from e2e.bench.common import MIB, sh
 from tests.harness import DriverProcess, Sandbox, sandbox
 

@@ -8,7 +8,7 @@ serves it as device pool ``bench``; an xfs volume of ``--gib`` GiB holds a
 file filling most of it, a small volume right after it takes the space it
 would grow into, and NodeExpandVolume to 1.25 times the size makes it move
 (backups under the FUSE export, the last copy with the filesystem frozen,
-`csi_qsd.moves`) and then grow. Meanwhile a writer writes synced 64 KiB
+`csi_qsd.node.moves`) and then grow. Meanwhile a writer writes synced 64 KiB
 blocks round a file of the filesystem, timing each. Baselines from the same run:
 ``dd`` (O_DIRECT, 1 MiB) of the volume's bytes from the device into
 another file of the same filesystem, and the writer's latencies for as

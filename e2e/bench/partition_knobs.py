@@ -38,7 +38,7 @@ from typing import Any
 from qemu.qmp import QMPClient
 
 from csi_qsd.sys import fusectl
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from e2e.bench.common import cpu_share, ratio, sh, table
 from e2e.bench.partitions import JOBS, fio, run_cli
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from e2e.bench.common import Job, ThreadCPU, ratio, sh, table
 from e2e.bench.device_pool import served_pool
 from tests.harness import qsd_pid

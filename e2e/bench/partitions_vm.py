@@ -27,7 +27,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from e2e.bench.common import ThreadCPU, ratio, sh, table
 from e2e.bench.device_pool import served_pool
 from tests.harness import qsd_pid

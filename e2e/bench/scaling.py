@@ -44,8 +44,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.csi_client import CSIClient
-from csi_qsd.tools import bundled
+from csi_qsd.csi.client import CSIClient
+from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
 from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox

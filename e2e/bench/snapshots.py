@@ -55,8 +55,8 @@ from typing import TypeVar
 
 import grpc
 
-from csi_qsd.csi_client import CSIClient
-from csi_qsd.snapshots import MAX_CHAIN_DEPTH
+from csi_qsd.csi.client import CSIClient
+from csi_qsd.controller.snapshots import MAX_CHAIN_DEPTH
 from csi_qsd.sys.durable import fsync_path
 from e2e.bench.common import (
     GIB, MIB, log_problems, ms, retrying, run_to_end, sh, stop_driver_and_qsd, Summary, table, timed,

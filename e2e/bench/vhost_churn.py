@@ -12,7 +12,7 @@ connections), run ``--runs`` times for each placement of the exports:
   one   every export in the first iothread of the pool
   pool  spread over a pool of two iothreads, the least loaded first
 
-The driver's own choice (`csi_qsd.datapath`) is overridden in this process
+The driver's own choice (`csi_qsd.qsd.features`) is overridden in this process
 only. Per placement: runs, connections, runs in which QSD died (an abort:
 the supervisor restarted it) and runs in which a QMP command failed inside
 QSD (the first error of each kind printed). On QSD 10.0.13 an export in an
@@ -31,8 +31,8 @@ import sys
 
 import grpc
 
-from csi_qsd import datapath
-from csi_qsd.tools import bundled
+from csi_qsd.qsd import features
+from csi_qsd.sys.tools import bundled
 from e2e.bench.common import table
 from tests.harness import in_process_driver, qsd_pid, sandbox
 from tests.integration.test_vhost_churn import CONNECTIONS, VM, come_and_go, graph_round
@@ -53,11 +53,11 @@ class Tally:
 
 def place(placement: str) -> None:
     """Override the driver's choice of where exports run, in this process."""
-    datapath.VHOST_IOTHREAD_SAFE = None if placement == "main" else ALWAYS
-    datapath.VHOST_SPREAD_SAFE = ALWAYS if placement == "pool" else None
+    features.VHOST_IOTHREAD_SAFE = None if placement == "main" else ALWAYS
+    features.VHOST_SPREAD_SAFE = ALWAYS if placement == "pool" else None
     if placement == "main":
         # 7.2 and older run exports in iothreads whatever the setting: not measured here.
-        datapath.VHOST_IOTHREAD_ABORTS = ALWAYS
+        features.VHOST_IOTHREAD_ABORTS = ALWAYS
 
 
 async def one_run(qsd: str, placement: str, tally: Tally) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from e2e.bench.common import ms, ratio, retrying, sh, stop_driver_and_qsd, table, timed
 from tests.harness import DriverProcess, Sandbox, sandbox, terminate, until
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
 from tests.harness import Sandbox

@@ -33,11 +33,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from csi_qsd import datapath
-from csi_qsd.config import DevicePoolSpec
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.qsd import features
+from csi_qsd.pools.spec import DevicePoolSpec
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid, terminate, until
 from tests.integration.test_device_pool import pool_of
 
@@ -97,7 +97,7 @@ async def test_a_claim_that_stalls_reports_abnormal_and_serves_again(box: Sandbo
     async with backing_storage(box.root) as (storage, image, link, device):
         async with in_process_driver(box, device_pools=(DevicePoolSpec("cascade", link),),
                                      qsd_binary=bundled("qemu-storage-daemon-11"), iothreads=2,
-                                     fuse_threads=datapath.FuseThreads.POOL) as (driver, csi):
+                                     fuse_threads=features.FuseThreads.POOL) as (driver, csi):
             assert driver.daemon.fuse_iothreads(), "QEMU 11 serves FUSE exports in iothreads"
             vol = await csi.create_volume("pvc-on-claim", 16 * MIB, {"pool": "cascade"}, block=True)
             staging, target = box.staging("c"), box.target("c")

@@ -19,13 +19,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.config import DevicePoolSpec
-from csi_qsd.csi_client import CSIClient, capability
+from csi_qsd.pools.spec import DevicePoolSpec
+from csi_qsd.csi.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ImageFormat
 from csi_qsd.pools.device import DevicePool
-from csi_qsd.pools.extents import Extent
+from csi_qsd.pools.regions import Region
 from csi_qsd.qsd import attach, graph
 from csi_qsd.server import Driver
 from tests.harness import Sandbox, in_process_driver, qsd_pid, until
@@ -321,7 +321,7 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             assert (target / "before").read_bytes() == PATTERN
             (target / "tail").write_bytes(b"\1" * (60 * MIB))  # only fits in the grown part
             os.sync()
-            assert pool.extent_of(fs.volume_id) == Extent(MIB, 400 * MIB)
+            assert pool.extent_of(fs.volume_id) == Region(MIB, 400 * MIB)
 
             # A block volume in use grows into the next 16 MiB; its new tail lands right after the old extent.
             bstaging, btarget = box.staging("blk"), box.target("blk")

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi_client import CSIClient, capability
+from csi_qsd.csi.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from tests.harness import DriverProcess, Sandbox
 from tests.integration.test_device_pool import PATTERN, FakeNVMe, expand, write_block

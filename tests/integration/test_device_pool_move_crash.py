@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from tests.harness import DriverProcess, Sandbox
 from tests.integration.test_device_pool import PATTERN, FakeNVMe, expand
 from tests.integration.test_device_pool_crash import extent_rows, free

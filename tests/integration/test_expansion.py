@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd import datapath
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.qsd import features
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys import caps
@@ -211,7 +211,7 @@ async def test_expand_vm_volume_that_no_guest_ever_opened(box: Sandbox, driver: 
     staging, target = box.staging("gv"), box.target("gv")
     await csi.stage(vid, str(staging))
     await csi.publish(vid, str(staging), str(target))
-    published = 64 * MIB if datapath.live_resize_reaches_guest(daemon.daemon.version) else 32 * MIB
+    published = 64 * MIB if features.live_resize_reaches_guest(daemon.daemon.version) else 32 * MIB
     if published > 32 * MIB:
         assert await expand(csi, vid, str(target), published) == published
     await csi.unpublish(vid, str(target))

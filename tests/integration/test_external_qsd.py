@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from tests.harness import DriverProcess, Sandbox, qsd_pid, wait_restored
 
 MIB = 1 << 20

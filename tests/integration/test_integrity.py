@@ -42,9 +42,9 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd import datapath
-from csi_qsd.csi_client import CSIClient
-from csi_qsd.datapath import LoopIO
+from csi_qsd.qsd import features
+from csi_qsd.csi.client import CSIClient
+from csi_qsd.qsd.features import LoopIO
 from csi_qsd.server import Driver
 from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored
 
@@ -322,7 +322,7 @@ def loop_dio(volume: Published) -> bool:
 
 
 def qsd_is_safe(driver: Driver) -> bool:
-    return datapath.fuse_safe_for_parallel_writes(driver.daemon.version)
+    return features.fuse_safe_for_parallel_writes(driver.daemon.version)
 
 
 async def wait_recovered(driver: Driver, restarts: int, timeout: float = 60) -> None:
@@ -423,9 +423,9 @@ async def test_parallel_writers_verify(box: Sandbox, loop_io: LoopIO, block: boo
         version = ".".join(map(str, driver.daemon.version))
         if loop_io is LoopIO.DIRECT and not safe:
             pytest.skip(f"QSD {version}'s FUSE export corrupts parallel writes through a direct-I/O loop device "
-                        f"(fixed in {'.'.join(map(str, datapath.FUSE_PARALLEL_WRITES_SAFE))})")
+                        f"(fixed in {'.'.join(map(str, features.FUSE_PARALLEL_WRITES_SAFE))})")
         async with published(box, csi, "fio", block=block) as volume:
-            expected = datapath.direct_io(loop_io, driver.daemon.version)
+            expected = features.direct_io(loop_io, driver.daemon.version)
             assert loop_dio(volume) is expected, f"QSD {version}, loop_io={loop_io.value}: wrong loop device mode"
             with cgroups() as groups:
                 fio = await run_fio(box, groups, volume.target, block=block)

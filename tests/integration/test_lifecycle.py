@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
 from tests.harness import Sandbox, write_synced

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from tests.harness import DriverProcess, Sandbox, free_port, qsd_pid, running_driver, until
 
 MIB = 1 << 20

@@ -25,8 +25,8 @@ import grpc
 import pytest
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.config import DevicePoolSpec
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.pools.spec import DevicePoolSpec
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
 from csi_qsd.pools.device import LABEL_MAGIC

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd import datapath
+from csi_qsd.qsd import features
 from csi_qsd.exports import fuse_loop
 from csi_qsd.sys import fusectl
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid
 from tests.integration.test_integrity import GROUPS, MIB, THREADS, cgroups, loop_dio, published, run_fio
 
@@ -39,8 +39,8 @@ def iothread_cpu(pid: int) -> dict[str, int]:
 
 async def test_parallel_writers_verify_over_the_fuse_iothread_list(box: Sandbox) -> None:
     async with in_process_driver(box, qsd_binary=bundled("qemu-storage-daemon-11"), iothreads=2,
-                                 fuse_threads=datapath.FuseThreads.POOL) as (driver, csi):
-        assert driver.daemon.version >= datapath.FUSE_IOTHREAD_LIST, "the install provides QEMU 11"
+                                 fuse_threads=features.FuseThreads.POOL) as (driver, csi):
+        assert driver.daemon.version >= features.FUSE_IOTHREAD_LIST, "the install provides QEMU 11"
         assert driver.daemon.fuse_iothreads() == ["iothread0", "iothread1"]
         pid = qsd_pid(box)
         assert pid is not None

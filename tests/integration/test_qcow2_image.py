@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from csi_qsd.pools import qcow2_image
-from csi_qsd.tools import bundled
+from csi_qsd.qcow2 import blank
+from csi_qsd.sys.tools import bundled
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 GRANULARITIES = [4 * KIB, 32 * KIB, 64 * KIB, 1 * MIB, 2 * MIB]
@@ -36,14 +36,14 @@ def tool(*argv: str) -> str:
 def made_here(path: Path, size: int, granularity: int, **backing: str) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        qcow2_image.write(fd, qcow2_image.image_bytes(size, granularity, "cbt", **backing))
+        blank.write(fd, blank.image_bytes(size, granularity, "cbt", **backing))
     finally:
         os.close(fd)
     return path
 
 
 def made_by_qemu_img(path: Path, size: int, granularity: int, *backing_args: str) -> Path:
-    layout = qcow2_image.Layout.for_granularity(granularity)
+    layout = blank.Layout.for_granularity(granularity)
     options = f"lazy_refcounts=off,cluster_size={layout.cluster_size},extended_l2={'on' if layout.extended_l2 else 'off'}"
     tool(bundled("qemu-img"), "create", "-q", "-f", "qcow2", "-u", "-o", options, *backing_args, str(path), str(size))
     tool(bundled("qemu-img"), "bitmap", "--add", "--enable", "-g", str(granularity), str(path), "cbt")
@@ -123,7 +123,7 @@ def test_the_host_qemu_reads_them(tmp_path: Path) -> None:
 ])
 def test_what_qcow2_cannot_hold_is_refused(kwargs: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
-        qcow2_image.image_bytes(**kwargs)
+        blank.image_bytes(**kwargs)
 
 
 def test_reads_as_zeros_until_something_is_written(tmp_path: Path) -> None:
@@ -134,7 +134,7 @@ def test_reads_as_zeros_until_something_is_written(tmp_path: Path) -> None:
     def blank(path: Path, backing_allowed: bool = False) -> bool:
         fd = os.open(path, os.O_RDONLY)
         try:
-            return qcow2_image.holds_nothing(fd, backing_allowed=backing_allowed)
+            return blank.holds_nothing(fd, backing_allowed=backing_allowed)
         finally:
             os.close(fd)
 

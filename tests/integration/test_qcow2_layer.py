@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd import extents, imagemap, qcow2_layer
+from csi_qsd.qcow2 import extents, imagemap, tables
 from csi_qsd.sys.run import run
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZE = 64 * MIB + 3 * 512  # not a whole number of clusters
@@ -53,7 +53,7 @@ def options(layout: str, *more: str) -> list[str]:
 
 
 async def same_as_qemu_img(image: Path) -> list[tuple[int, int]]:
-    found = qcow2_layer.read_layer(image)
+    found = tables.read_layer(image)
     assert found is not None, f"{image} should be readable"
     assert found == await imagemap.mapped_layer(bundled("qemu-img"), image)
     return found
@@ -95,6 +95,6 @@ async def test_images_it_does_not_know_are_left_to_qemu_img(tmp_path: Path) -> N
     raw = tmp_path / "plain.raw"
     raw.write_bytes(b"\0" * 4096)
     for image in (old, external, raw):
-        assert qcow2_layer.read_layer(image) is None, image
+        assert tables.read_layer(image) is None, image
     qemu_io(old, "write -P 1 0 4k")
     assert await imagemap.layer_allocation(bundled("qemu-img"), old) == [(0, 64 * KIB)]

@@ -28,16 +28,16 @@ from typing import Any
 
 import pytest
 
-from csi_qsd import datapath
+from csi_qsd.qsd import features
 from csi_qsd.config import parse_remote_pool
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import StartupError
 from csi_qsd.pools.device import LABEL_MAGIC
 from csi_qsd.pools.remote import RemotePool
 from csi_qsd.qsd.storage import FAIL_AFTER_SECONDS
 from csi_qsd.server import Driver
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, free_port, in_process_driver, qsd_pid, until
 from tests.remote_targets import CHAP_PASSWORD, NbdServer, Tgt, read_at
 
@@ -46,7 +46,7 @@ TARGET_BYTES = 64 * MIB
 PATTERN = b"on a remote target\n" * 3449  # just under 64 KiB
 AGAIN = b"after the target came back\n" * 2427
 QEMU_11: dict[str, object] = {"qsd_binary": bundled("qemu-storage-daemon-11"), "iothreads": 2,
-                              "fuse_threads": datapath.FuseThreads.POOL}
+                              "fuse_threads": features.FuseThreads.POOL}
 
 
 def remote_pool(driver: Driver, name: str) -> RemotePool:

@@ -24,8 +24,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd import extents, imagemap
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.qcow2 import extents, imagemap
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
@@ -191,7 +191,7 @@ async def test_delta_matches_the_truth_through_deletes_crashes_and_flattens(
     s5 = (await csi.create_snapshot("cbt-5", vid)).snapshot_id
     await check_delta(drv, csi, box, s4, s5, w5)
     assert drv.changed_blocks.fallbacks == 0
-    with caplog.at_level(logging.WARNING, logger="csi_qsd.changed_blocks"):
+    with caplog.at_level(logging.WARNING, logger="csi_qsd.controller.changed_blocks"):
         superset = await check_delta(drv, csi, box, s3, s5, w4 | w5, exact=False, within_touched=False)
     assert drv.changed_blocks.fallbacks == 1 and "event=cbt_fallback" in caplog.text
     assert "inconsistent" in caplog.text

@@ -6,7 +6,7 @@ failed") when a client connected or left while a graph change (any
 blockdev-add or blockdev-del, which drains every node) was under way: within
 the first 1 to 43 connections. There the driver runs these exports in QSD's
 main loop. QEMU 11.1.3 no longer aborts with the exports in iothreads, but
-fails later graph changes with EBADF in some runs (see csi_qsd.datapath), so
+fails later graph changes with EBADF in some runs (see csi_qsd.qsd.features), so
 the driver keeps them in the main loop there too: the test runs on the
 default QSD and on the 11 runtime the install provides beside it.
 """
@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from csi_qsd import datapath
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.qsd import features
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver, serving
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid
 
 MIB = 1 << 20
@@ -64,7 +64,7 @@ async def churn_driver(request: pytest.FixtureRequest, box: Sandbox) -> AsyncIte
     async with in_process_driver(box, **overrides) as pair:
         if request.param == "11":
             assert pair[0].daemon.version >= (11, 1, 3), "the install provides QEMU 11.1.3"
-        assert (pair[0].daemon.vhost_iothreads() is not None) is datapath.vhost_export_in_iothread(
+        assert (pair[0].daemon.vhost_iothreads() is not None) is features.vhost_export_in_iothread(
             pair[0].daemon.version)
         yield pair
 

@@ -33,12 +33,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import FailedPrecondition
 from csi_qsd.publish import vhost_user
 from csi_qsd.server import Driver
 from csi_qsd.sys import unix_peers
-from csi_qsd.tools import bundled
+from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd
 
 MIB = 1 << 20

@@ -19,10 +19,10 @@ from csi_qsd.catalog import (
     SCHEMA_VERSION, AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord,
     VolumeState,
 )
-from csi_qsd.locks import KeyedLocks
+from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
 from csi_qsd.pools.files import FilePool
-from csi_qsd.volumes import Volumes
+from csi_qsd.controller.volumes import Volumes
 
 MIB = 1 << 20
 

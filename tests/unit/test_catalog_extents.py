@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.catalog import SCHEMA_VERSION, Catalog, ExtentRecord, ExtentState, _MIGRATIONS
-from csi_qsd.pools import extents
-from csi_qsd.pools.extents import Extent, Layout
+from csi_qsd.pools import regions
+from csi_qsd.pools.regions import Region, Layout
 from tests.unit.test_catalog import volume
 
 V1_SCHEMA = Path(__file__).parent.parent / "data" / "catalog_v1.sql"
@@ -54,20 +54,20 @@ async def test_growth_and_takes_racing_never_overlap(tmp_path: Path) -> None:
     """A grow and creates for the same free space at once: each is checked against the rows it commits with."""
     layout = Layout(16 * MIB, MIB)
 
-    def taken(rows: list[ExtentRecord]) -> list[Extent]:
-        return [Extent(r.start, r.length) for r in rows]
+    def taken(rows: list[ExtentRecord]) -> list[Region]:
+        return [Region(r.start, r.length) for r in rows]
 
     def best_fit(rows: list[ExtentRecord]) -> tuple[int, int] | None:
-        picked = extents.choose(layout, taken(rows), 2 * MIB)
+        picked = regions.choose(layout, taken(rows), 2 * MIB)
         return (picked.start, picked.length) if picked is not None else None
 
     async with Catalog(tmp_path / "catalog.db") as catalog:
         first = await catalog.take_extent("p", "vol-a", best_fit)
         assert first is not None
-        own = Extent(first.start, first.length)
+        own = Region(first.start, first.length)
 
         def fits(rows: list[ExtentRecord]) -> bool:
-            return extents.grows_in_place(layout, taken(rows), own, 8 * MIB)
+            return regions.grows_in_place(layout, taken(rows), own, 8 * MIB)
 
         results = await asyncio.gather(
             catalog.resize_extent("p", first.start, 8 * MIB, fits),
@@ -87,7 +87,7 @@ async def test_a_move_keeps_both_homes_until_its_commit_and_never_hands_either_o
 
     def best_fit(size: int) -> Callable[[list[ExtentRecord]], tuple[int, int] | None]:
         def choose(rows: list[ExtentRecord]) -> tuple[int, int] | None:
-            picked = extents.choose(layout, [Extent(r.start, r.length) for r in rows], size)
+            picked = regions.choose(layout, [Region(r.start, r.length) for r in rows], size)
             return (picked.start, picked.length) if picked is not None else None
         return choose
 

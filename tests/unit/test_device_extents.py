@@ -13,8 +13,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 import pytest
 
-from csi_qsd.pools import extents
-from csi_qsd.pools.extents import Extent, Layout
+from csi_qsd.pools import regions
+from csi_qsd.pools.regions import Region, Layout
 
 MIB = 1 << 20
 UNITS = 64
@@ -43,13 +43,13 @@ class Reference:
     def longest(self) -> int:
         return max((length for _, length in self.runs()), default=0)
 
-    def take(self, extent: Extent, who: int) -> None:
+    def take(self, extent: Region, who: int) -> None:
         first = (extent.start - self.layout.data_start) // self.layout.alignment
         for i in range(first, first + extent.length // self.layout.alignment):
             assert self.owner[i] is None, "extent handed out twice"
             self.owner[i] = who
 
-    def room(self, extent: Extent) -> int:
+    def room(self, extent: Region) -> int:
         """Units `extent` could span in place: its own, then every free unit after it up to a taken one."""
         first = (extent.start - self.layout.data_start) // self.layout.alignment
         units = extent.length // self.layout.alignment
@@ -67,14 +67,14 @@ class Allocator(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.layout = Layout(device_size=(UNITS + 1) * MIB + 12345, alignment=MIB)
-        self.taken: dict[int, Extent] = {}
+        self.taken: dict[int, Region] = {}
         self.model = Reference(self.layout)
         self.next_id = 0
 
     @rule(target=volumes, size=st.integers(1, 24 * MIB))
     def create(self, size: int) -> int:
         units = -(-size // MIB)
-        picked = extents.choose(self.layout, self.taken.values(), size)
+        picked = regions.choose(self.layout, self.taken.values(), size)
         assert (picked is not None) == self.model.fits(units)
         self.next_id += 1
         if picked is not None:
@@ -93,12 +93,12 @@ class Allocator(RuleBasedStateMachine):
         extent = self.taken.get(volume)
         if extent is None:
             return
-        limit = extents.grow_limit(self.layout, self.taken.values(), extent)
+        limit = regions.grow_limit(self.layout, self.taken.values(), extent)
         assert limit == self.model.room(extent) * MIB, "the in-place limit must match the units free after it"
-        fits = extents.grows_in_place(self.layout, self.taken.values(), extent, size)
-        assert fits == (extents.align_up(size, MIB) <= limit)
+        fits = regions.grows_in_place(self.layout, self.taken.values(), extent, size)
+        assert fits == (regions.align_up(size, MIB) <= limit)
         if fits:
-            grown = Extent(extent.start, max(extent.length, extents.align_up(size, MIB)))
+            grown = Region(extent.start, max(extent.length, regions.align_up(size, MIB)))
             self.model.free(volume)
             self.model.take(grown, volume)
             self.taken[volume] = grown
@@ -110,8 +110,8 @@ class Allocator(RuleBasedStateMachine):
         if extent is None:
             return
         wanted = max(size, extent.length)
-        target = extents.choose(self.layout, self.taken.values(), wanted)
-        assert (target is not None) == self.model.fits(extents.align_up(wanted, MIB) // MIB)
+        target = regions.choose(self.layout, self.taken.values(), wanted)
+        assert (target is not None) == self.model.fits(regions.align_up(wanted, MIB) // MIB)
         if target is None:
             return
         assert not target.overlaps(extent)
@@ -131,12 +131,12 @@ class Allocator(RuleBasedStateMachine):
 
     @invariant()
     def nothing_lost(self) -> None:
-        free = extents.free_extents(self.layout, self.taken.values())
+        free = regions.free_extents(self.layout, self.taken.values())
         used = sum(e.length for e in self.taken.values())
-        assert used + extents.total_free(self.layout, self.taken.values()) == self.layout.data_size
+        assert used + regions.total_free(self.layout, self.taken.values()) == self.layout.data_size
         for a, b in zip(free, free[1:]):
             assert a.end < b.start, "adjacent free extents must be coalesced"
-        assert extents.largest_free(self.layout, self.taken.values()) == self.model.longest() * MIB
+        assert regions.largest_free(self.layout, self.taken.values()) == self.model.longest() * MIB
 
 
 TestAllocator = Allocator.TestCase
@@ -146,40 +146,40 @@ TestAllocator.settings = settings(max_examples=300, stateful_step_count=40, dead
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 8)), max_size=20))
 def test_free_extents_are_the_complement(raw: list[tuple[int, int]]) -> None:
     layout = Layout(64 * MIB + MIB, MIB)
-    taken: list[Extent] = []
+    taken: list[Region] = []
     for unit, length in raw:
-        candidate = Extent(MIB + unit * MIB, min(length, 64 - unit) * MIB)
+        candidate = Region(MIB + unit * MIB, min(length, 64 - unit) * MIB)
         if candidate.length and not any(candidate.overlaps(t) for t in taken):
             taken.append(candidate)
-    covered = sorted(taken + extents.free_extents(layout, taken))
+    covered = sorted(taken + regions.free_extents(layout, taken))
     assert covered[0].start == layout.data_start and covered[-1].end == layout.data_end
     for a, b in zip(covered, covered[1:]):
         assert a.end == b.start
 
 
 def test_alignment_follows_the_optimal_io_size() -> None:
-    assert extents.alignment_for(0) == MIB
-    assert extents.alignment_for(128 * 1024) == MIB
-    assert extents.alignment_for(3 * MIB) == 3 * MIB
-    assert extents.alignment_for(511) == MIB
+    assert regions.alignment_for(0) == MIB
+    assert regions.alignment_for(128 * 1024) == MIB
+    assert regions.alignment_for(3 * MIB) == 3 * MIB
+    assert regions.alignment_for(511) == MIB
     with pytest.raises(ValueError):
         Layout(10 * MIB, 1000)
 
 
 def test_best_fit_keeps_large_gaps_whole() -> None:
     layout = Layout(11 * MIB, MIB)
-    taken = [Extent(2 * MIB, MIB), Extent(4 * MIB, MIB)]  # gaps: [1,2) 1 MiB, [3,4) 1 MiB, [5,11) 6 MiB
-    assert extents.choose(layout, taken, MIB) == Extent(MIB, MIB)
-    assert extents.choose(layout, taken, 2 * MIB) == Extent(5 * MIB, 2 * MIB)
-    assert extents.choose(layout, taken, 7 * MIB) is None
+    taken = [Region(2 * MIB, MIB), Region(4 * MIB, MIB)]  # gaps: [1,2) 1 MiB, [3,4) 1 MiB, [5,11) 6 MiB
+    assert regions.choose(layout, taken, MIB) == Region(MIB, MIB)
+    assert regions.choose(layout, taken, 2 * MIB) == Region(5 * MIB, 2 * MIB)
+    assert regions.choose(layout, taken, 7 * MIB) is None
 
 
 def test_growth_stops_at_the_next_extent_and_the_device_end() -> None:
     layout = Layout(11 * MIB, MIB)  # data area [1, 11) MiB
-    a, b = Extent(MIB, 2 * MIB), Extent(5 * MIB, MIB)
-    assert extents.grow_limit(layout, [a, b], a) == 4 * MIB
-    assert extents.grows_in_place(layout, [a, b], a, 4 * MIB)
-    assert not extents.grows_in_place(layout, [a, b], a, 4 * MIB + 1)
-    assert extents.grow_limit(layout, [a, b], b) == 6 * MIB  # up to data_end
-    assert extents.grows_in_place(layout, [a, b], b, MIB // 2)  # never shrinks: already long enough
-    assert extents.grow_limit(layout, [a, Extent(2 * MIB, MIB)], a) == a.length  # a collision never grows
+    a, b = Region(MIB, 2 * MIB), Region(5 * MIB, MIB)
+    assert regions.grow_limit(layout, [a, b], a) == 4 * MIB
+    assert regions.grows_in_place(layout, [a, b], a, 4 * MIB)
+    assert not regions.grows_in_place(layout, [a, b], a, 4 * MIB + 1)
+    assert regions.grow_limit(layout, [a, b], b) == 6 * MIB  # up to data_end
+    assert regions.grows_in_place(layout, [a, b], b, MIB // 2)  # never shrinks: already long enough
+    assert regions.grow_limit(layout, [a, Region(2 * MIB, MIB)], a) == a.length  # a collision never grows

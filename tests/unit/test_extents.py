@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from csi_qsd import extents
+from csi_qsd.qcow2 import extents
 
 KIB = 1024
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd import datapath, validate
+from csi_qsd.qsd import features
+
+from csi_qsd import validate
 from csi_qsd.params import CacheMode, DetectZeroes, Discard, ImageFormat, VolumeParameters
 from csi_qsd.qsd import graph
 
@@ -134,10 +136,10 @@ def test_vhost_export_in_the_main_loop_names_no_iothread() -> None:
     spec = graph.vhost_user_blk_export(NODES, Path("/s"), VolumeParameters(iothread_poll_max_ns=0), writable=True,
                                        pool_thread=None)
     assert "iothread" not in spec
-    assert datapath.vhost_export_in_iothread((7, 2, 22))
-    assert not datapath.vhost_export_in_iothread((10, 0, 13))
-    assert not datapath.vhost_export_in_iothread((11, 1, 3)), "11.1.3: EBADF under churn with exports in iothreads"
-    assert not datapath.vhost_exports_spread((11, 1, 3))
+    assert features.vhost_export_in_iothread((7, 2, 22))
+    assert not features.vhost_export_in_iothread((10, 0, 13))
+    assert not features.vhost_export_in_iothread((11, 1, 3)), "11.1.3: EBADF under churn with exports in iothreads"
+    assert not features.vhost_exports_spread((11, 1, 3))
 
 
 def test_vhost_export_runs_in_the_pool_thread_given_unless_it_has_its_own() -> None:
@@ -150,13 +152,13 @@ def test_vhost_export_runs_in_the_pool_thread_given_unless_it_has_its_own() -> N
 
 def test_fuse_export_over_a_list_of_iothreads_only_from_qemu_11() -> None:
     pool = ["iothread0", "iothread1"]
-    auto, forced, main = datapath.FuseThreads.AUTO, datapath.FuseThreads.POOL, datapath.FuseThreads.MAIN
-    assert datapath.fuse_iothreads((10, 0, 13), pool, 8, auto) is None
-    assert datapath.fuse_iothreads((10, 0, 13), pool, 8, forced) is None  # 10.0 takes no list
-    assert datapath.fuse_iothreads((11, 1, 3), pool, 4, auto) == pool
-    assert datapath.fuse_iothreads((11, 1, 3), pool, 2, auto) is None  # too few cores: the main loop is faster
-    assert datapath.fuse_iothreads((11, 1, 3), pool, 2, forced) == pool
-    assert datapath.fuse_iothreads((11, 1, 3), pool, 8, main) is None
+    auto, forced, main = features.FuseThreads.AUTO, features.FuseThreads.POOL, features.FuseThreads.MAIN
+    assert features.fuse_iothreads((10, 0, 13), pool, 8, auto) is None
+    assert features.fuse_iothreads((10, 0, 13), pool, 8, forced) is None  # 10.0 takes no list
+    assert features.fuse_iothreads((11, 1, 3), pool, 4, auto) == pool
+    assert features.fuse_iothreads((11, 1, 3), pool, 2, auto) is None  # too few cores: the main loop is faster
+    assert features.fuse_iothreads((11, 1, 3), pool, 2, forced) == pool
+    assert features.fuse_iothreads((11, 1, 3), pool, 8, main) is None
     spec = graph.fuse_export(NODES, Path("/e/disk"), writable=True, iothreads=pool)
     assert spec["iothread"] == pool
     assert "iothread" not in graph.fuse_export(NODES, Path("/e/disk"), writable=True, iothreads=None)

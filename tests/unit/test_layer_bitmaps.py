@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from csi_qsd.layer_bitmaps import OWN, Bitmap, carried_name, needed_for, parse_carried, plan_carry
+from csi_qsd.qcow2.layer_bitmaps import OWN, Bitmap, carried_name, needed_for, parse_carried, plan_carry
 
 G = 65536
 

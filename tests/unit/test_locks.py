@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from csi_qsd.errors import Aborted
-from csi_qsd.locks import KeyedLocks
+from csi_qsd.sys.locks import KeyedLocks
 
 
 async def test_second_holder_is_aborted_and_names_the_key() -> None:

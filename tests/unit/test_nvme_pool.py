@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from csi_qsd.cli import build_parser, config_from
-from csi_qsd.config import DevicePoolSpec
+from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.errors import InvalidArgument, StartupError
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
 from csi_qsd.pools.nvme import NvmeDevicePool, base_node_name, vfio_problem

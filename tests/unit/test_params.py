@@ -9,7 +9,7 @@ import pytest
 
 from csi_qsd import params as P
 from csi_qsd.errors import InvalidArgument
-from csi_qsd.granularity import qcow2_options
+from csi_qsd.qcow2.granularity import qcow2_options
 
 VHOST = {"export": "vhost-user-blk"}
 KIB, MIB = 1 << 10, 1 << 20

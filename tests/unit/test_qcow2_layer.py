@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from csi_qsd import qcow2_layer as L
+from csi_qsd.qcow2 import tables as L
 
 CLUSTER = 128 << 10
 SUB = CLUSTER // 32

@@ -9,7 +9,7 @@ import pytest
 
 from csi_qsd.cli import build_parser, config_from
 from csi_qsd.config import Config, parse_remote_pool
-from csi_qsd.pools.remote_spec import OnError, RemoteTarget, Scheme
+from csi_qsd.qsd.remote_spec import OnError, RemoteTarget, Scheme
 from csi_qsd.qsd.storage import RemoteDevice
 
 IQN = "iqn.2026-01.io.example:array"

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from csi_qsd.errors import OutOfRange
-from csi_qsd.volumes import DEFAULT_SIZE, GIB, MIB, SIZE_GRANULARITY, choose_size
+from csi_qsd.controller.volumes import DEFAULT_SIZE, GIB, MIB, SIZE_GRANULARITY, choose_size
 
 
 def test_granularity_and_default() -> None:

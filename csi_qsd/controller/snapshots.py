@@ -18,15 +18,17 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from csi_qsd import chains, validate
+from csi_qsd.controller import chains
+
+from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now
 from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
-from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
-from csi_qsd.locks import KeyedLocks
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ImageFormat, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
-from csi_qsd.live import LiveImages
-from csi_qsd.volumes import Capability, Volumes
+from csi_qsd.controller.live import LiveImages
+from csi_qsd.controller.volumes import Capability, Volumes
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +349,7 @@ class Snapshots:
         """Copy the chain below a volume's newest snapshot into that snapshot's image; live if staged.
 
         The volume then reads through two images. The merged layers'
-        changed-block records are carried into the image (`csi_qsd.layer_bitmaps`).
+        changed-block records are carried into the image (`csi_qsd.qcow2.layer_bitmaps`).
         """
         async with self._locks.hold(volume_id):
             volume = await self._catalog.volume(volume_id)

@@ -17,11 +17,12 @@ from csi_qsd.catalog import Catalog, VolumeRecord, VolumeState, now
 from csi_qsd.errors import (
     Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted,
 )
-from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
-from csi_qsd.locks import KeyedLocks
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ExportKind, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
-from csi_qsd import chains, validate
+from csi_qsd.controller import chains
+from csi_qsd import validate
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import os
 import struct
 from pathlib import Path
 
-from csi_qsd import extents
-from csi_qsd.extents import Extent
+from csi_qsd.qcow2 import extents
+from csi_qsd.qcow2.extents import Extent
 
 MAGIC = b"QFI\xfb"
 HEADER = struct.Struct(">4sIQIIQIIQQIIQQQQII")

@@ -1,7 +1,7 @@
 """Layer bitmaps in image files, through qemu-img and qemu-nbd: for images QSD does not write.
 
 Adds the tracking bitmap to a new image, carries merged layers' records into
-an image before an offline flatten (`csi_qsd.layer_bitmaps` says which),
+an image before an offline flatten (`csi_qsd.qcow2.layer_bitmaps` says which),
 and reads a record's ranges: qemu-nbd serves the frozen image read-only
 with the bitmap as a `qemu:dirty-bitmap:` context, and `qemu-img map` over
 that export reports its dirty ranges as `"data": false` (QEMU's
@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from csi_qsd import layer_bitmaps
+from csi_qsd.qcow2 import layer_bitmaps
 from csi_qsd.errors import HostCommandError
-from csi_qsd.extents import Extent
-from csi_qsd.imagemap import layer_spec, qcow2_spec
-from csi_qsd.layer_bitmaps import Bitmap
+from csi_qsd.qcow2.extents import Extent
+from csi_qsd.qcow2.imagemap import layer_spec, qcow2_spec
+from csi_qsd.qcow2.layer_bitmaps import Bitmap
 from csi_qsd.sys.run import run
 
 NBD_START_SECONDS = 10.0

@@ -20,7 +20,7 @@ MIB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class Extent:
+class Region:
     """`length` bytes of the device from byte `start`."""
 
     start: int
@@ -30,7 +30,7 @@ class Extent:
     def end(self) -> int:
         return self.start + self.length
 
-    def overlaps(self, other: "Extent") -> bool:
+    def overlaps(self, other: "Region") -> bool:
         return self.start < other.end and other.start < self.end
 
 
@@ -76,20 +76,20 @@ def align_down(value: int, alignment: int) -> int:
     return value // alignment * alignment
 
 
-def free_extents(layout: Layout, taken: Iterable[Extent]) -> list[Extent]:
+def free_extents(layout: Layout, taken: Iterable[Region]) -> list[Region]:
     """The gaps between `taken` extents in the data area, in order, each maximal (coalesced)."""
-    gaps: list[Extent] = []
+    gaps: list[Region] = []
     cursor = layout.data_start
     for extent in sorted(taken):
         if extent.start > cursor:
-            gaps.append(Extent(cursor, extent.start - cursor))
+            gaps.append(Region(cursor, extent.start - cursor))
         cursor = max(cursor, extent.end)
     if layout.data_end > cursor:
-        gaps.append(Extent(cursor, layout.data_end - cursor))
+        gaps.append(Region(cursor, layout.data_end - cursor))
     return gaps
 
 
-def choose(layout: Layout, taken: Iterable[Extent], size: int) -> Extent | None:
+def choose(layout: Layout, taken: Iterable[Region], size: int) -> Region | None:
     """An aligned extent of at least `size` bytes in free space, or None if no gap is large enough.
 
     Best fit (the smallest gap that holds it, the lowest on a tie) keeps the
@@ -102,24 +102,24 @@ def choose(layout: Layout, taken: Iterable[Extent], size: int) -> Extent | None:
     if not fitting:
         return None
     best = min(fitting, key=lambda gap: (gap.length, gap.start))
-    return Extent(best.start, length)
+    return Region(best.start, length)
 
 
-def total_free(layout: Layout, taken: Iterable[Extent]) -> int:
+def total_free(layout: Layout, taken: Iterable[Region]) -> int:
     return sum(gap.length for gap in free_extents(layout, taken))
 
 
-def largest_free(layout: Layout, taken: Iterable[Extent]) -> int:
+def largest_free(layout: Layout, taken: Iterable[Region]) -> int:
     """The largest volume that can be created now: the longest free gap."""
     return max((gap.length for gap in free_extents(layout, taken)), default=0)
 
 
-def grows_in_place(layout: Layout, taken: Iterable[Extent], extent: Extent, size: int) -> bool:
+def grows_in_place(layout: Layout, taken: Iterable[Region], extent: Region, size: int) -> bool:
     """True if `extent` can grow to `size` bytes into the free space right after it."""
     return align_up(size, layout.alignment) <= grow_limit(layout, taken, extent)
 
 
-def grow_limit(layout: Layout, taken: Iterable[Extent], extent: Extent) -> int:
+def grow_limit(layout: Layout, taken: Iterable[Region], extent: Region) -> int:
     """The longest `extent` can become in place: up to the next taken extent, or the end of the data area."""
     following = [other.start for other in taken if other != extent and other.start >= extent.end]
     overlapping = any(other.overlaps(extent) for other in taken if other != extent)

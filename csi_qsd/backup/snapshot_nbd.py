@@ -9,7 +9,7 @@ these NBD metadata contexts:
   the snapshot's own image), so a client can tell what changed since an older
   snapshot that is still a layer of this one;
 * `qemu:dirty-bitmap:cbt`: what changed since the snapshot before it
-  (`csi_qsd.layer_bitmaps`), and `qemu:dirty-bitmap:cbt-NNN-IMAGE` for the
+  (`csi_qsd.qcow2.layer_bitmaps`), and `qemu:dirty-bitmap:cbt-NNN-IMAGE` for the
   layers a flatten merged into it. Bitmaps QSD left inconsistent are not offered.
 
 It runs in the foreground until SIGINT or SIGTERM. Only snapshots this
@@ -23,10 +23,12 @@ import contextlib
 import json
 from pathlib import Path
 
-from csi_qsd import image_bitmaps, validate
+from csi_qsd.qcow2 import image_bitmaps
+
+from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotState
 from csi_qsd.errors import InvalidArgument, NotFound
-from csi_qsd.imagemap import qcow2_spec
+from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys.signals import stop_event
 
 

@@ -5,14 +5,14 @@ overlay, so every write made after snapshot B and before snapshot T landed in
 one of the images of T's chain that are newer than B's image. The clusters
 those images hold (data or zero clusters: a discard in an overlay writes a
 zero cluster) are therefore exactly what changed between B and T, at the
-volume's granularity (its qcow2 cluster or subcluster, `csi_qsd.granularity`;
+volume's granularity (its qcow2 cluster or subcluster, `csi_qsd.qcow2.granularity`;
 64 KiB by default), and survive a crash of QSD or the driver: no bitmap
 has to have been flushed, the images are the record.
 
 Where a flatten merged the layers below a snapshot's image into it, B's
 image is no longer a layer of T's chain; the merged image then holds the
 records of the layers merged into it as persistent bitmaps
-(`csi_qsd.layer_bitmaps`), and the answer is the allocation of T's layers
+(`csi_qsd.qcow2.layer_bitmaps`), and the answer is the allocation of T's layers
 above the merged image plus the records of the merged layers newer than B:
 exact again. Where a record is missing or was lost to a crash, the answer
 falls back to everything allocated in T's chain or in B's chain: a superset
@@ -34,11 +34,15 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import TypeVar
 
-from csi_qsd import chains, extents, image_bitmaps, imagemap, layer_bitmaps, validate
+from csi_qsd.controller import chains
+
+from csi_qsd.qcow2 import extents, image_bitmaps, imagemap, layer_bitmaps
+
+from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState
 from csi_qsd.errors import HostCommandError, InvalidArgument, NotFound, OutOfRange
-from csi_qsd.extents import Extent
-from csi_qsd.tools import bundled
+from csi_qsd.qcow2.extents import Extent
+from csi_qsd.sys.tools import bundled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The node side of the domain: stage, publish, unpublish, unstage, expand, stats, rebuild.
+"""The staging orchestrator: stage, publish, unpublish, unstage, expand, stats; the rebuild after a QSD (re)connect.
 
 Each operation holds the volume's lock, records intent in the catalog (not
 waited for on disk: a power loss takes the host state the intent guards with
@@ -17,7 +17,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd import moves
+from csi_qsd.node import moves
+from csi_qsd.node.rebuild import GraphRebuild
 from csi_qsd.catalog import (
     AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord, VolumeState,
 )
@@ -26,17 +27,13 @@ from csi_qsd.errors import (
 )
 from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.failpoints import NONE as NO_FAILPOINTS, Failpoints
-from csi_qsd.locks import KeyedLocks
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.pools.base import Pool
-from csi_qsd.qsd import attach
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.volumes import choose_size
+from csi_qsd.controller.volumes import choose_size
 
 log = logging.getLogger(__name__)
-
-# How long the rebuild after a QSD restart waits for a call still holding a volume.
-REBUILD_LOCK_WAIT = 30.0
 
 __all__ = ["NodeVolumes", "PublishSpec", "StageSpec", "VolumeStats"]
 
@@ -77,6 +74,7 @@ class NodeVolumes:
         self._locks = locks
         self._failpoints = failpoints
         self._on_unstaged = on_unstaged
+        self._rebuild = GraphRebuild(catalog, exports, locks)
 
     async def stage(self, spec: StageSpec) -> None:
         """Raises NotFound, InvalidArgument, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
@@ -227,79 +225,8 @@ class NodeVolumes:
         return await self._exports.of(volume).stats(volume, stage, path)
 
     async def rebuild(self, client: QSDClient) -> Callable[[], Awaitable[None]] | None:
-        """Make QSD and the host match the catalog; called after every (re)connect to QSD.
-
-        Finishes or undoes what a crash left, re-creates lost exports, loop
-        devices and mounts, and drops our graph nodes no staged volume needs;
-        never touches images. If QSD kept every staged volume's export (only
-        the driver restarted), the checks run in the background instead, each
-        volume under its lock, so calls are served at once.
-        """
-        await self._settle_moves()
-        staged = {s.volume_id for s in await self._catalog.stages() if s.state is StageState.STAGED}
-        if staged and staged <= await attach.exported_volumes(client):
-            return lambda: self._repair(client)
-        await self._repair(client)
-        return None
-
-    async def _settle_moves(self) -> None:
-        """Finish or undo every move a crash left, before anything else uses those volumes."""
-        host = self._exports.host
-        for pool in host.pools.values():
-            for volume_id, committed in sorted(pool.moves_under_way().items()):
-                async with self._locks.wait_hold(volume_id, REBUILD_LOCK_WAIT) as held:
-                    volume = await self._catalog.volume(volume_id)
-                    if volume is None or not held:
-                        continue  # a move still running in this process settles itself when it fails
-                    old, new = moves.tops_of(host, volume, committed=committed)
-                    log.warning("event=reconcile_move volume_id=%s committed=%s", volume_id, committed)
-                    await moves.settle(host, self._exports.of(volume), volume, await self._catalog.stage(volume_id),
-                                       old, new, committed=committed)
-
-    async def _repair(self, client: QSDClient) -> None:
-        wanted: set[str] = set()
-        volume_ids = {p.volume_id for p in await self._catalog.publishes()}
-        volume_ids |= {s.volume_id for s in await self._catalog.stages()}
-        for volume_id in sorted(volume_ids):
-            # A call cut off by the crash may still hold the volume; let it finish first.
-            async with self._locks.wait_hold(volume_id, REBUILD_LOCK_WAIT) as held:
-                if not held:
-                    log.warning("event=rebuild_lock_busy volume_id=%s; rebuilding anyway", volume_id)
-                if await self._rebuild_volume(client, volume_id):
-                    wanted.add(volume_id)
-        for volume_id in await attach.volumes_in_graph(client) - wanted:
-            log.info("event=reconcile_remove_graph volume_id=%s", volume_id)
-            await attach.remove_volume(client, volume_id)
-
-    async def _rebuild_volume(self, client: QSDClient, volume_id: str) -> bool:
-        """Repair one volume from its catalog rows; True if it stays staged (its graph is wanted)."""
-        volume = await self._catalog.volume(volume_id)
-        stage = await self._catalog.stage(volume_id)
-        for publish in await self._catalog.publishes(volume_id):
-            if publish.state is not PublishState.PUBLISHED and volume is not None:
-                log.info("event=reconcile_publish volume_id=%s target=%s state=%s",
-                         publish.volume_id, publish.target_path, publish.state.value)
-                await self._remove_publish(self._exports.of(volume), volume, stage, publish)
-        if stage is None:
-            return False
-        if volume is None:
-            await self._catalog.delete_stage(volume_id)
-            return False
-        kind = self._exports.of(volume)
-        if stage.state is not StageState.STAGED:
-            log.info("event=reconcile_stage volume_id=%s state=%s", volume_id, stage.state.value)
-            await kind.tear_down(volume, stage, client, thorough=True)
-            await self._catalog.delete_stage(volume_id)
-            return False
-        try:
-            publishes = await self._catalog.publishes(volume_id)
-            stage = await kind.bring_up(volume, stage, publishes, client)
-            await self._catalog.put_stage(stage)
-            for publish in publishes:
-                await self._catalog.put_publish(await kind.publish(volume, stage, publish, []))
-        except Exception:
-            log.exception("event=rebuild_failed volume_id=%s", volume_id)
-        return True
+        """Make QSD and the host match the catalog; called after every (re)connect to QSD (`rebuild`)."""
+        return await self._rebuild.run(client)
 
     async def _remove_publish(
         self, kind: ExportPath, volume: VolumeRecord, stage: StageRecord | None, record: PublishRecord,

@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from csi_qsd.pem import PemFiles
+from csi_qsd.sys.pem import PemFiles
 
 log = logging.getLogger(__name__)
 

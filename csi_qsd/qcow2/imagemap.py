@@ -3,7 +3,7 @@
 Snapshot images are frozen (QSD holds them read-only as backing files, or not
 at all), so reading their metadata beside a running QSD is safe; `-U` is
 needed because QSD holds the image lock. One layer's map shows only the
-clusters that layer holds: read from its L2 tables (`csi_qsd.qcow2_layer`)
+clusters that layer holds: read from its L2 tables (`csi_qsd.qcow2.tables`)
 where the reader knows the image's features, else with `qemu-img map` of
 the image opened with `"backing": null`. Measured on a 10 GiB layer with 4 KiB
 subclusters and 26 000 scattered 4 KiB writes: 0.07 s from the tables;
@@ -16,8 +16,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from csi_qsd import extents, qcow2_layer
-from csi_qsd.extents import Extent
+from csi_qsd.qcow2 import extents, tables
+from csi_qsd.qcow2.extents import Extent
 from csi_qsd.sys.run import run
 
 MAP_TIMEOUT = 600.0
@@ -44,7 +44,7 @@ async def layer_allocation(qemu_img: str, image: Path) -> list[Extent]:
     Raises HostCommandError if the image cannot be read.
     """
     try:
-        found = await asyncio.to_thread(qcow2_layer.read_layer, image)
+        found = await asyncio.to_thread(tables.read_layer, image)
     except OSError:
         found = None  # qemu-img tells what is wrong with the file, in a HostCommandError
     if found is not None:

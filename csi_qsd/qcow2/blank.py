@@ -27,7 +27,7 @@ import dataclasses
 import os
 import struct
 
-from csi_qsd.granularity import DEFAULT, SUBCLUSTERS
+from csi_qsd.qcow2.granularity import DEFAULT, SUBCLUSTERS
 
 MAGIC = b"QFI\xfb"
 VERSION = 3
@@ -58,7 +58,7 @@ class Layout:
 
     @classmethod
     def for_granularity(cls, granularity: int) -> Layout:
-        """The layout `csi_qsd.granularity` gives a volume: clusters of G from 64 KiB, else 32 subclusters of G."""
+        """The layout `csi_qsd.qcow2.granularity` gives a volume: clusters of G from 64 KiB, else 32 subclusters of G."""
         if granularity >= DEFAULT:
             return cls(granularity, False)
         return cls(SUBCLUSTERS * granularity, True)

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.csi_client import CSIClient
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import HostCommandError, InvalidArgument
-from csi_qsd.extents import Extent
-from csi_qsd.granularity import BACKUP_OPTIONS
-from csi_qsd.imagemap import qcow2_spec
+from csi_qsd.qcow2.extents import Extent
+from csi_qsd.qcow2.granularity import BACKUP_OPTIONS
+from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import durable
 from csi_qsd.sys.run import run
 
