@@ -131,14 +131,14 @@ def test_reads_as_zeros_until_something_is_written(tmp_path: Path) -> None:
     image = made_here(tmp_path / "v.qcow2", 64 * MIB, 64 * KIB)
     overlay = made_here(tmp_path / "o.qcow2", 64 * MIB, 64 * KIB, backing=image.name, backing_format="qcow2")
 
-    def blank(path: Path, backing_allowed: bool = False) -> bool:
+    def empty(path: Path, backing_allowed: bool = False) -> bool:
         fd = os.open(path, os.O_RDONLY)
         try:
             return blank.holds_nothing(fd, backing_allowed=backing_allowed)
         finally:
             os.close(fd)
 
-    assert blank(image) and not blank(overlay) and blank(overlay, backing_allowed=True)
+    assert empty(image) and not empty(overlay) and empty(overlay, backing_allowed=True)
     tool(bundled("qemu-io"), "-c", "write -P 1 60m 4k", str(image))
     tool(bundled("qemu-io"), "-c", "write -P 2 1m 4k", str(overlay))
-    assert not blank(image) and not blank(overlay, backing_allowed=True)
+    assert not empty(image) and not empty(overlay, backing_allowed=True)
