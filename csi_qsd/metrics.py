@@ -1,4 +1,4 @@
-"""Prometheus metrics: CSI calls, QSD restarts, pool capacity and per-volume I/O.
+"""Prometheus metrics: CSI calls, QSD restarts, each pool's capacity and per-volume I/O.
 
 Where each per-volume figure comes from, and why (measured on QSD 7.2):
 
@@ -15,8 +15,11 @@ Where each per-volume figure comes from, and why (measured on QSD 7.2):
   directly, and QSD 7.2 has no per-export statistics.
 * From QSD we keep what it really reports per node: the highest offset
   written through the volume's top node (a gauge, for every kind of export).
-  Allocated bytes come from the image file itself (`st_blocks`, the number
-  QEMU reports as `actual-size`), which costs a stat and no QMP call.
+* Capacity and allocated bytes are asked of each pool the driver has,
+  through the `Pool` interface, and labelled with the pool's ID: a file
+  pool answers from its filesystem and its image files (`st_blocks`, the
+  number QEMU reports as `actual-size`), a device pool from its extents.
+  Neither costs a QMP call.
 
 Everything is read fresh on each scrape (the HTTP handler awaits the reads,
 then renders the registry), so nothing polls in the background; the registry
@@ -31,7 +34,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,7 +48,7 @@ from csi_qsd.catalog import StageRecord, StageState, VolumeRecord, VolumeState
 from csi_qsd.config import Config
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.errors import QSDError, StartupError
-from csi_qsd.pools.files import FilePool, PoolUsage
+from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd import stats as qsd_stats
 from csi_qsd.qsd.daemon import QSDState
 
@@ -130,7 +132,7 @@ class LoopSample:
 class Sample:
     """Everything one scrape shows, taken before rendering so rendering never waits."""
 
-    pool: PoolUsage | None = None
+    pools: Mapping[str, PoolUsage] = dataclasses.field(default_factory=dict)
     volumes: tuple[VolumeRecord, ...] = ()
     staged: frozenset[str] = frozenset()
     allocated: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -148,11 +150,38 @@ def _loop_devices(stages: Iterable[StageRecord], publish_loops: Mapping[str, lis
     return found
 
 
-def _allocated_bytes(images: Mapping[str, Path]) -> dict[str, int]:
+def pool_usages(pools: Mapping[str, Pool]) -> dict[str, PoolUsage]:
+    """Each pool's capacity by ID; a pool that cannot say now is left out of the scrape, and logged."""
+    usages: dict[str, PoolUsage] = {}
+    for pool_id, pool in pools.items():
+        try:
+            usages[pool_id] = pool.usage()
+        except OSError as exc:
+            log.warning("event=metrics_pool_unreadable pool=%s error=%r", pool_id, str(exc))
+    return usages
+
+
+async def allocated_bytes(pools: Mapping[str, Pool], volumes: Iterable[VolumeRecord]) -> dict[str, int]:
+    """Bytes each volume occupies, asked of the pool that holds it, by volume ID.
+
+    A volume deleted meanwhile, or in a pool this driver is not configured
+    with, is left out; so is every volume of a pool that cannot be read now
+    (logged).
+    """
+    by_pool: dict[str, dict[Path, str]] = {}
+    for volume in volumes:
+        by_pool.setdefault(volume.pool, {})[volume.image] = volume.id
     allocated: dict[str, int] = {}
-    for volume_id, image in images.items():
-        with contextlib.suppress(OSError):
-            allocated[volume_id] = os.stat(image).st_blocks * 512
+    for pool_id, images in by_pool.items():
+        pool = pools.get(pool_id)
+        if pool is None:
+            continue
+        try:
+            sizes = await pool.allocated(list(images))
+        except OSError as exc:
+            log.warning("event=metrics_pool_unreadable pool=%s error=%r", pool_id, str(exc))
+            continue
+        allocated.update((images[image], size) for image, size in sizes.items())
     return allocated
 
 
@@ -161,11 +190,10 @@ class DriverCollector(Collector):
 
     def __init__(self, driver: Driver) -> None:
         self._driver = driver
-        self._pool = FilePool(driver.config.pool, driver.config.qemu_img)
         self._sample = Sample()
 
     async def refresh(self) -> None:
-        """Read the catalog, sysfs, the image files and QSD; never raises for a sick QSD."""
+        """Read the catalog, sysfs, the pools and QSD; never raises for a sick QSD or an unreadable pool."""
         catalog = self._driver.catalog
         volumes = tuple(await catalog.volumes(state=VolumeState.READY))
         stages = [s for s in await catalog.stages() if s.state is StageState.STAGED]
@@ -176,23 +204,19 @@ class DriverCollector(Collector):
         pairs = _loop_devices(stages, publish_loops)
         backing = {vid: fuse_loop.export_file(self._driver.config.exports_dir, vid) for vid, _ in pairs}
 
-        def read_host() -> tuple[PoolUsage | None, dict[str, int], tuple[LoopSample, ...]]:
-            try:
-                usage: PoolUsage | None = self._pool.usage()
-            except OSError:
-                usage = None
-            allocated = _allocated_bytes({v.id: v.image for v in volumes})
+        def read_loops() -> tuple[LoopSample, ...]:
             loops = []
             for volume_id, device in pairs:
                 stat = read_loop_stat(Path(device), backing[volume_id])
                 if stat is not None:
                     loops.append(LoopSample(volume_id, Path(device).name, stat))
-            return usage, allocated, tuple(loops)
+            return tuple(loops)
 
-        usage, allocated, loops = await asyncio.to_thread(read_host)
+        pools = self._driver.pools
         self._sample = Sample(
-            pool=usage, volumes=volumes, staged=frozenset(s.volume_id for s in stages), allocated=allocated,
-            loops=loops, highest_offset=await self._highest_offsets(),
+            pools=pool_usages(pools), volumes=volumes, staged=frozenset(s.volume_id for s in stages),
+            allocated=await allocated_bytes(pools, volumes), loops=await asyncio.to_thread(read_loops),
+            highest_offset=await self._highest_offsets(),
         )
 
     async def _highest_offsets(self) -> dict[str, int]:
@@ -209,15 +233,7 @@ class DriverCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         sample, daemon = self._sample, self._driver.daemon
-        if sample.pool is not None:
-            yield GaugeMetricFamily("csi_qsd_pool_capacity_bytes",
-                                    "Size of the filesystem that holds the volume pool", value=sample.pool.total)
-            yield GaugeMetricFamily("csi_qsd_pool_available_bytes",
-                                    "Free bytes in the volume pool (what GetCapacity reports)",
-                                    value=sample.pool.available)
-        yield GaugeMetricFamily("csi_qsd_pool_provisioned_bytes",
-                                "Sum of the capacities of all volumes (thin: may exceed the pool)",
-                                value=sum(v.capacity for v in sample.volumes))
+        yield from self._pool_families(sample)
         yield GaugeMetricFamily("csi_qsd_volumes", "Volumes in the catalog", value=len(sample.volumes))
         yield CounterMetricFamily("csi_qsd_qsd_restarts",
                                   "Times qemu-storage-daemon was lost and the driver brought it back",
@@ -254,8 +270,8 @@ class DriverCollector(Collector):
         staged = GaugeMetricFamily("csi_qsd_volume_staged", "1 while the volume is staged on this node",
                                    labels=["volume_id"])
         allocated = GaugeMetricFamily("csi_qsd_volume_allocated_bytes",
-                                      "Bytes the volume's image file occupies in the pool (st_blocks)",
-                                      labels=["volume_id"])
+                                      "Bytes the volume occupies in its pool (an image file's st_blocks; a device "
+                                      "pool's extent, allocated whole)", labels=["volume_id"])
         for volume in sample.volumes:
             info.add_metric([volume.id, volume.name, volume.params.export.value, volume.params.format.value], 1)
             capacity.add_metric([volume.id], volume.capacity)
@@ -275,6 +291,30 @@ class DriverCollector(Collector):
         yield offset
 
         yield from self._loop_families(sample.loops)
+
+    @staticmethod
+    def _pool_families(sample: Sample) -> Iterator[Metric]:
+        """Capacity, free and provisioned bytes of each pool, labelled by its ID."""
+        labels = ["pool"]
+        capacity = GaugeMetricFamily(
+            "csi_qsd_pool_capacity_bytes",
+            "Bytes the pool can hold: a file pool's filesystem, a device pool's data area", labels=labels)
+        available = GaugeMetricFamily(
+            "csi_qsd_pool_available_bytes", "Free bytes in the pool (what GetCapacity reports for it)",
+            labels=labels)
+        for pool_id, usage in sorted(sample.pools.items()):
+            capacity.add_metric([pool_id], usage.total)
+            available.add_metric([pool_id], usage.available)
+        provisioned = GaugeMetricFamily(
+            "csi_qsd_pool_provisioned_bytes",
+            "Sum of the capacities of the pool's volumes (a file pool's are thin: it may exceed the pool)",
+            labels=labels)
+        by_pool = dict.fromkeys(sample.pools, 0)
+        for volume in sample.volumes:
+            by_pool[volume.pool] = by_pool.get(volume.pool, 0) + volume.capacity
+        for pool_id, total in sorted(by_pool.items()):
+            provisioned.add_metric([pool_id], total)
+        yield from (capacity, available, provisioned)
 
     @staticmethod
     def _loop_families(loops: tuple[LoopSample, ...]) -> Iterator[Metric]:

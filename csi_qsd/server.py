@@ -61,6 +61,7 @@ class Driver:
         self.catalog = catalog
         self.daemon = daemon
         self.volumes = volumes
+        self.pools = volumes.pools
         self.node = node
         self.changed_blocks = ChangedBlocks(catalog, config.qemu_img)
 

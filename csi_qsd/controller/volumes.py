@@ -215,6 +215,11 @@ class Volumes:
             return records[:max_entries], records[max_entries - 1].id
         return records, ""
 
+    @property
+    def pools(self) -> Mapping[str, Pool]:
+        """Every pool of this node by ID: the file pool and the device pools."""
+        return self._pools
+
     def available_bytes(self, pool_id: str = "") -> int:
         """Free bytes of a pool (default: the file pool); 0 for a pool this node does not have."""
         pool = self._pools.get(pool_id or self._pool.id)

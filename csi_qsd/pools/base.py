@@ -45,7 +45,16 @@ class Pool(abc.ABC):
         """
 
     @abc.abstractmethod
-    def usage(self) -> PoolUsage: ...
+    def usage(self) -> PoolUsage:
+        """The pool's size and free bytes now; cheap enough for the event loop. Raises OSError."""
+
+    @abc.abstractmethod
+    async def allocated(self, images: list[Path]) -> dict[Path, int]:
+        """Bytes each of `images` occupies in the pool now; a reference that names nothing here is left out.
+
+        For metrics: what a volume really takes, beside the capacity it was
+        given. Raises OSError when the pool cannot be read.
+        """
 
     @abc.abstractmethod
     def image_path(self, volume_id: str, fmt: ImageFormat, generation: int = 0) -> Path:

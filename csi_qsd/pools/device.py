@@ -292,10 +292,19 @@ class DevicePool(Pool):
     def largest_volume(self) -> int:
         return regions.largest_free(self.layout, self._taken())
 
+    async def allocated(self, images: list[Path]) -> dict[Path, int]:
+        """Each volume's extent, which is allocated whole (raw, no format between it and the device); no I/O."""
+        found: dict[Path, int] = {}
+        for image in images:
+            extent = self.extent_of(image.name) if image.parent == self._references else None
+            if extent is not None:
+                found[image] = extent.length
+        return found
+
     def image_path(self, volume_id: str, fmt: ImageFormat, generation: int = 0) -> Path:
         if generation:
             raise FailedPrecondition(f"device pool {self.id} holds raw extents: volumes on it have no overlays")
-        return Path(f"{REFERENCE_PREFIX}{self.id}") / volume_id
+        return self._references / volume_id
 
     def check_parameters(self, params: VolumeParameters) -> None:
         if params.format is not ImageFormat.RAW:
@@ -495,7 +504,12 @@ class DevicePool(Pool):
             return f"device {device.node} of pool {self.id} was removed"
         return ""
 
+    @property
+    def _references(self) -> Path:
+        """Where this pool's storage references live: `extent:POOL/VOLUME_ID`."""
+        return Path(f"{REFERENCE_PREFIX}{self.id}")
+
     def _volume_of(self, image: Path) -> str:
-        if image.parent != Path(f"{REFERENCE_PREFIX}{self.id}"):
+        if image.parent != self._references:
             raise FailedPrecondition(f"{image} is not a reference of device pool {self.id}")
         return image.name

@@ -58,6 +58,14 @@ class FilePool(Pool):
         st = os.statvfs(self.directory)
         return PoolUsage(total=st.f_blocks * st.f_frsize, available=st.f_bavail * st.f_frsize)
 
+    async def allocated(self, images: list[Path]) -> dict[Path, int]:
+        """The blocks each image file occupies (`st_blocks`, what QEMU reports as `actual-size`); one stat each.
+
+        A file deleted since the caller listed it is left out. Raises OSError
+        for any other failure to stat (an unreadable pool is not an empty one).
+        """
+        return await asyncio.to_thread(_allocated_blocks, images)
+
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         """Create `image` of `size` bytes; RESOURCE_EXHAUSTED if the pool cannot hold it."""
         available = self.usage().available
@@ -195,6 +203,16 @@ def _check_result(image: Path, code: int, out: str) -> str:
             corruptions = 0
         return f"image file {image} is corrupt: qemu-img check found {corruptions or 'some'} corrupt clusters"
     return f"image file {image} cannot be opened as an image (qemu-img check exit {code})"
+
+
+def _allocated_blocks(images: list[Path]) -> dict[Path, int]:
+    found: dict[Path, int] = {}
+    for image in images:
+        try:
+            found[image] = os.stat(image).st_blocks * 512  # st_blocks counts 512-byte units on every filesystem
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def _write_durably(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size: int) -> None:

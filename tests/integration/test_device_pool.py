@@ -2,10 +2,11 @@
 
 The "NVMe" is a loop device over a sparse file, reached through a symlink
 that stands for its /dev/disk/by-id name. Checks: every export kind works on
-an extent and lands at its offset on the device; capacity per pool; foreign
-data refused unless forced; the label recognised after a restart; a deleted
-volume's bytes never reach the next tenant; snapshots and clones refused
-with the right code; a vanished device reported, not hung on.
+an extent and lands at its offset on the device; capacity per pool, in
+GetCapacity and in /metrics; foreign data refused unless forced; the label
+recognised after a restart; a deleted volume's bytes never reach the next
+tenant; snapshots and clones refused with the right code; a vanished device
+reported, not hung on.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.regions import Region
 from csi_qsd.qsd import attach, graph
 from csi_qsd.server import Driver
-from tests.harness import Sandbox, in_process_driver, qsd_pid, until
+from tests.harness import Sandbox, free_port, in_process_driver, qsd_pid, running_driver, until
 from tests.integration.test_expansion import Writer, fs_bytes
+from tests.integration.test_metrics import scrape
 
 MIB = 1 << 20
 DEVICE_BYTES = 512 * MIB
@@ -383,3 +385,34 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             assert (await capacity(csi, "fast"))[0] == pool_of(driver).layout.data_size
     finally:
         nvme.close()
+
+
+async def test_a_device_pool_reports_its_capacity_beside_the_file_pool(box: Sandbox, nvme: FakeNVMe) -> None:
+    """Every pool the driver has is in /metrics, by its ID, with the capacity GetCapacity reports."""
+    port = free_port()
+    async with (
+        running_driver(box, "--metrics-address", f"127.0.0.1:{port}", "--device-pool", f"fast={nvme.link}"),
+        CSIClient(box.endpoint, timeout=60) as csi,
+    ):
+        empty = await scrape(port)
+        assert {labels.get("pool") for labels in empty.matching("csi_qsd_pool_capacity_bytes")} == {"default", "fast"}
+        data_area = empty.value("csi_qsd_pool_capacity_bytes", pool="fast")
+        assert data_area == DEVICE_BYTES - MIB  # the device less the aligned unit that holds the pool's label
+        assert empty.value("csi_qsd_pool_available_bytes", pool="fast") == (await capacity(csi, "fast"))[0]
+        assert empty.value("csi_qsd_pool_available_bytes", pool="fast") == data_area
+        assert empty.value("csi_qsd_pool_provisioned_bytes", pool="fast") == 0
+
+        vid = (await csi.create_volume("pvc-fast", 64 * MIB, {"pool": "fast"})).volume_id
+        taken = await scrape(port)
+        assert taken.value("csi_qsd_pool_available_bytes", pool="fast") == data_area - 64 * MIB
+        assert taken.value("csi_qsd_pool_available_bytes", pool="fast") == (await capacity(csi, "fast"))[0]
+        assert taken.value("csi_qsd_pool_provisioned_bytes", pool="fast") == 64 * MIB
+        assert taken.value("csi_qsd_pool_provisioned_bytes", pool="default") == 0
+        assert taken.value("csi_qsd_pool_capacity_bytes", pool="default") == empty.value(
+            "csi_qsd_pool_capacity_bytes", pool="default")
+        assert taken.value("csi_qsd_volume_allocated_bytes", volume_id=vid) == 64 * MIB  # an extent, allocated whole
+
+        await csi.delete_volume(vid)
+        freed = await scrape(port)
+        assert freed.value("csi_qsd_pool_available_bytes", pool="fast") == data_area
+        assert not freed.matching("csi_qsd_volume_allocated_bytes", volume_id=vid)

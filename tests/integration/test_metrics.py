@@ -5,7 +5,8 @@ filesystem volume is created, staged and published; data is written with
 fsync while /metrics is scraped; the per-volume counters (the kernel's, of the
 volume's loop device) must grow by at least what was written. RPC counts and
 latency by method and code, pool capacity and the QSD restart counter (across
-a `kill -9` of QSD) are checked on the same endpoint.
+a `kill -9` of QSD) are checked on the same endpoint; a device pool's
+capacity beside the file pool's in `test_device_pool.py`.
 """
 
 from __future__ import annotations
@@ -169,10 +170,11 @@ async def test_metrics_during_io_and_a_qsd_restart(box: Sandbox, process: Driver
         assert after.value("csi_qsd_rpc_duration_seconds_count", method="CreateVolume", code="INVALID_ARGUMENT") == 1
         assert after.types["csi_qsd_rpc_duration_seconds"] == "histogram"
 
-        # Pool capacity.
-        capacity = after.value("csi_qsd_pool_capacity_bytes")
-        assert 0 < after.value("csi_qsd_pool_available_bytes") <= capacity
-        assert after.value("csi_qsd_pool_provisioned_bytes") == 256 * MIB
+        # Pool capacity, by pool ID: here only the file pool.
+        assert after.matching("csi_qsd_pool_capacity_bytes") == [{"pool": "default"}]
+        size = after.value("csi_qsd_pool_capacity_bytes", pool="default")
+        assert 0 < after.value("csi_qsd_pool_available_bytes", pool="default") <= size
+        assert after.value("csi_qsd_pool_provisioned_bytes", pool="default") == 256 * MIB
         assert after.value("csi_qsd_volumes") == 1
 
         # QSD restarts: 0, then 1 after kill -9 (the driver starts a new QSD and rebuilds).
@@ -214,3 +216,4 @@ async def test_other_paths(process: DriverProcess, port: int) -> None:
     writer.close()
     await writer.wait_closed()
     assert missing.startswith(b"HTTP/1.1 404")
+

@@ -1,12 +1,18 @@
-"""Parsing the kernel's block stat lines, and believing a loop device's counters only while it is ours."""
+"""Parsing the kernel's block stat lines, believing a loop device's counters only while they are ours, and
+asking each volume's pool what the volume occupies."""
 
 from __future__ import annotations
 
+import errno
+import logging
 from pathlib import Path
 
 import pytest
 
-from csi_qsd.metrics import DiskStat, parse_disk_stat, read_loop_stat
+from csi_qsd.catalog import VolumeRecord, VolumeState
+from csi_qsd.metrics import DiskStat, allocated_bytes, parse_disk_stat, read_loop_stat
+from csi_qsd.params import VolumeParameters
+from csi_qsd.pools.files import FilePool
 
 # A loop device's stat line from a 6.x kernel (17 fields).
 LINE_17 = ("     296        1     7410       37      150      236   125452      238        0      208      428"
@@ -53,3 +59,29 @@ def test_read_loop_stat_survives_a_torn_stat_file(tmp_path: Path) -> None:
     export = Path("/x/disk")
     fake_loop(tmp_path, "loop1", str(export), stat="")
     assert read_loop_stat(Path("/dev/loop1"), export, tmp_path) is None
+
+
+class UnreadablePool(FilePool):
+    async def allocated(self, images: list[Path]) -> dict[Path, int]:
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def volume(volume_id: str, image: Path, pool: str) -> VolumeRecord:
+    return VolumeRecord(id=volume_id, name=volume_id, capacity=1 << 20, params=VolumeParameters(), image=image,
+                        state=VolumeState.READY, created_at=0.0, pool=pool)
+
+
+async def test_allocated_bytes_asks_the_pool_of_each_volume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    files = FilePool(tmp_path)
+    written = tmp_path / "vol-a.raw"
+    written.write_bytes(b"x" * 8192)
+    volumes = [
+        volume("vol-a", written, "default"),
+        volume("vol-gone", tmp_path / "vol-gone.raw", "default"),  # deleted since the catalog was read
+        volume("vol-sick", tmp_path / "vol-a.raw", "sick"),
+        volume("vol-elsewhere", Path("extent:fast/vol-elsewhere"), "fast"),  # a pool this driver lacks
+    ]
+    with caplog.at_level(logging.WARNING, logger="csi_qsd.metrics"):
+        found = await allocated_bytes({"default": files, "sick": UnreadablePool(tmp_path, pool_id="sick")}, volumes)
+    assert found == {"vol-a": written.stat().st_blocks * 512}
+    assert "pool=sick" in caplog.text and "Input/output error" in caplog.text
