@@ -30,7 +30,7 @@ from csi_qsd.params import QoS, VolumeParameters
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DEFAULT_POOL = "default"
 # The whole schema as this release creates it; older catalogs reach it through _MIGRATIONS.
 _SCHEMA = """
@@ -76,7 +76,8 @@ CREATE TABLE IF NOT EXISTS stages (
     mount_flags  TEXT NOT NULL,
     mount_group  TEXT NOT NULL,
     state        TEXT NOT NULL,
-    loop_device  TEXT NOT NULL DEFAULT ''
+    loop_device  TEXT NOT NULL DEFAULT '',
+    shard        INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS publishes (
     target_path TEXT PRIMARY KEY,
@@ -114,6 +115,10 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE TABLE IF NOT EXISTS extents (pool TEXT NOT NULL, start INTEGER NOT NULL, length INTEGER NOT NULL,"
         " volume_id TEXT NOT NULL, state TEXT NOT NULL, PRIMARY KEY (pool, start))",
         "CREATE INDEX IF NOT EXISTS extents_by_volume ON extents(volume_id)",
+    ),
+    5: (
+        # QSD shards: which of the node's QSDs serves a staged volume; before them there was one.
+        "ALTER TABLE stages ADD COLUMN shard INTEGER NOT NULL DEFAULT 0",
     ),
 }
 
@@ -217,6 +222,7 @@ class StageRecord:
     mount_group: str
     state: StageState
     loop_device: str = ""
+    shard: int = 0  # the node's QSD that serves the volume while it is staged (`csi_qsd.qsd.shards`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,10 +372,10 @@ class Catalog:
         await self._run(
             lambda db: db.execute(
                 "INSERT OR REPLACE INTO stages (volume_id, staging_path, access_type, fs_type, mount_flags,"
-                " mount_group, state, loop_device) VALUES (?,?,?,?,?,?,?,?)",
+                " mount_group, state, loop_device, shard) VALUES (?,?,?,?,?,?,?,?,?)",
                 (record.volume_id, str(record.staging_path), record.access_type.value, record.fs_type,
                  json.dumps(list(record.mount_flags)), record.mount_group, record.state.value,
-                 record.loop_device),
+                 record.loop_device, record.shard),
             ),
             durable=durable,
         )
@@ -647,7 +653,7 @@ def _stage(row: sqlite3.Row) -> StageRecord:
         volume_id=row["volume_id"], staging_path=Path(row["staging_path"]),
         access_type=AccessType(row["access_type"]), fs_type=row["fs_type"],
         mount_flags=tuple(json.loads(row["mount_flags"])), mount_group=row["mount_group"],
-        state=StageState(row["state"]), loop_device=row["loop_device"],
+        state=StageState(row["state"]), loop_device=row["loop_device"], shard=row["shard"],
     )
 
 

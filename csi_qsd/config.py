@@ -16,6 +16,7 @@ from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.qsd.settings import QSDMode
+from csi_qsd.qsd.shards import check_count as check_shards
 from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
 from csi_qsd.sys.pem import PemFiles
 from csi_qsd.sys.tools import bundled
@@ -60,6 +61,8 @@ class Config:
     iothreads: int = dataclasses.field(default_factory=node_cores)
     poll_max_ns: int | None = None
     fuse_threads: FuseThreads = FuseThreads.AUTO
+    # QSD processes serving this node's volumes, each from its own main loop (`csi_qsd.qsd.shards`).
+    qsd_shards: int = 1
     device_pools: tuple[DevicePoolSpec, ...] = ()
     # Device pools on remote targets through QEMU's own drivers (iSCSI, NBD): `csi_qsd.pools.remote`.
     remote_pools: tuple[RemotePoolSpec, ...] = ()
@@ -75,6 +78,7 @@ class Config:
         check_iothreads(self.iothreads, node_cores())
         if self.poll_max_ns is not None and self.poll_max_ns not in POLL_MAX_NS_RANGE:
             raise ValueError(f"poll-max-ns {self.poll_max_ns}: must be 0..{POLL_MAX_NS_RANGE.stop - 1}")
+        check_shards(self.qsd_shards)
         names = [spec.name for spec in self.device_pools] + [spec.name for spec in self.remote_pools]
         if len(set(names)) != len(names):
             raise ValueError(f"device and remote pool names must be unique: {names}")

@@ -220,36 +220,47 @@ class DriverCollector(Collector):
         )
 
     async def _highest_offsets(self) -> dict[str, int]:
-        """wr_highest_offset of each exported volume's top node, the one per-node figure QSD 7.2 keeps."""
-        daemon = self._driver.daemon
-        if not daemon.ready:
-            return {}
-        try:
-            tops = await qsd_stats.volume_top_stats(daemon.client)
-        except QSDError as exc:
-            log.warning("event=metrics_qsd_failed error=%r", str(exc))
-            return {}
-        return {volume_id: node["wr_highest_offset"] for volume_id, node in tops.items()}
+        """wr_highest_offset of each exported volume's top node (every shard), the one per-node figure QSD 7.2 keeps."""
+        found: dict[str, int] = {}
+        for index, daemon in enumerate(self._driver.qsd.daemons):
+            if not daemon.ready:
+                continue
+            try:
+                tops = await qsd_stats.volume_top_stats(daemon.client)
+            except QSDError as exc:
+                log.warning("event=metrics_qsd_failed shard=%d error=%r", index, str(exc))
+                continue
+            found.update({volume_id: node["wr_highest_offset"] for volume_id, node in tops.items()})
+        return found
+
+    def _qsd_families(self) -> Iterator[Metric]:
+        """Each QSD shard's supervision figures, labelled by shard ("0" on a node with one QSD)."""
+        restarts = CounterMetricFamily("csi_qsd_qsd_restarts",
+                                       "Times qemu-storage-daemon was lost and the driver brought it back",
+                                       labels=["shard"])
+        ready = GaugeMetricFamily("csi_qsd_qsd_ready", "1 while qemu-storage-daemon answers over QMP",
+                                  labels=["shard"])
+        state = GaugeMetricFamily(
+            "csi_qsd_qsd_state",
+            "1 for the supervised qemu-storage-daemon's current runstate, 0 for the others "
+            "(starting, running, wedged, restarting, stopped)", labels=["shard", "state"])
+        wedges = CounterMetricFamily("csi_qsd_qsd_wedges",
+                                     "Times qemu-storage-daemon stopped answering over QMP and was killed and replaced",
+                                     labels=["shard"])
+        for index, daemon in enumerate(self._driver.qsd.daemons):
+            shard = str(index)
+            restarts.add_metric([shard], daemon.restarts)
+            ready.add_metric([shard], 1 if daemon.ready else 0)
+            for runstate in QSDState:
+                state.add_metric([shard, runstate.value], 1 if daemon.runstate is runstate else 0)
+            wedges.add_metric([shard], daemon.wedges)
+        yield from (restarts, ready, state, wedges)
 
     def collect(self) -> Iterator[Metric]:
         sample, daemon = self._sample, self._driver.daemon
         yield from self._pool_families(sample)
         yield GaugeMetricFamily("csi_qsd_volumes", "Volumes in the catalog", value=len(sample.volumes))
-        yield CounterMetricFamily("csi_qsd_qsd_restarts",
-                                  "Times qemu-storage-daemon was lost and the driver brought it back",
-                                  value=daemon.restarts)
-        yield GaugeMetricFamily("csi_qsd_qsd_ready", "1 while qemu-storage-daemon answers over QMP",
-                                value=1 if daemon.ready else 0)
-        state = GaugeMetricFamily(
-            "csi_qsd_qsd_state",
-            "1 for the supervised qemu-storage-daemon's current runstate, 0 for the others "
-            "(starting, running, wedged, restarting, stopped)", labels=["state"])
-        for runstate in QSDState:
-            state.add_metric([runstate.value], 1 if daemon.runstate is runstate else 0)
-        yield state
-        yield CounterMetricFamily("csi_qsd_qsd_wedges",
-                                  "Times qemu-storage-daemon stopped answering over QMP and was killed and replaced",
-                                  value=daemon.wedges)
+        yield from self._qsd_families()
         yield CounterMetricFamily("csi_qsd_snapshot_metadata_fallbacks",
                                   "GetMetadataDelta answers that were a superset (everything allocated in either "
                                   "snapshot) because a flatten had merged the images between base and target",

@@ -18,6 +18,8 @@ from csi_qsd.qcow2.granularity import DEFAULT as DEFAULT_GRANULARITY, parse as p
 from csi_qsd.errors import InvalidArgument
 
 PROVISIONER_PREFIX = "csi.storage.k8s.io/"
+# The claim's namespace, which the external-provisioner adds with --extra-create-metadata.
+NAMESPACE_KEY = PROVISIONER_PREFIX + "pvc/namespace"
 
 
 class ImageFormat(enum.Enum):
@@ -85,6 +87,10 @@ class VolumeParameters:
     pool: str = DEFAULT_POOL_NAME
     # Changed-block granularity in bytes: the qcow2 (sub)cluster of every image of the volume's chain.
     granularity: int = DEFAULT_GRANULARITY
+    # The claim's namespace (from the provisioner, not the StorageClass): a node with several QSD shards
+    # serves one namespace's volumes from one shard, so a VolumeGroupSnapshot (namespaced) is cut in one
+    # transaction. Not part of what makes two requests the same volume.
+    namespace: str = dataclasses.field(default="", compare=False)
 
     def to_json(self) -> str:
         raw: dict[str, Any] = {}
@@ -157,6 +163,9 @@ def parse_parameters(parameters: Mapping[str, str]) -> VolumeParameters:
     """Parse a CreateVolume's `parameters` map; raise InvalidArgument naming the bad key."""
     kwargs: dict[str, Any] = {}
     for key in sorted(parameters):
+        if key == NAMESPACE_KEY:
+            kwargs["namespace"] = parameters[key]
+            continue
         if key.startswith(PROVISIONER_PREFIX):
             continue
         if key in QOS_KEYS:

@@ -20,6 +20,7 @@ from csi_qsd.csi import unix_socket
 from csi_qsd.catalog import Catalog
 from csi_qsd.controller.changed_blocks import ChangedBlocks
 from csi_qsd.config import Config
+from csi_qsd.errors import StartupError
 from csi_qsd.csi.controller import ControllerService
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi.group_controller import GroupControllerService
@@ -39,7 +40,8 @@ from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.device_pools import open_device_pools
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.qsd.daemon import QSDDaemon, Rebuild
+from csi_qsd.qsd.daemon import Rebuild
+from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
@@ -51,7 +53,7 @@ class Driver:
     """A running driver's parts, for the server and for tests that look inside."""
 
     def __init__(
-        self, config: Config, catalog: Catalog, daemon: QSDDaemon, volumes: Volumes, node: NodeVolumes,
+        self, config: Config, catalog: Catalog, qsd: QSDShards, volumes: Volumes, node: NodeVolumes,
         snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
     ) -> None:
         self.health = health
@@ -59,27 +61,44 @@ class Driver:
         self.snapshots = snapshots
         self.config = config
         self.catalog = catalog
-        self.daemon = daemon
+        self.qsd = qsd
+        self.daemon = qsd.first  # the node's one QSD unless it has several shards
         self.volumes = volumes
         self.pools = volumes.pools
         self.node = node
         self.changed_blocks = ChangedBlocks(catalog, config.qemu_img)
 
     def ready(self) -> bool:
-        return self.daemon.ready and self.catalog.usable()
+        return self.qsd.ready and self.catalog.usable()
 
 
 def node_features() -> dict[str, bool]:
     return {"fuse": Path("/dev/fuse").exists(), "vhost-user-blk": True}
 
 
-def attaching(pools: list[DevicePool], rebuild: Rebuild) -> Rebuild:
-    """The graph rebuild, after each pool has opened in QSD what its volumes stand on (a fresh QSD has none)."""
-    async def run(client: QSDClient) -> Callable[[], Awaitable[None]] | None:
-        for pool in pools:
-            await pool.attach(client)
-        return await rebuild(client)
-    return run
+def attaching(pools: list[DevicePool], rebuild: Callable[[int], Rebuild]) -> Callable[[int], Rebuild]:
+    """Each shard's graph rebuild; shard 0 first opens what device pools' volumes stand on (a fresh QSD has none).
+
+    One process owns a device, so device pools live in shard 0 only (`csi_qsd.node.placement`).
+    """
+    def for_shard(shard: int) -> Rebuild:
+        async def run(client: QSDClient) -> Callable[[], Awaitable[None]] | None:
+            if shard == 0:
+                for pool in pools:
+                    await pool.attach(client)
+            return await rebuild(shard)(client)
+        return run
+    return for_shard
+
+
+async def placed(catalog: Catalog, qsd: QSDShards) -> None:
+    """Tell the shards which serves each staged volume; refuse to start without a shard a stage row names."""
+    for stage in await catalog.stages():
+        if stage.shard >= qsd.count:
+            raise StartupError(
+                f"volume {stage.volume_id} is staged on QSD shard {stage.shard}, but --qsd-shards is {qsd.count}: "
+                f"start with --qsd-shards {stage.shard + 1} or more, unstage the volume, then lower it")
+        qsd.place(stage.volume_id, stage.shard)
 
 
 @contextlib.asynccontextmanager
@@ -98,18 +117,19 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
                                                      remote=config.remote_pools)}
         volumes = Volumes(catalog, pool, locks, failpoints, pools=device_pools)
         await volumes.reconcile()
-        daemon = QSDDaemon(config)
-        exports = ExportPaths(ExportHost(daemon, config.exports_dir, {pool.id: pool, **device_pools}, failpoints))
+        qsd = QSDShards(config, config.qsd_shards)
+        await placed(catalog, qsd)
+        exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         await snapshots.reconcile()
-        await daemon.start(attaching(list(device_pools.values()), node.rebuild))
+        await qsd.start(attaching(list(device_pools.values()), node.rebuild))
         try:
-            yield Driver(config, catalog, daemon, volumes, node, snapshots, HealthView(catalog, exports),
-                         VolumeLimits(catalog, daemon, locks))
+            yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports),
+                         VolumeLimits(catalog, qsd, locks))
         finally:
             await snapshots.close()
-            await daemon.close()
+            await qsd.close()
 
 
 @contextlib.asynccontextmanager
@@ -118,7 +138,7 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
     async with running_driver(config) as driver:
         server = grpc.aio.server()
         identity = IdentityService(
-            config.driver_name, driver.ready, lambda: features.live_resize_reaches_guest(driver.daemon.version),
+            config.driver_name, driver.ready, lambda: features.live_resize_reaches_guest(driver.qsd.version),
             observers)
         controller = ControllerService(config, driver.volumes, driver.snapshots, driver.health, driver.limits, observers)
         metadata = SnapshotMetadataService(driver.changed_blocks, observers)

@@ -30,6 +30,7 @@ from typing import TypeVar, overload
 from csi_qsd.config import Config
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.qsd.daemon import running_pid
+from csi_qsd.qsd.shards import MAX_SHARDS, ShardSettings
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys import loop, mounts
 from csi_qsd.sys.tools import bundled
@@ -167,8 +168,7 @@ def force_cleanup(root: Path) -> None:
     """Unmount everything under `root`, detach its loop devices, kill its QSD, remove it."""
     state = root / "state"
     release_host_state(root)
-    pid = running_pid(Config(state_dir=state))
-    if pid is not None:
+    for pid in qsd_pids(state):
         _kill_and_wait(pid)
     for entry in mounts.mount_table():
         if root in entry.mount_point.parents:
@@ -185,7 +185,7 @@ async def in_process_driver(box: Sandbox, **overrides: object) -> AsyncIterator[
             yield driver, client
         # Stop QSD so FUSE exports go away with it, after what stands on them.
         await asyncio.to_thread(release_host_state, box.root)
-        await driver.daemon.shutdown()
+        await driver.qsd.shutdown()
 
 
 class DriverProcess:
@@ -260,8 +260,15 @@ async def running_driver(box: Sandbox, *extra: str) -> AsyncIterator[DriverProce
         await driver.stop()
 
 
-def qsd_pid(box: Sandbox) -> int | None:
-    return running_pid(Config(state_dir=box.state_dir))
+def qsd_pid(box: Sandbox, shard: int = 0) -> int | None:
+    return running_pid(ShardSettings(Config(state_dir=box.state_dir), shard))
+
+
+def qsd_pids(state_dir: Path) -> list[int]:
+    """The live QSDs of every shard a driver on `state_dir` may have started."""
+    config = Config(state_dir=state_dir)
+    found = (running_pid(ShardSettings(config, shard)) for shard in range(MAX_SHARDS))
+    return [pid for pid in found if pid is not None]
 
 
 async def wait_new_qsd(box: Sandbox, old: int, timeout: float = 60.0) -> int:

@@ -24,7 +24,7 @@ class LiveImages:
     def __init__(self, catalog: Catalog, exports: ExportPaths) -> None:
         self._catalog = catalog
         self._exports = exports
-        self._daemon = exports.host.daemon
+        self._qsd = exports.host.qsd
 
     async def switch_tops(self, switches: list[tuple[VolumeRecord, VolumeRecord]]) -> None:
         """Move staged volumes (before, after) onto their new top images live, at one instant.
@@ -41,22 +41,32 @@ class LiveImages:
                 live.append((before, after, stage))
         if not live:
             return
-        self._require_qsd()
+        shards = {stage.shard for _, _, stage in live}
+        if len(shards) > 1:
+            raise FailedPrecondition(
+                "volumes " + ", ".join(before.id for before, _, _ in live) + " are staged on different "
+                "qemu-storage-daemon shards of this node, so no one transaction can cut them at one instant: "
+                "give them one placement (the same namespace) or unstage all but one shard's, then retry")
+        daemon = self._qsd.daemons[shards.pop()]
+        self._require(daemon.ready)
         async with contextlib.AsyncExitStack() as stack:
             for before, _after, stage in live:
                 await stack.enter_async_context(self._exports.of(before).quiesced(before, stage))
             await attach.switch_tops(
-                self._daemon.client, [(before.generation, self._exports.host.top_image(after)) for before, after, _ in live]
+                daemon.client, [(before.generation, self._exports.host.top_image(after)) for before, after, _ in live]
             )
 
     async def any_switched(self, moved: list[VolumeRecord]) -> bool:
         """True if QSD already has any of `moved`'s new tops open (a switch whose answer was lost)."""
-        if not moved or not self._daemon.ready:
-            return False
-        try:
-            return await attach.any_open(self._daemon.client, [self._exports.host.top_image(v) for v in moved])
-        except QSDError:
-            return False
+        for daemon in self._qsd.daemons:
+            if not moved or not daemon.ready:
+                continue
+            try:
+                if await attach.any_open(daemon.client, [self._exports.host.top_image(v) for v in moved]):
+                    return True
+            except QSDError:
+                continue
+        return False
 
     async def stream_backing_if_staged(self, volume: VolumeRecord) -> bool:
         """Flatten a staged volume's chain live; False if it is not staged here.
@@ -70,12 +80,14 @@ class LiveImages:
         stage = await self._catalog.stage(volume.id)
         if stage is None or stage.state is not StageState.STAGED or not volume.backing:
             return False
-        self._require_qsd()
+        daemon = self._qsd.daemons[stage.shard]
+        self._require(daemon.ready)
         layers = await chains.images_below(self._catalog, volume.backing)
-        if not await attach.stream_into_backing(self._daemon.client, volume.id, Path(volume.backing), layers):
+        if not await attach.stream_into_backing(daemon.client, volume.id, Path(volume.backing), layers):
             raise FailedPrecondition(f"the backing image of volume {volume.id} is not open in qemu-storage-daemon")
         return True
 
-    def _require_qsd(self) -> None:
-        if not self._daemon.ready:
+    @staticmethod
+    def _require(ready: bool) -> None:
+        if not ready:
             raise Unavailable("qemu-storage-daemon is not ready (starting or restarting); retry shortly")

@@ -26,6 +26,7 @@ from csi_qsd.pools.base import Pool
 from csi_qsd.qsd import attach, move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import QSDDaemon
+from csi_qsd.qsd.shards import QSDShards
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +52,19 @@ class VolumeStats:
 
 @dataclasses.dataclass(frozen=True)
 class ExportHost:
-    """What every kind shares: the daemon and the per-volume directories under the state dir."""
+    """What every kind shares: the node's QSDs and the per-volume directories under the state dir."""
 
-    daemon: QSDDaemon
+    qsd: QSDShards
     exports_dir: Path
     pools: Mapping[str, Pool]
     failpoints: Failpoints = NO_FAILPOINTS
 
-    @property
-    def client(self) -> QSDClient:
-        return self.daemon.client
+    def daemon_of(self, volume_id: str) -> QSDDaemon:
+        """The QSD (shard) serving the volume."""
+        return self.qsd.of(volume_id)
+
+    def client_of(self, volume_id: str) -> QSDClient:
+        return self.qsd.client_of(volume_id)
 
     def volume_dir(self, volume_id: str) -> Path:
         return self.exports_dir / volume_id
@@ -164,7 +168,7 @@ class ExportPath(abc.ABC):
         writes went on while held still; what a failure leaves, `csi_qsd.node.moves`
         undoes.
         """
-        client = self.host.client
+        client = self.host.client_of(volume.id)
         await qsd_move.open_new_home(client, new)
         await qsd_move.copy_converging(client, old, new)
         async with self.quiesced(volume, stage):
@@ -179,7 +183,7 @@ class ExportPath(abc.ABC):
     async def finish_move(self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage,
                           new: attach.TopImage) -> None:
         """A committed move whose switch a crash cut off: make the export read `new` with nothing lost."""
-        client = self.host.client
+        client = self.host.client_of(volume.id)
         async with self.quiesced(volume, stage):
             await qsd_move.copy_rest(client, old, new)
             await qsd_move.switch(client, new)

@@ -66,7 +66,7 @@ class FuseLoopExport(ExportPath):
         await attach.ensure_top(client, top)
         if fresh_export:
             await attach.add_fuse_export(client, top, export, writable=True,
-                                         iothreads=self.host.daemon.fuse_iothreads())
+                                         iothreads=self.host.daemon_of(volume.id).fuse_iothreads())
             await fusectl.raise_background(export)
         self.host.failpoints.hit("stage.after_export")
         device = await self._loop_for(export, stage.loop_device, fresh_export)
@@ -139,7 +139,7 @@ class FuseLoopExport(ExportPath):
 
     async def condition(self, volume: VolumeRecord) -> tuple[bool, str]:
         export_id = graph.nodes_for(volume.id).fuse_export
-        if not await attach.has_export(self.host.client, export_id):
+        if not await attach.has_export(self.host.client_of(volume.id), export_id):
             return True, f"export {export_id} is missing from qemu-storage-daemon"
         if self.export_broken(volume.id):
             return True, f"the FUSE export of volume {volume.id} is not connected to qemu-storage-daemon"
@@ -187,7 +187,7 @@ class FuseLoopExport(ExportPath):
         mounted = stage.access_type is AccessType.MOUNT
         offline_ext4 = self._offline_ext4(stage)
         if size > volume.capacity:
-            await attach.resize(self.host.client, self.host.top_image(volume), size)
+            await attach.resize(self.host.client_of(volume.id), self.host.top_image(volume), size)
         for device in [stage.loop_device, *(p.loop_device for p in publishes)]:
             if device:
                 await loop.refresh_capacity(Path(device), size)
@@ -232,7 +232,7 @@ class FuseLoopExport(ExportPath):
             found = loop.find_loop(export, readonly=False)
             if found:
                 return found[0].device
-        return await loop.attach(export, direct_io=self.host.daemon.loop_direct_io)
+        return await loop.attach(export, direct_io=self.host.qsd.loop_direct_io)
 
     async def _drop_stale_host_state(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord]

@@ -65,12 +65,12 @@ class VhostUserExport(ExportPath):
 
     def _iothreads(self, volume: VolumeRecord) -> IOThreadPool | None:
         """The iothreads this QSD can run the export in (see datapath); a polling budget is lost if none."""
-        pool = self.host.daemon.vhost_iothreads()
+        pool = self.host.daemon_of(volume.id).vhost_iothreads()
         if pool is not None:
             return pool
         if volume.params.iothread_poll_max_ns is not None:
             log.warning("event=iothread_poll_ignored volume_id=%s qsd_version=%s reason=%s", volume.id,
-                        ".".join(map(str, self.host.daemon.version)),
+                        ".".join(map(str, self.host.qsd.version)),
                         "vhost-user-blk exports run in QSD's main loop on this version")
         return None
 
@@ -92,8 +92,8 @@ class VhostUserExport(ExportPath):
             # No VM can be connected (no other publish): re-add the export in this publish's mode.
             top = self.host.top_image(volume)
             socket = socket_dir / vhost_user.SOCKET_NAME
-            await self.host.client.export_del(top.nodes.vhost_export)
-            await attach.ensure_vhost_export(self.host.client, top, socket, writable=not record.readonly,
+            await self.host.client_of(volume.id).export_del(top.nodes.vhost_export)
+            await attach.ensure_vhost_export(self.host.client_of(volume.id), top, socket, writable=not record.readonly,
                                              iothreads=self._iothreads(volume))
             vhost_user.restrict_socket(socket, self.group(volume, stage))
         await vhost_user.ensure_published(socket_dir, record.target_path)
@@ -117,7 +117,7 @@ class VhostUserExport(ExportPath):
         if stage is None:
             return
         socket = self.socket_dir(volume.id) / vhost_user.SOCKET_NAME
-        if not self.host.daemon.ready:
+        if not self.host.daemon_of(volume.id).ready:
             raise Unavailable(
                 f"qemu-storage-daemon is restarting: whether a VM still has volume {volume.id} open cannot be "
                 "told until it is back; retry shortly"
@@ -129,7 +129,7 @@ class VhostUserExport(ExportPath):
                 f"{socket}. Detach the disk from the VM (device_del, then chardev-remove) or stop the VM; "
                 "a retry succeeds once it let go"
             )
-        if not peers.listening and await attach.has_export(self.host.client, graph.nodes_for(volume.id).vhost_export):
+        if not peers.listening and await attach.has_export(self.host.client_of(volume.id), graph.nodes_for(volume.id).vhost_export):
             raise Unavailable(
                 f"qemu-storage-daemon exports volume {volume.id} at {socket} but no listening socket is in this "
                 "network namespace: run the plugin in qemu-storage-daemon's network namespace"
@@ -140,7 +140,7 @@ class VhostUserExport(ExportPath):
 
     async def condition(self, volume: VolumeRecord) -> tuple[bool, str]:
         export_id = graph.nodes_for(volume.id).vhost_export
-        if not await attach.has_export(self.host.client, export_id):
+        if not await attach.has_export(self.host.client_of(volume.id), export_id):
             return True, f"export {export_id} is missing from qemu-storage-daemon"
         return False, "volume is healthy"
 
@@ -163,13 +163,13 @@ class VhostUserExport(ExportPath):
             )
         raise FailedPrecondition(
             f"volume {volume.id} is published at {publishes[0].target_path}: qemu-storage-daemon "
-            f"{'.'.join(map(str, self.host.daemon.version))} cannot grow a disk under a running VM; "
+            f"{'.'.join(map(str, self.host.qsd.version))} cannot grow a disk under a running VM; "
             "stop the VM and unpublish the volume, or upgrade QSD to 10.0 or newer"
         )
 
     def _live(self, volume: VolumeRecord) -> bool:
         """True if a resize under the export reaches a connected guest (block_resize on QSD >= 10)."""
-        return features.live_resize_reaches_guest(self.host.daemon.version) and not self._fixed(volume)
+        return features.live_resize_reaches_guest(self.host.qsd.version) and not self._fixed(volume)
 
     def _fixed(self, volume: VolumeRecord) -> bool:
         """True for a device pool's extent: a window of fixed size that only a reopen can grow."""
@@ -180,14 +180,14 @@ class VhostUserExport(ExportPath):
         commit: Callable[[], Awaitable[None]],
     ) -> None:
         """A mirror under the export (it holds no RESIZE permission), committed once actively synced."""
-        await qsd_move.open_new_home(self.host.client, new)
-        await qsd_move.mirror(self.host.client, old, new, commit)
+        await qsd_move.open_new_home(self.host.client_of(volume.id), new)
+        await qsd_move.mirror(self.host.client_of(volume.id), old, new, commit)
 
     async def finish_move(self, volume: VolumeRecord, stage: StageRecord, old: attach.TopImage,
                           new: attach.TopImage) -> None:
         """The mirror again (the running job, or a new one: the old top kept every write until the switch)."""
-        await qsd_move.open_new_home(self.host.client, new)
-        await qsd_move.mirror(self.host.client, old, new)
+        await qsd_move.open_new_home(self.host.client_of(volume.id), new)
+        await qsd_move.mirror(self.host.client_of(volume.id), old, new)
 
     async def expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
@@ -207,7 +207,7 @@ class VhostUserExport(ExportPath):
         if size <= volume.capacity:
             return
         top = self.host.top_image(volume)
-        client = self.host.client
+        client = self.host.client_of(volume.id)
         if self._live(volume):
             await attach.resize(client, top, size)
             return

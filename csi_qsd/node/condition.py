@@ -57,7 +57,7 @@ class HealthView:
             return True, f"volume {volume.id}: {problem}"
         if not staged:
             return False, HEALTHY
-        if not self._exports.host.daemon.ready:
+        if not self._exports.host.daemon_of(volume.id).ready:
             return True, f"volume {volume.id}: qemu-storage-daemon is restarting; I/O will resume when it is back"
         if graph.nodes_for(volume.id, volume.generation).format in corrupt:
             return True, (f"volume {volume.id}: qemu-storage-daemon found its image {volume.image} corrupt "
@@ -70,9 +70,13 @@ class HealthView:
         return (True, f"volume {volume.id} is staged, but {message}") if abnormal else (False, HEALTHY)
 
     async def _corrupt_nodes(self) -> set[str]:
-        if not self._exports.host.daemon.ready:
-            return set()
-        try:
-            return await self._exports.host.client.corrupt_nodes()
-        except QSDError:
-            return set()
+        """Corrupt nodes of every shard that answers; node names carry the volume, so one set serves all."""
+        corrupt: set[str] = set()
+        for daemon in self._exports.host.qsd.daemons:
+            if not daemon.ready:
+                continue
+            try:
+                corrupt |= await daemon.client.corrupt_nodes()
+            except QSDError:
+                continue
+        return corrupt

@@ -87,7 +87,7 @@ async def settle(
     first, so finishing can take a new one.
     """
     pool = host.pools[volume.pool]
-    client = host.client
+    client = host.client_of(volume.id)
     if stage is not None:
         await kind.release(volume, stage)
     live = stage is not None and old.nodes.throttle in await client.node_names()

@@ -18,7 +18,7 @@ from csi_qsd.errors import NotFound, Unavailable
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import parse_mutable_parameters
 from csi_qsd.qsd import attach
-from csi_qsd.qsd.daemon import QSDDaemon
+from csi_qsd.qsd.shards import QSDShards
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 class VolumeLimits:
     """Change volumes' I/O limits; one call per volume at a time (the volume's lock)."""
 
-    def __init__(self, catalog: Catalog, daemon: QSDDaemon, locks: KeyedLocks) -> None:
+    def __init__(self, catalog: Catalog, qsd: QSDShards, locks: KeyedLocks) -> None:
         self._catalog = catalog
-        self._daemon = daemon
+        self._qsd = qsd
         self._locks = locks
 
     async def modify(self, volume_id: str, mutable: Mapping[str, str]) -> VolumeRecord:
@@ -54,10 +54,11 @@ class VolumeLimits:
             stage = await self._catalog.stage(volume_id)
             live = False
             if stage is not None and stage.state is StageState.STAGED:
-                if not self._daemon.ready:
+                daemon = self._qsd.daemons[stage.shard]
+                if not daemon.ready:
                     raise Unavailable(
                         f"volume {volume_id} is staged and qemu-storage-daemon is restarting; retry shortly"
                     )
-                live = await attach.set_limits(self._daemon.client, volume_id, qos)
+                live = await attach.set_limits(daemon.client, volume_id, qos)
             log.info("event=volume_modified volume_id=%s live=%s qos=%s", volume_id, live, qos.to_json())
             return volume

@@ -34,20 +34,25 @@ class GraphRebuild:
         self._exports = exports
         self._locks = locks
 
-    async def run(self, client: QSDClient) -> Callable[[], Awaitable[None]] | None:
-        """Make QSD and the host match the catalog; called after every (re)connect to QSD.
+    async def run(self, shard: int, client: QSDClient) -> Callable[[], Awaitable[None]] | None:
+        """Make one shard's QSD and the host match the catalog; called after every (re)connect to it.
 
         Finishes or undoes what a crash left, re-creates lost exports, loop
-        devices and mounts, and drops our graph nodes no staged volume needs;
-        never touches images. If QSD kept every staged volume's export (only
-        the driver restarted), the checks run in the background instead, each
-        volume under its lock, so calls are served at once.
+        devices and mounts, and drops our graph nodes no volume staged on
+        this shard needs; never touches images. If QSD kept every staged
+        volume's export (only the driver restarted), the checks run in the
+        background instead, each volume under its lock, so calls are served
+        at once. Moves happen in device pools, which shard 0 serves.
         """
-        await self._settle_moves()
-        staged = {s.volume_id for s in await self._catalog.stages() if s.state is StageState.STAGED}
+        if shard == 0:
+            await self._settle_moves()
+        stages = [s for s in await self._catalog.stages() if s.shard == shard]
+        for stage in stages:
+            self._exports.host.qsd.place(stage.volume_id, shard)
+        staged = {s.volume_id for s in stages if s.state is StageState.STAGED}
         if staged and staged <= await attach.exported_volumes(client):
-            return lambda: self._repair(client)
-        await self._repair(client)
+            return lambda: self._repair(shard, client)
+        await self._repair(shard, client)
         return None
 
     async def _settle_moves(self) -> None:
@@ -64,10 +69,13 @@ class GraphRebuild:
                     await moves.settle(host, self._exports.of(volume), volume, await self._catalog.stage(volume_id),
                                        old, new, committed=committed)
 
-    async def _repair(self, client: QSDClient) -> None:
+    async def _repair(self, shard: int, client: QSDClient) -> None:
         wanted: set[str] = set()
-        volume_ids = {p.volume_id for p in await self._catalog.publishes()}
-        volume_ids |= {s.volume_id for s in await self._catalog.stages()}
+        stages = await self._catalog.stages()
+        volume_ids = {s.volume_id for s in stages if s.shard == shard}
+        if shard == 0:  # publishes whose stage row is gone (a crash) are no shard's: the first takes them
+            staged_anywhere = {s.volume_id for s in stages}
+            volume_ids |= {p.volume_id for p in await self._catalog.publishes()} - staged_anywhere
         for volume_id in sorted(volume_ids):
             # A call cut off by the crash may still hold the volume; let it finish first.
             async with self._locks.wait_hold(volume_id, REBUILD_LOCK_WAIT) as held:
@@ -93,12 +101,14 @@ class GraphRebuild:
             return False
         if volume is None:
             await self._catalog.delete_stage(volume_id)
+            self._exports.host.qsd.forget(volume_id)
             return False
         kind = self._exports.of(volume)
         if stage.state is not StageState.STAGED:
             log.info("event=reconcile_stage volume_id=%s state=%s", volume_id, stage.state.value)
             await kind.tear_down(volume, stage, client, thorough=True)
             await self._catalog.delete_stage(volume_id)
+            self._exports.host.qsd.forget(volume_id)
             return False
         try:
             publishes = await self._catalog.publishes(volume_id)

@@ -14,10 +14,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from csi_qsd.node import moves
+from csi_qsd.node import moves, placement
 from csi_qsd.node.rebuild import GraphRebuild
 from csi_qsd.catalog import (
     AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord, VolumeState,
@@ -31,6 +31,7 @@ from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.pools.base import Pool
 from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.daemon import Rebuild
 from csi_qsd.controller.volumes import choose_size
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class NodeVolumes:
         self._catalog = catalog
         self._pool = pool
         self._exports = exports
-        self._daemon = exports.host.daemon
+        self._qsd = exports.host.qsd
         self._locks = locks
         self._failpoints = failpoints
         self._on_unstaged = on_unstaged
@@ -83,26 +84,27 @@ class NodeVolumes:
             kind = self._exports.of(volume)
             kind.check_access(volume, spec.block)
             fs_type = kind.fs_type(spec.block, spec.fs_type)
-            self._require_qsd()
             access = AccessType.BLOCK if spec.block else AccessType.MOUNT
             existing = await self._catalog.stage(spec.volume_id)
             if existing is not None and existing.state is StageState.STAGED:
                 _check_restage(spec, existing, access, fs_type)
-                brought = await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id),
-                                              self._daemon.client)
+                client = self._client(existing)
+                brought = await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id), client)
                 if brought != existing:  # a lost export came back on a new loop device: unstage must find it
                     await self._catalog.put_stage(brought)
                 return
             if existing is not None:
-                await kind.tear_down(volume, existing, self._daemon.client, thorough=True)
+                await kind.tear_down(volume, existing, self._client(existing), thorough=True)
             record = StageRecord(
                 volume_id=spec.volume_id, staging_path=spec.staging_path, access_type=access, fs_type=fs_type,
                 mount_flags=spec.mount_flags, mount_group=spec.mount_group, state=StageState.STAGING,
+                shard=await placement.shard_for(self._catalog, volume, self._qsd.count),
             )
+            client = self._client(record)
             await self._catalog.put_stage(record, durable=False)
             self._failpoints.hit("stage.after_intent")
             try:
-                record = await kind.bring_up(volume, record, [], self._daemon.client)
+                record = await kind.bring_up(volume, record, [], client)
             except BaseException:
                 await self._undo_stage(kind, volume, record)
                 raise
@@ -121,12 +123,13 @@ class NodeVolumes:
                 raise FailedPrecondition(
                     f"volume {volume_id} is still published at {published[0].target_path}; unpublish it first"
                 )
-            self._require_qsd()
+            client = self._client(record)
             await self._exports.of(volume).check_unused(volume, record)
             await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING), durable=False)
             self._failpoints.hit("unstage.after_intent")
-            await self._exports.of(volume).tear_down(volume, record, self._daemon.client, thorough=False)
+            await self._exports.of(volume).tear_down(volume, record, client, thorough=False)
             await self._catalog.delete_stage(volume_id)
+            self._qsd.forget(volume_id)
             log.info("event=unstaged volume_id=%s path=%s", volume_id, staging_path)
         self._on_unstaged(volume_id)
 
@@ -143,7 +146,7 @@ class NodeVolumes:
                 raise InvalidArgument(
                     f"volume {spec.volume_id} is staged as {stage.access_type.value}; publish it the same way"
                 )
-            self._require_qsd()
+            self._client(stage)
             kind = self._exports.of(volume)
             kind.check_publish(volume, stage, spec.mount_group)
             existing = await self._catalog.publish(spec.target_path)
@@ -201,7 +204,7 @@ class NodeVolumes:
                 raise OutOfRange(
                     f"volume {volume_id} cannot grow to {size} bytes: its pool has {available} bytes free"
                 )
-            self._require_qsd()
+            self._client(stage)
             kind = self._exports.of(volume)
             publishes = await self._catalog.publishes(volume_id)
             kind.check_expand(volume, stage, publishes, size)
@@ -220,13 +223,13 @@ class NodeVolumes:
         """Usage of a volume at its staging or target path. Raises NotFound."""
         volume = await self.volume(volume_id)
         stage = await _stage_at(self._catalog, volume_id, path)
-        if not self._daemon.ready:
+        if not self._qsd.daemons[stage.shard].ready:
             return VolumeStats.restarting(volume.capacity)
         return await self._exports.of(volume).stats(volume, stage, path)
 
-    async def rebuild(self, client: QSDClient) -> Callable[[], Awaitable[None]] | None:
-        """Make QSD and the host match the catalog; called after every (re)connect to QSD (`rebuild`)."""
-        return await self._rebuild.run(client)
+    def rebuild(self, shard: int) -> Rebuild:
+        """The repair of one shard's volumes, run after every (re)connect to that shard's QSD (`rebuild`)."""
+        return lambda client: self._rebuild.run(shard, client)
 
     async def _remove_publish(
         self, kind: ExportPath, volume: VolumeRecord, stage: StageRecord | None, record: PublishRecord,
@@ -236,8 +239,9 @@ class NodeVolumes:
 
     async def _undo_stage(self, kind: ExportPath, volume: VolumeRecord, record: StageRecord) -> None:
         try:
-            await kind.tear_down(volume, record, self._daemon.client, thorough=True)
+            await kind.tear_down(volume, record, self._client(record, required=False), thorough=True)
             await self._catalog.delete_stage(volume.id)
+            self._qsd.forget(volume.id)
         except Exception:
             log.exception("event=undo_stage_failed volume_id=%s (the start-up reconcile will retry)", volume.id)
 
@@ -261,13 +265,20 @@ class NodeVolumes:
         except (Internal, OSError) as exc:  # OSError: a host call on the dead FUSE file (ENOTCONN, EIO)
             if isinstance(exc, Unavailable):
                 raise
-            if self._daemon.ready and not self._exports.export_broken(volume_id):
+            if self._qsd.of(volume_id).ready and not self._exports.export_broken(volume_id):
                 raise
             raise Unavailable(f"qemu-storage-daemon went away during the call ({exc}); retry shortly") from exc
 
-    def _require_qsd(self) -> None:
-        if not self._daemon.ready:
+    def _client(self, stage: StageRecord, *, required: bool = True) -> QSDClient:
+        """The QMP client of the shard that serves (or is to serve) the staged volume; records the placement.
+
+        Raises Unavailable while that shard's QSD is starting or restarting, unless not `required`.
+        """
+        self._qsd.place(stage.volume_id, stage.shard)
+        daemon = self._qsd.daemons[stage.shard]
+        if required and not daemon.ready:
             raise Unavailable("qemu-storage-daemon is not ready (starting or restarting); retry shortly")
+        return daemon.client
 
 
 async def _stage_at(catalog: Catalog, volume_id: str, path: Path) -> StageRecord:

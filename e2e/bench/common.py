@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from tests.harness import DriverProcess, qsd_pid
+from tests.harness import DriverProcess, qsd_pids
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -116,6 +116,12 @@ class ThreadCPU:
             threads[tid] = (label, (int(fields[11]) + int(fields[12])) / tick)
         return cls(pid, time.monotonic(), cpu_seconds(pid), threads)
 
+    def busiest_since(self, before: "ThreadCPU") -> float:
+        """The share of one CPU the busiest thread used since `before`."""
+        seconds = max(self.at - before.at, 1e-9)
+        return max(((now - before.threads.get(tid, (name, 0.0))[1]) / seconds
+                    for tid, (name, now) in self.threads.items()), default=0.0)
+
     def since(self, before: "ThreadCPU", *, floor: float = 0.03, limit: int = 4) -> str:
         """Each thread's share of one CPU since `before`, busiest first ('main 0.98 IO iothread0 0.41 ...').
 
@@ -200,19 +206,18 @@ async def retrying(what: str, call: Callable[[], Awaitable[object]], attempts: i
 
 
 async def stop_driver_and_qsd(driver: DriverProcess) -> None:
-    """Stop the served driver, then its QSD: SIGTERM, wait, SIGKILL."""
+    """Stop the served driver, then its QSDs (every shard): SIGTERM, wait, SIGKILL."""
     await driver.stop()
-    pid = qsd_pid(driver.box)
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    for _ in range(100):
-        if not Path(f"/proc/{pid}").exists():
-            return
-        await asyncio.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    for pid in qsd_pids(driver.box.state_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            await asyncio.sleep(0.1)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,15 @@ runs: a single saturated thread (QSD 10.0's main loop serving every export)
 shows there. On QEMU 11 the driver spreads VM exports over its iothreads
 (one per core by default) and gives each FUSE export all of them, so on a
 machine with more cores the same command shows how far that carries.
+
+``--shards 1,2`` repeats each runtime with the driver's ``--qsd-shards``: the
+volumes are given claim namespaces that place volume i on shard i mod S, so
+N volumes use min(N, S) QSD processes, each serving its VM disks from its
+own main loop; the CPU column then shows each shard's threads (s0, s1, ...).
+Beside the VM rows it prints a projection for a node with a core per shard:
+the one-volume figure per CPU-second of the busiest QSD thread, times the
+shards the N volumes use. That is an estimate from this run, not a
+measurement, and says so.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from pathlib import Path
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
+from csi_qsd.qsd.shards import place
 from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
@@ -59,6 +69,7 @@ class Runtime:
     version: str  # "10" or "11": the install's qemu-storage-daemon-<version>
     iothreads: int | None  # --iothreads, None for the driver's default (one per core)
     fuse: str = ""  # --fuse-threads, "" for the driver's default
+    shards: int = 1  # --qsd-shards
 
     @classmethod
     def parse(cls, text: str) -> "Runtime":
@@ -74,7 +85,16 @@ class Runtime:
 
     def flags(self) -> list[str]:
         return ["--qsd-binary", self.binary, *(["--iothreads", str(self.iothreads)] if self.iothreads else []),
-                *(["--fuse-threads", self.fuse] if self.fuse else [])]
+                *(["--fuse-threads", self.fuse] if self.fuse else []), "--qsd-shards", str(self.shards)]
+
+
+NAMESPACE_KEY = "csi.storage.k8s.io/pvc/namespace"
+
+
+def namespace_for(index: int, shards: int) -> str:
+    """A claim namespace that places volume `index` on shard index mod `shards` (the driver's own rule)."""
+    wanted = index % shards
+    return next(f"bench-{index}-{n}" for n in range(10_000) if place(f"namespace:bench-{index}-{n}", shards) == wanted)
 
 
 @dataclasses.dataclass
@@ -85,6 +105,7 @@ class Row:
     volume: list[float] = dataclasses.field(default_factory=list)
     baseline: list[float] = dataclasses.field(default_factory=list)
     threads: list[str] = dataclasses.field(default_factory=list)
+    busiest: list[float] = dataclasses.field(default_factory=list)  # CPU share of the busiest QSD thread
 
 
 async def run(*argv: str) -> str:
@@ -158,7 +179,8 @@ class Bench:
             self.raws.append(raw)
         return list(self.raws)
 
-    async def _volume(self, csi: CSIClient, name: str, params: dict[str, str], *, block: bool) -> Path:
+    async def _volume(self, csi: CSIClient, name: str, params: dict[str, str], *, block: bool, index: int) -> Path:
+        params = {**params, NAMESPACE_KEY: namespace_for(index, self.runtime.shards)}
         vid = (await csi.create_volume(name, SIZE, params, block=block)).volume_id
         staging, target = self.box.staging(name), self.box.target(name)
         self.staged[vid] = (staging, target)
@@ -167,7 +189,7 @@ class Bench:
         return target
 
     async def _pods(self, csi: CSIClient, raws: list[Path]) -> None:
-        volumes = [await self._volume(csi, f"pod-{i}", PARAMS, block=True) for i in range(max(self.counts))]
+        volumes = [await self._volume(csi, f"pod-{i}", PARAMS, block=True, index=i) for i in range(max(self.counts))]
         for raw in raws:
             self.loops.append(Path((await run("losetup", "--find", "--show", "--direct-io=on", str(raw))).strip()))
         for rw in ("randwrite", "randread"):
@@ -180,7 +202,7 @@ class Bench:
         # writeback: a VM that flushes (the default writethrough adds a flush to every write, measured apart
         # by e2e.bench.partitions_vm)
         params = {**PARAMS, "export": "vhost-user-blk", "cache": "writeback"}
-        targets = [await self._volume(csi, f"vm-{i}", params, block=False) for i in range(max(self.counts))]
+        targets = [await self._volume(csi, f"vm-{i}", params, block=False, index=i) for i in range(max(self.counts))]
         sockets = [t / "vhost-user-blk.sock" for t in targets]
         for write in (True, False):
             for n in self.counts:
@@ -192,14 +214,18 @@ class Bench:
 
     async def _compare(self, row: Row, volume: Callable[[], Awaitable[float]],
                        baseline: Callable[[], Awaitable[float]]) -> None:
-        pid = qsd_pid(self.box)
-        assert pid is not None
+        pids = [qsd_pid(self.box, shard) for shard in range(self.runtime.shards)]
+        assert None not in pids
         print(f"[{time.strftime('%H:%M:%S')}] {row.kind} {row.job} x{row.count}", file=sys.stderr, flush=True)
         for turn in range(self.rounds):
             async def on_volume() -> None:
-                before = ThreadCPU.take(pid)
+                before = [ThreadCPU.take(pid or 0) for pid in pids]
                 row.volume.append(await volume())
-                row.threads.append(ThreadCPU.take(pid).since(before))
+                after = [ThreadCPU.take(pid or 0) for pid in pids]
+                shares = [a.since(b) for a, b in zip(after, before)]
+                row.threads.append(shares[0] if len(shares) == 1 else
+                                   "; ".join(f"s{i}: {share}" for i, share in enumerate(shares)))
+                row.busiest.append(max(a.busiest_since(b) for a, b in zip(after, before)))
 
             async def on_baseline() -> None:
                 row.baseline.append(await baseline())
@@ -231,10 +257,27 @@ class Bench:
             rows.append([f"{row.kind} {row.job}", str(row.count), f"{vol / 1000:.1f}k", spread,
                          f"{base / 1000:.1f}k", ratio(vol, base), ratio(vol, one_vol), ratio(base, one_base),
                          row.threads[-1] if row.threads else "-"])
-        head = [f"{self.version} ({self.placement}); {os.cpu_count()} cores; {self.rounds} rounds, mean"]
+        head = [f"{self.version} ({self.placement}); {self.runtime.shards} QSD shard(s); {os.cpu_count()} cores; "
+                f"{self.rounds} rounds, mean"]
         return "\n".join(head) + "\n" + table(
             ["job", "N", "volumes", "spread", "regions", "ratio", "vol xN/x1", "reg xN/x1",
-             "QSD CPU per thread (volumes' last run)"], rows)
+             "QSD CPU per thread (volumes' last run)"], rows) + "\n" + self._projection()
+
+    def _projection(self) -> str:
+        """VM rows on a node with a core per shard: one volume's IOPS per busiest-thread CPU, times shards used."""
+        lines = []
+        for row in self.rows:
+            if row.kind != "vm" or row.count != 1 or not row.busiest:
+                continue
+            per_cpu = statistics.mean(row.volume) / max(statistics.mean(row.busiest), 0.05)
+            for n in self.counts:
+                used = min(n, self.runtime.shards)
+                lines.append([f"vm {row.job}", str(n), str(used), f"{per_cpu / 1000:.1f}k", f"{used * per_cpu / 1000:.1f}k"])
+        if not lines:
+            return ""
+        return ("projection (an estimate, not measured here): a core per QSD shard; one volume's IOPS per CPU-second "
+                "of the busiest QSD thread, times the shards N volumes use\n"
+                + table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], lines))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -243,6 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         default=[Runtime("10", None), Runtime("11", None)],
                         help="QSD runtimes, comma-separated: VERSION[:IOTHREADS[:pool|main]], e.g. 10,11,11:4:pool "
                              "(the driver's --iothreads and --fuse-threads; default 10,11)")
+    parser.add_argument("--shards", type=lambda t: [int(p) for p in t.split(",")], default=[1],
+                        help="the driver's --qsd-shards, comma-separated: each runtime once per count (default 1)")
     parser.add_argument("--counts", type=lambda t: [int(p) for p in t.split(",")], default=[1, 2, 4])
     parser.add_argument("--kinds", type=lambda t: t.split(","), default=["pod", "vm"])
     parser.add_argument("--runtime", type=int, default=5, help="seconds per run")
@@ -255,7 +300,7 @@ def main() -> int:
         print("needs root (loop devices, FUSE, mounts)", file=sys.stderr)
         return 1
     args = parse_args()
-    for runtime in args.qsd:
+    for runtime in (dataclasses.replace(r, shards=n) for r in args.qsd for n in args.shards):
         with sandbox() as box:
             bench = Bench(box, runtime, args.counts, args.kinds, args.runtime, args.rounds)
             code = run_to_end(bench.run(), bench.driver, what=f"scaling on QSD {runtime.version}")

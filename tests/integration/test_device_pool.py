@@ -344,7 +344,7 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             assert window_bytes(btarget) == 32 * MIB and pool.extent_of(blk.volume_id).length == 32 * MIB
 
             # A VM disk: QSD cannot tell a running guest that a fixed window grew, so only an unpublished one grows.
-            client = driver.node._exports.host.client
+            client = driver.daemon.client
             pid = qsd_pid(box)
             vstaging, vtarget = box.staging("vm"), box.target("vm")
             await csi.stage(vm.volume_id, str(vstaging))

@@ -43,7 +43,7 @@ async def test_a_filesystem_in_use_moves_to_grow(box: Sandbox) -> None:
             assert qsd_pid(box) == pid, "QSD died under the move"
             assert nvme.read(old.start, old.length) == bytes(old.length), "the old extent was not scrubbed"
             assert await capacity(csi, "fast") == (total - 80 * MIB, pool.largest_volume())
-            graph_nodes = await driver.node._exports.host.client.node_names()
+            graph_nodes = await driver.daemon.client.node_names()
             assert graph.nodes_for(fs.volume_id, 0).format not in graph_nodes, "the old top is still open"
 
             # From the device itself: unstage, and stage again over the new extent.
@@ -72,7 +72,7 @@ async def test_block_and_vm_volumes_move_to_grow(box: Sandbox) -> None:
     try:
         async with in_process_driver(box, device_pools=spec(nvme)) as (driver, csi):
             pool = pool_of(driver)
-            client = driver.node._exports.host.client
+            client = driver.daemon.client
             blk = await csi.create_volume("pvc-blk", 16 * MIB, {"pool": "fast"}, block=True)
             vm = await csi.create_volume("pvc-vm", 16 * MIB, {"pool": "fast", "export": "vhost-user-blk"})
             last = await csi.create_volume("pvc-last", 16 * MIB, {"pool": "fast"}, block=True)

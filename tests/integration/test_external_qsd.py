@@ -12,16 +12,17 @@ import os
 import signal
 import sys
 
+from csi_qsd.catalog import Catalog
 from csi_qsd.csi.client import CSIClient
-from tests.harness import DriverProcess, Sandbox, qsd_pid, wait_restored
+from tests.harness import DriverProcess, Sandbox, qsd_pid, until, wait_restored, write_synced
 
 MIB = 1 << 20
 
 
-async def start_qsd_container(box: Sandbox) -> asyncio.subprocess.Process:
+async def start_qsd_container(box: Sandbox, *extra: str) -> asyncio.subprocess.Process:
     """`csi-qsd qsd-run`, as the qsd container's command: QSD in the foreground."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "csi_qsd.cli", "qsd-run", "--state-dir", str(box.state_dir),
+        sys.executable, "-m", "csi_qsd.cli", "qsd-run", "--state-dir", str(box.state_dir), *extra,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
     )
 
@@ -64,3 +65,51 @@ async def test_plugin_adopts_and_rebuilds_an_external_qsd(box: Sandbox) -> None:
         if qsd.returncode is None:
             qsd.send_signal(signal.SIGTERM)
             await qsd.wait()
+
+
+async def test_qsd_run_keeps_every_shard_and_brings_back_one_that_dies(box: Sandbox) -> None:
+    """`qsd-run --qsd-shards 2` keeps two QSDs; one that dies comes back and the plugin rebuilds its volumes."""
+    keeper = await start_qsd_container(box, "--qsd-shards", "2")
+    driver = DriverProcess(box, "--qsd-mode", "external", "--qsd-shards", "2")
+    try:
+        await until(lambda: qsd_pid(box, 0) is not None and qsd_pid(box, 1) is not None, "both shards up", 30)
+        await driver.start()
+        pids = [qsd_pid(box, 0), qsd_pid(box, 1)]
+        async with CSIClient(box.endpoint, timeout=60) as csi:
+            on_shard: dict[int, str] = {}
+            staged: list[str] = []
+            for i in range(24):
+                vid = (await csi.create_volume(f"pvc-{i}", 64 * MIB)).volume_id
+                await csi.stage(vid, str(box.staging(vid)))
+                staged.append(vid)
+                on_shard.setdefault(await shard_serving(box, vid), vid)
+                if len(on_shard) == 2:
+                    break
+            assert len(on_shard) == 2, "volumes never spread over both shards"
+            for vid in on_shard.values():
+                write_synced(box.staging(vid) / "a", vid.encode())
+            os.kill(pids[1] or 0, signal.SIGKILL)
+            await until(lambda: qsd_pid(box, 1) not in (None, pids[1]), "qsd-run to start shard 1 again", 30)
+            await wait_restored(csi, on_shard[1], box.staging(on_shard[1]))
+            assert qsd_pid(box, 0) == pids[0]
+            for vid in on_shard.values():
+                assert (box.staging(vid) / "a").read_bytes() == vid.encode()
+            for vid in staged:
+                await csi.unstage(vid, str(box.staging(vid)))
+        await driver.stop()
+        keeper.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(keeper.wait(), 30) == 0
+        assert qsd_pid(box, 0) is None and qsd_pid(box, 1) is None, "qsd-run stops its QSDs on the way out"
+    finally:
+        await driver.stop()
+        if keeper.returncode is None:
+            keeper.send_signal(signal.SIGKILL)
+            await keeper.wait()
+
+
+async def shard_serving(box: Sandbox, volume_id: str) -> int:
+    """The shard a staged volume's row names, read from the catalog as an operator would."""
+    async with Catalog(box.state_dir / "catalog.db") as catalog:
+        stage = await catalog.stage(volume_id)
+    assert stage is not None
+    return stage.shard

@@ -178,14 +178,14 @@ async def test_metrics_during_io_and_a_qsd_restart(box: Sandbox, process: Driver
         assert after.value("csi_qsd_volumes") == 1
 
         # QSD restarts: 0, then 1 after kill -9 (the driver starts a new QSD and rebuilds).
-        assert after.value("csi_qsd_qsd_restarts_total") == 0
-        assert after.value("csi_qsd_qsd_ready") == 1
+        assert after.value("csi_qsd_qsd_restarts_total", shard="0") == 0
+        assert after.value("csi_qsd_qsd_ready", shard="0") == 1
         pid = qsd_pid(box)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         restarted = await wait_for(
             port, "csi_qsd_qsd_restarts_total == 1 and ready",
-            lambda s: s.value("csi_qsd_qsd_restarts_total") == 1 and s.value("csi_qsd_qsd_ready") == 1
+            lambda s: s.value("csi_qsd_qsd_restarts_total", shard="0") == 1 and s.value("csi_qsd_qsd_ready", shard="0") == 1
             and len(s.matching("csi_qsd_volume_write_bytes_total", volume_id=vid)) == 1,
         )
         assert qsd_pid(box) not in (None, pid)

@@ -194,7 +194,7 @@ async def test_a_frozen_qsd_found_at_start_is_replaced(box: Sandbox) -> None:
         old_pid = qsd_pid(box)
         assert old_pid is not None
         async with frozen(box, old_pid):
-            await driver.daemon.start(driver.node.rebuild)
+            await driver.daemon.start(driver.node.rebuild(0))
         assert driver.daemon.runstate is QSDState.RUNNING and driver.daemon.wedges == 1
         new_pid = running_pid(driver.config)
         assert new_pid is not None and new_pid != old_pid

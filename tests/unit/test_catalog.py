@@ -63,7 +63,7 @@ async def test_round_trip_through_disk_in_every_state(tmp_path: Path) -> None:
         StageRecord(volumes[1].id, Path("/k/plugins/staging/a b"), AccessType.MOUNT, "", (), "1000",
                     StageState.STAGED),
         StageRecord(volumes[3].id, Path("/k/staging/blk"), AccessType.BLOCK, "", (), "", StageState.STAGING,
-                    loop_device="/dev/loop7"),
+                    loop_device="/dev/loop7", shard=3),
         StageRecord(volumes[4].id, Path("/k/staging/fs"), AccessType.MOUNT, "xfs", ("noatime", "discard"), "",
                     StageState.UNSTAGING, loop_device="/dev/loop8"),
     ]

@@ -194,6 +194,7 @@ def test_json_form_is_stable_and_stores_enum_values() -> None:
         "format": "raw", "preallocation": "falloc", "export": "vhost-user-blk", "num_queues": 7,
         "logical_block_size": 4096, "cache": "writeback", "discard": "ignore", "detect_zeroes": "unmap",
         "iothread_poll_max_ns": 32768, "vmm_group": "", "pool": "default", "granularity": 8192,
+        "namespace": "",
     }
     assert ALL_SET.to_json() == ALL_SET.to_json() and list(raw) == sorted(raw)
 
@@ -203,6 +204,14 @@ def test_json_from_an_older_row_fills_new_fields_with_defaults() -> None:
     assert P.VolumeParameters.from_json('{"format": "raw"}') == P.VolumeParameters(format=P.ImageFormat.RAW)
     # Rows from before the granularity existed describe 64 KiB-cluster images: the default is exactly that.
     assert P.VolumeParameters.from_json('{"format": "qcow2"}').granularity == 64 * KIB
+
+
+def test_the_claims_namespace_is_kept_but_does_not_tell_volumes_apart() -> None:
+    """The provisioner's namespace key places the volume (QSD shards); other provisioner keys are dropped."""
+    params = P.parse_parameters({"csi.storage.k8s.io/pvc/namespace": "team-a", "csi.storage.k8s.io/pvc/name": "x"})
+    assert params.namespace == "team-a"
+    assert P.VolumeParameters.from_json(params.to_json()).namespace == "team-a"
+    assert params == P.parse_parameters({})  # a retry without the key is the same volume
 
 
 def test_parameters_are_frozen() -> None:
