@@ -12,13 +12,15 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
+import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
-from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from csi_qsd import __version__
 from csi_qsd.config import (
@@ -26,17 +28,20 @@ from csi_qsd.config import (
 )
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.settings import QSDMode
+from csi_qsd.csi import present
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
-from csi_qsd.errors import DriverError
+from csi_qsd.errors import DriverError, FailedPrecondition
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.qsd import iothreads
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
 from csi_qsd.sys.pem import PemFiles
+from csi_qsd.sys.endpoint import socket_path
 from csi_qsd.sys.signals import stop_event
 from csi_qsd.sys.tools import bundled
 
 ENV_PREFIX = "CSI_QSD_"
+OUTPUTS = ("table", "json")
 
 
 T = TypeVar("T")
@@ -122,6 +127,26 @@ def _node_address(text: str) -> NodeAddress:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes, or a number with Ki, Mi, Gi or Ti, got {text!r}") from None
+
+
+def _param(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _output(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", dest="output_format", choices=OUTPUTS, default="table",
+                        help="table for people, sizes in KiB, MiB, GiB... (default); json: one JSON object "
+                             "per line, protobuf field names, for scripts")
+
+
 def _pem_files(cert: str, key: str, ca: str) -> PemFiles | None:
     return PemFiles(Path(cert), Path(key), Path(ca)) if cert and key and ca else None
 
@@ -197,29 +222,41 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("qsd-run", help="run qemu-storage-daemon in the foreground (its own container)")
     _common(run)
 
+    stop = sub.add_parser("qsd-stop", help="stop the qemu-storage-daemon of a state dir: it outlives `csi-qsd "
+                          "serve` by design, so volumes stay served across driver restarts")
+    _option(stop, "--state-dir", str(DEFAULT_STATE_DIR), "the driver's state dir (catalog, QSD's pidfile and socket)")
+    _option(stop, "--endpoint", "", "the driver's CSI endpoint, which must not be served: a running driver "
+            "would start QSD again (default: unix://<state-dir>/csi.sock)")
+    stop.add_argument("--force", action="store_true",
+                      help="stop it even while the catalog records staged volumes: the pods and VMs using them "
+                           "lose their disks (their I/O fails)")
+
     client = sub.add_parser("volume", help="drive a served csi-qsd over CSI gRPC")
     _option(client, "--endpoint", f"unix://{DEFAULT_STATE_DIR}/csi.sock", "CSI endpoint to talk to")
     actions = client.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="CreateVolume")
     create.add_argument("name")
-    create.add_argument("--size", default="1Gi", help="bytes, or with suffix Ki/Mi/Gi/Ti")
-    create.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+    create.add_argument("--size", default="1Gi", type=_size, help="bytes, or with suffix Ki/Mi/Gi/Ti")
+    create.add_argument("--param", action="append", default=[], type=_param, metavar="KEY=VALUE",
                         help="StorageClass parameter (repeatable)")
     create.add_argument("--block", action="store_true", help="request the block access type")
     source = create.add_mutually_exclusive_group()
     source.add_argument("--from-snapshot", default="", metavar="SNAPSHOT_ID", help="restore a snapshot")
     source.add_argument("--from-volume", default="", metavar="VOLUME_ID", help="clone a volume")
-    actions.add_parser("list", help="ListVolumes")
+    _output(create)
+    _output(actions.add_parser("list", help="ListVolumes"))
     snapshot = actions.add_parser("snapshot", help="CreateSnapshot")
     snapshot.add_argument("name")
     snapshot.add_argument("volume_id")
-    actions.add_parser("snapshots", help="ListSnapshots")
+    _output(snapshot)
+    _output(actions.add_parser("snapshots", help="ListSnapshots"))
     delete_snapshot = actions.add_parser("delete-snapshot", help="DeleteSnapshot")
     delete_snapshot.add_argument("snapshot_id")
     expand = actions.add_parser("expand", help="NodeExpandVolume")
     expand.add_argument("volume_id")
     expand.add_argument("path", help="the volume's staging or target path")
-    expand.add_argument("--size", required=True, help="bytes, or with suffix Ki/Mi/Gi/Ti")
+    expand.add_argument("--size", required=True, type=_size, help="bytes, or with suffix Ki/Mi/Gi/Ti")
+    _output(expand)
     delete = actions.add_parser("delete", help="DeleteVolume")
     delete.add_argument("volume_id")
     for name, text in (("stage", "NodeStageVolume"), ("unstage", "NodeUnstageVolume")):
@@ -243,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats = actions.add_parser("stats", help="NodeGetVolumeStats")
     stats.add_argument("volume_id")
     stats.add_argument("path")
-    actions.add_parser("info", help="GetPluginInfo, Probe and GetCapacity")
+    _output(stats)
+    _output(actions.add_parser("info", help="GetPluginInfo, Probe and GetCapacity"))
     backup = actions.add_parser("backup", help="qcow2 backup of a snapshot: the ranges GetMetadataAllocated "
                                 "(full) or GetMetadataDelta (--since) lists, read from its frozen images on this node")
     backup.add_argument("snapshot_id")
@@ -330,6 +368,21 @@ async def _serve(config: Config) -> None:
         print(f"csi-qsd {__version__} listening on {config.endpoint} "
               f"(node {config.node_id}, pool {config.pool})", flush=True)
         await stop.wait()
+    if config.qsd_mode is QSDMode.MANAGED:
+        _say_qsd_keeps_running(config)
+
+
+def _say_qsd_keeps_running(config: Config) -> None:
+    """After SIGINT or SIGTERM stopped a managed driver: its QSD runs on, on purpose; say so, and how to stop it."""
+    from csi_qsd.qsd.daemon import running_pid
+
+    pid = running_pid(config)
+    if pid is None:
+        return
+    print(f"csi-qsd stopped; qemu-storage-daemon (pid {pid}) keeps running by design: it serves the volumes, so "
+          "pods and VMs keep their disks across driver restarts, and the next `csi-qsd serve` adopts it.\n"
+          f"To stop it: csi-qsd qsd-stop --state-dir {shlex.quote(str(config.state_dir))}",
+          file=sys.stderr, flush=True)
 
 
 async def _route(config: RouterConfig) -> None:
@@ -349,26 +402,69 @@ def _qsd_run(config: Config) -> None:
     os.execvp(argv[0], argv)
 
 
+async def _qsd_stop(args: argparse.Namespace) -> int:
+    """Stop the QSD of a state dir: QMP `quit`, wait, then SIGKILL (the supervisor's own shutdown).
+
+    Refused (FailedPrecondition) while a driver serves the endpoint, which
+    would start QSD again, and while the catalog records staged volumes,
+    unless --force. Raises QSDError if QSD survives SIGKILL.
+    """
+    from csi_qsd.catalog import Catalog
+    from csi_qsd.qsd.daemon import QSDDaemon, running_pid
+
+    config = Config(state_dir=Path(args.state_dir), endpoint=args.endpoint)
+    pid = running_pid(config)
+    if pid is None:
+        print(f"no qemu-storage-daemon runs for {config.state_dir}")
+        return 0
+    if _accepts(config.socket_path):
+        raise FailedPrecondition(f"a driver still serves {config.endpoint}: stop `csi-qsd serve` first, "
+                                 "or it starts qemu-storage-daemon again")
+    staged: list[str] = []
+    if config.catalog_path.exists():
+        async with Catalog(config.catalog_path) as catalog:
+            staged = [record.volume_id for record in await catalog.stages()]
+    if staged and not args.force:
+        raise FailedPrecondition(
+            f"the catalog records {len(staged)} staged volume(s) ({', '.join(staged)}): stopping "
+            "qemu-storage-daemon takes their disks from the pods and VMs using them; unstage them first, "
+            "or pass --force")
+    await QSDDaemon(config).shutdown()
+    print(f"stopped qemu-storage-daemon (pid {pid}) of {config.state_dir}")
+    return 0
+
+
+def _accepts(path: Path) -> bool:
+    """True while something listens on the UNIX socket `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 async def _client(args: argparse.Namespace) -> int:
     async with CSIClient(args.endpoint) as client:
         action = args.action
         if action == "create":
-            params = dict(item.split("=", 1) for item in args.param)
-            volume = await client.create_volume(args.name, parse_size(args.size), params, block=args.block,
+            volume = await client.create_volume(args.name, args.size, dict(args.param), block=args.block,
                                                 from_snapshot=args.from_snapshot, from_volume=args.from_volume)
-            _print(volume)
+            _show(args, [volume], lambda: present.volume_table(volume))
         elif action == "list":
-            for volume in await client.list_volumes():
-                _print(volume)
+            entries = await client.list_volume_entries()
+            _show(args, [entry.volume for entry in entries], lambda: present.volumes_table(entries), "no volumes")
         elif action == "snapshot":
-            _print(await client.create_snapshot(args.name, args.volume_id))
+            snapshot = await client.create_snapshot(args.name, args.volume_id)
+            _show(args, [snapshot], lambda: present.snapshots_table([snapshot]))
         elif action == "snapshots":
-            for snapshot in await client.list_snapshots():
-                _print(snapshot)
+            snapshots = await client.list_snapshots()
+            _show(args, snapshots, lambda: present.snapshots_table(snapshots), "no snapshots")
         elif action == "delete-snapshot":
             await client.delete_snapshot(args.snapshot_id)
         elif action == "expand":
-            print(json.dumps({"capacity_bytes": await client.expand(args.volume_id, args.path, parse_size(args.size))}))
+            capacity = await client.expand(args.volume_id, args.path, args.size)
+            _show(args, [{"capacity_bytes": capacity}], lambda: present.capacity_table(args.volume_id, capacity))
         elif action == "delete":
             await client.delete_volume(args.volume_id)
         elif action == "stage":
@@ -382,11 +478,13 @@ async def _client(args: argparse.Namespace) -> int:
         elif action == "unpublish":
             await client.unpublish(args.volume_id, args.target_path)
         elif action == "stats":
-            _print(await client.stats(args.volume_id, args.path))
+            stats = await client.stats(args.volume_id, args.path)
+            _show(args, [stats], lambda: present.stats_table(stats))
         elif action == "info":
-            info = await client.plugin_info()
-            print(json.dumps({"name": info.name, "version": info.vendor_version,
-                              "ready": await client.probe(), "available_bytes": await client.capacity()}))
+            plugin = await client.plugin_info()
+            info = present.PluginInfo(name=plugin.name, version=plugin.vendor_version, ready=await client.probe(),
+                                      available_bytes=await client.capacity())
+            _show(args, [info], lambda: present.info_table(info))
         elif action == "nbd-export":
             from csi_qsd.backup import snapshot_nbd
 
@@ -406,21 +504,60 @@ async def _client(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(message: object) -> None:
-    print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True)))
+def _show(args: argparse.Namespace, records: Sequence[Message | Mapping[str, object]], table: Callable[[], str],
+          empty: str = "") -> None:
+    """Records as a table (`empty` said on stderr when there are none), or as JSON lines with `-o json`."""
+    if args.output_format == "json":
+        for record in records:
+            print(present.json_line(record))
+    elif records or not empty:
+        print(table())
+    else:
+        print(empty, file=sys.stderr)
+
+
+def error_line(exc: Exception, endpoint: str = "") -> str:
+    """An error for a person, on one line: `CODE: message` with the CSI (gRPC) code of a call or DriverError.
+
+    A local file or value error has no code and keeps its own message.
+    """
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code, message = exc.code().name, exc.details() or ""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and _no_socket(endpoint):
+            message = f"nothing serves {endpoint}: no such socket (is `csi-qsd serve` running?)"
+    elif isinstance(exc, DriverError):
+        code, message = exc.code.value, str(exc)
+    else:
+        return " ".join(str(exc).split())
+    return f"{code}: {' '.join(message.split())}"
+
+
+def _no_socket(endpoint: str) -> bool:
+    try:
+        return not socket_path(endpoint).exists()
+    except ValueError:
+        return False
+
+
+def _for_a_person(command: Callable[[], int], endpoint: str = "") -> int:
+    """Run a command a person typed: an error is one line on stderr (exit status 1), never a traceback."""
+    try:
+        return command()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (grpc.aio.AioRpcError, DriverError, OSError, ValueError) as exc:
+        print(f"error: {error_line(exc, endpoint)}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "volume":
-        try:
-            return asyncio.run(_client(args))
-        except grpc.aio.AioRpcError as exc:
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-        except DriverError as exc:
-            print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
-            return 1
+        return _for_a_person(lambda: asyncio.run(_client(args)), args.endpoint)
+    if args.command == "qsd-stop":
+        setup_logging("warning")
+        return _for_a_person(lambda: asyncio.run(_qsd_stop(args)))
     if args.command == "snapshot-metadata-router":
         setup_logging(args.log_level)
         try:

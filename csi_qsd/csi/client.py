@@ -100,16 +100,20 @@ class CSIClient:
         return response.group_snapshot  # type: ignore[no-any-return]
 
     async def list_volumes(self) -> list[pb.Volume]:
-        volumes: list[pb.Volume] = []
+        return [entry.volume for entry in await self.list_volume_entries()]
+
+    async def list_volume_entries(self) -> list[pb.ListVolumesResponse.Entry]:
+        """Every page of ListVolumes: each volume with its status (published nodes, condition)."""
+        entries: list[pb.ListVolumesResponse.Entry] = []
         token = ""
         while True:
             page = await self.controller.ListVolumes(
                 pb.ListVolumesRequest(max_entries=100, starting_token=token), timeout=self.timeout
             )
-            volumes.extend(entry.volume for entry in page.entries)
+            entries.extend(page.entries)
             token = page.next_token
             if not token:
-                return volumes
+                return entries
 
     async def stage(self, volume_id: str, staging_path: str, *, block: bool = False, fs_type: str = "",
                     mount_group: str = "") -> None:

@@ -269,14 +269,14 @@ def test_volume_lifecycle_in_the_image(image: Image, container: Container, tmp_p
             def volume(*args: str) -> str:
                 return ns.run(*csi_qsd, "volume", *args)
 
-            assert json.loads(volume("info"))["ready"] is True
+            assert json.loads(volume("info", "-o", "json"))["ready"] is True
             for fs_type in ("ext4", "xfs"):
                 staging = f"/var/lib/kubelet/plugins/staging/{fs_type}"
                 target = f"/var/lib/kubelet/pods/{fs_type}/volume"
                 (kubelet / staging.removeprefix("/var/lib/kubelet/")).mkdir(parents=True)
                 (kubelet / f"pods/{fs_type}").mkdir(parents=True)
                 # 512 MiB: mkfs.xfs refuses filesystems under 300 MB.
-                vid = json.loads(volume("create", f"image-{fs_type}", "--size", "512Mi"))["volume_id"]
+                vid = json.loads(volume("create", f"image-{fs_type}", "--size", "512Mi", "-o", "json"))["volume_id"]
                 volume("stage", vid, staging, "--fs-type", fs_type)
                 # QSD >= 10.0.8 in the image: the driver takes the direct-I/O loop device.
                 loops = ns.loop_devices()
@@ -295,7 +295,7 @@ def test_volume_lifecycle_in_the_image(image: Image, container: Container, tmp_p
                 volume("unpublish", vid, target)
                 volume("unstage", vid, staging)
                 volume("delete", vid)
-            assert volume("list").strip() == "", "ListVolumes after every delete"
+            assert volume("list", "-o", "json") == "", "ListVolumes after every delete"
             assert not ns.loop_devices()
             serve.send_signal(signal.SIGTERM)
             assert serve.wait(timeout=30) == 0, log.read_text()[-4000:]
