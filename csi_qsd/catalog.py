@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.params import QoS, VolumeParameters
 
 T = TypeVar("T")
@@ -236,6 +237,9 @@ class PublishRecord:
     single_writer: bool = False  # published with SINGLE_NODE_SINGLE_WRITER: no other target allowed
 
 
+_CLOSED = "the catalog is closed: the driver is stopping"
+
+
 class Catalog:
     """Typed access to the catalog database; every method is a coroutine."""
 
@@ -262,7 +266,7 @@ class Catalog:
         try:
             self._call(lambda db: db.execute("SELECT 1").fetchone())
             return True
-        except (sqlite3.Error, RuntimeError):
+        except (sqlite3.Error, Unavailable):
             return False
 
     # volumes ------------------------------------------------------------
@@ -533,7 +537,7 @@ class Catalog:
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             db.close()
-            raise RuntimeError(
+            raise StartupError(
                 f"catalog {self._path} has schema {version}, newer than this driver's {SCHEMA_VERSION}"
             )
         if version == 0:
@@ -552,7 +556,7 @@ class Catalog:
     def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
             if self._db is None:
-                raise RuntimeError("catalog is closed")
+                raise Unavailable(_CLOSED)
             return fn(self._db)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], object], *, durable: bool = True) -> None:
@@ -584,7 +588,7 @@ class Catalog:
         if self._lock.acquire(blocking=False):
             try:
                 if self._db is None:
-                    raise RuntimeError("catalog is closed")
+                    raise Unavailable(_CLOSED)
                 rows = self._db.execute(sql, args).fetchall()
             finally:
                 self._lock.release()

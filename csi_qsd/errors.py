@@ -2,11 +2,14 @@
 
 Domain code raises these; the gRPC layer maps them to a status in exactly one
 place (`csi_qsd.csi.errors`). Subclasses keep their parent's code, so matching
-is by `isinstance`, never by exact type. This module must not import grpc.
+is by `isinstance`, never by exact type. Every exception the driver defines
+lives here, with the evidence some carry (a wedged QSD's report). This module
+must not import grpc, nor anything of the driver.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
@@ -90,8 +93,51 @@ class QSDUnavailable(QSDError, Unavailable):
     code = Code.UNAVAILABLE
 
 
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A command sent to QSD and not yet answered: what, since when (event-loop time), on which session."""
+
+    command: str
+    started: float
+    session: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NoAnswer:
+    """What a client saw when QSD left a command unanswered past the timeout: the evidence of a wedge."""
+
+    command: str
+    waited: float
+    session: int
+    in_flight: tuple[InFlight, ...]
+
+
+class QSDNoAnswer(QSDUnavailable):
+    """QSD did not answer a command (or the QMP greeting) within the timeout: its monitor is stuck.
+
+    The call may be retried: the supervisor kills and replaces a QSD that
+    stops answering. `report` is what the client saw.
+    """
+
+    def __init__(self, message: str, report: NoAnswer) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class HostCommandError(Internal):
     """A host tool (losetup, mkfs, mount, qemu-img) failed."""
+
+
+class NBDError(HostCommandError):
+    """An NBD server (qemu-nbd) refused a request, broke the protocol, or would not go away."""
+
+
+class Forwarded(DriverError):
+    """Another driver's error (a node plugin answering the snapshot-metadata router), passed on with its code."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class StartupError(DriverError):

@@ -37,7 +37,7 @@ from typing import Any
 
 from csi_qsd.catalog import Catalog
 from csi_qsd.csi.client import CSIClient
-from csi_qsd.errors import HostCommandError, InvalidArgument
+from csi_qsd.errors import InvalidArgument, NBDError
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.granularity import BACKUP_OPTIONS
 from csi_qsd.qcow2.imagemap import qcow2_spec
@@ -54,10 +54,6 @@ _OPT_EXPORT_NAME = 1
 _FLAG_FIXED_NEWSTYLE, _FLAG_NO_ZEROES = 1, 2
 _REQUEST_MAGIC, _REPLY_MAGIC = 0x25609513, 0x67446698
 _CMD_READ, _CMD_WRITE, _CMD_DISC, _CMD_FLUSH, _CMD_WRITE_ZEROES = 0, 1, 2, 3, 6
-
-
-class NBDError(HostCommandError):
-    """The NBD server refused a request or broke the protocol."""
 
 
 class NBDClient:

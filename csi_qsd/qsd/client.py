@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -21,7 +20,7 @@ from typing import Any, TypedDict, TypeVar, cast
 
 from qemu.qmp import EventListener, ExecuteError, QMPClient, QMPError, Runstate
 
-from csi_qsd.errors import QSDError, QSDUnavailable
+from csi_qsd.errors import InFlight, NoAnswer, QSDError, QSDNoAnswer, QSDUnavailable
 from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.qsd.view import EVENTS, BlockExportInfo, GraphView
 
@@ -97,37 +96,6 @@ def parse_blockstats(raw: list[_RawBlockStats]) -> dict[str, NodeStats]:
             flush_operations=int(stats.get("flush_operations", 0)),
         )
     return found
-
-
-@dataclasses.dataclass(frozen=True)
-class InFlight:
-    """A command sent to QSD and not yet answered: what, since when (event-loop time), on which session."""
-
-    command: str
-    started: float
-    session: int
-
-
-@dataclasses.dataclass(frozen=True)
-class NoAnswer:
-    """What a client saw when QSD left a command unanswered past the timeout: the evidence of a wedge."""
-
-    command: str
-    waited: float
-    session: int
-    in_flight: tuple[InFlight, ...]
-
-
-class QSDNoAnswer(QSDUnavailable):
-    """QSD did not answer a command (or the QMP greeting) within the timeout: its monitor is stuck.
-
-    The call may be retried: the supervisor kills and replaces a QSD that
-    stops answering.
-    """
-
-    def __init__(self, message: str, report: NoAnswer) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 class QSDClient:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from csi_qsd.qsd import features
 from csi_qsd.qsd.settings import QSDMode, QSDSettings
-from csi_qsd.errors import QSDError
-from csi_qsd.qsd.client import NoAnswer, QSDClient, QSDNoAnswer
+from csi_qsd.errors import NoAnswer, QSDError, QSDNoAnswer
+from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd import iothreads
 from csi_qsd.sys.run import tool_env
 

@@ -21,19 +21,11 @@ from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from csi_qsd.errors import Code, DriverError, InvalidArgument, NotFound, Unavailable
+from csi_qsd.errors import Code, Forwarded, InvalidArgument, NotFound, Unavailable
 from csi_qsd.router.nodes import Node, NodeDirectory
 from csi_qsd.router.owners import Owners
 
 _Service = pb.PluginCapability.Service
-
-
-class Forwarded(DriverError):
-    """A node plugin's error, passed on with its code."""
-
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def forwarded(node: Node, exc: grpc.aio.AioRpcError) -> Forwarded:

@@ -216,4 +216,3 @@ async def test_other_paths(process: DriverProcess, port: int) -> None:
     writer.close()
     await writer.wait_closed()
     assert missing.startswith(b"HTTP/1.1 404")
-

@@ -6,8 +6,11 @@ raises like grpc.aio's does, so no server is needed.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import builtins
 import logging
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -78,6 +81,11 @@ async def call(exc: BaseException | None, observers: RpcObservers | None = None,
     (E.Internal("broken"), grpc.StatusCode.INTERNAL),
     (E.QSDError("blockdev-add failed: Duplicate node name"), grpc.StatusCode.INTERNAL),
     (E.HostCommandError("mkfs.ext4 exited 1"), grpc.StatusCode.INTERNAL),
+    (E.NBDError("NBD reply out of sequence"), grpc.StatusCode.INTERNAL),
+    (E.QSDNoAnswer("qemu-storage-daemon did not answer query-version", E.NoAnswer("query-version", 30.0, 1, ())),
+     grpc.StatusCode.UNAVAILABLE),
+    (E.Unavailable("the catalog is closed: the driver is stopping"), grpc.StatusCode.UNAVAILABLE),
+    (E.Forwarded(E.Code.NOT_FOUND, "no snapshot snap-1 (node a)"), grpc.StatusCode.NOT_FOUND),
     (E.DriverError("base class"), grpc.StatusCode.INTERNAL),
 ])
 async def test_driver_errors_keep_their_code_and_message(exc: E.DriverError, code: grpc.StatusCode) -> None:
@@ -85,7 +93,7 @@ async def test_driver_errors_keep_their_code_and_message(exc: E.DriverError, cod
 
 
 @pytest.mark.parametrize("exc", [ValueError("bad int"), KeyError("x"), OSError(5, "Input/output error"),
-                                 RuntimeError("catalog is closed"), AssertionError("oops")])
+                                 RuntimeError("dictionary changed size during iteration"), AssertionError("oops")])
 async def test_unknown_exceptions_become_internal_with_a_logged_traceback(
     exc: Exception, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -160,3 +168,22 @@ def test_object_id_in_logs() -> None:
 
 def test_wrapper_keeps_the_handler_name() -> None:
     assert Servicer.DeleteVolume.__name__ == "DeleteVolume"
+
+
+def test_every_exception_the_driver_defines_is_in_errors_py() -> None:
+    """One tree, one place: a class deriving from an exception anywhere else in the package is refused."""
+    package = Path(E.__file__).parent
+    exceptions = {name for name, value in vars(builtins).items() if isinstance(value, type)
+                  and issubclass(value, BaseException)}
+    exceptions |= {name for name, value in vars(E).items() if isinstance(value, type)
+                   and issubclass(value, BaseException)}
+    elsewhere = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "errors.py" and path.parent == package or "csi_pb" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    (base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else "")
+                    in exceptions for base in node.bases):
+                elsewhere.append(f"{path.relative_to(package)}:{node.lineno} {node.name}")
+    assert not elsewhere, f"exceptions defined outside csi_qsd/errors.py: {elsewhere}"

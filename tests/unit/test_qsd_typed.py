@@ -10,9 +10,9 @@ import pytest
 
 from csi_qsd import validate
 from csi_qsd.cli import build_parser, config_from
-from csi_qsd.errors import Code, QSDError, QSDUnavailable
+from csi_qsd.errors import Code, NoAnswer, QSDError, QSDNoAnswer, QSDUnavailable
 from csi_qsd.qsd import graph, stats
-from csi_qsd.qsd.client import BlockExportInfo, NoAnswer, QSDNoAnswer, parse_blockstats
+from csi_qsd.qsd.client import BlockExportInfo, parse_blockstats
 from csi_qsd.qsd.daemon import PING_MAX, ping_interval, process_state, thread_diagnostics
 from csi_qsd.sys.run import tool_env
 
