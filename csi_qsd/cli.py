@@ -33,7 +33,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
 from csi_qsd.errors import DriverError, FailedPrecondition
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
-from csi_qsd.qsd import iothreads
+from csi_qsd.qsd import iothreads, shards
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
 from csi_qsd.sys.pem import PemFiles
 from csi_qsd.sys.endpoint import socket_path
@@ -68,6 +68,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
             f"at most {iothreads.MAX_PER_CORE} per core)", type=_iothreads)
     _option(parser, "--poll-max-ns", "", "how long those iothreads poll for new requests before sleeping, in ns "
             "(empty: QEMU's default of 32768; 0: never poll)", type=_poll_max_ns)
+    _option(parser, "--qsd-shards", "1", "QSD processes serving this node's volumes, each from its own main "
+            "loop (VM disks run there on QEMU 10 and 11): a node's VM disks spread over them and a QSD crash "
+            f"takes down one shard's volumes (1..{shards.MAX_SHARDS}; in external mode give `qsd-run` the same "
+            "number)", type=_qsd_shards)
 
 
 def _iothreads(text: str) -> int:
@@ -77,6 +81,16 @@ def _iothreads(text: str) -> int:
         return iothreads.check_size(int(text), iothreads.node_cores())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _qsd_shards(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a number of QSD shards, got {text!r}")
+    try:
+        shards.check_count(int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return int(text)
 
 
 def _poll_max_ns(text: str) -> int | None:
@@ -332,6 +346,7 @@ def config_from(args: argparse.Namespace) -> Config:
         qemu_img=args.qemu_img,
         iothreads=args.iothreads,
         poll_max_ns=args.poll_max_ns,
+        qsd_shards=getattr(args, "qsd_shards", 1),
         failpoints=os.environ.get(env_name("--failpoints"), ""),
         device_pools=tuple(getattr(args, "device_pool", None) or ()),
         remote_pools=tuple(getattr(args, "remote_pool", None) or ()),
@@ -374,12 +389,11 @@ async def _serve(config: Config) -> None:
 
 def _say_qsd_keeps_running(config: Config) -> None:
     """After SIGINT or SIGTERM stopped a managed driver: its QSD runs on, on purpose; say so, and how to stop it."""
-    from csi_qsd.qsd.daemon import running_pid
-
-    pid = running_pid(config)
-    if pid is None:
+    pids = _qsd_pids(config)
+    if not pids:
         return
-    print(f"csi-qsd stopped; qemu-storage-daemon (pid {pid}) keeps running by design: it serves the volumes, so "
+    listed = ", ".join(str(pid) for pid in pids.values())
+    print(f"csi-qsd stopped; qemu-storage-daemon (pid {listed}) keeps running by design: it serves the volumes, so "
           "pods and VMs keep their disks across driver restarts, and the next `csi-qsd serve` adopts it.\n"
           f"To stop it: csi-qsd qsd-stop --state-dir {shlex.quote(str(config.state_dir))}",
           file=sys.stderr, flush=True)
@@ -394,12 +408,10 @@ async def _route(config: RouterConfig) -> None:
         await stop.wait()
 
 
-def _qsd_run(config: Config) -> None:
-    from csi_qsd.qsd.daemon import daemon_argv
+def _qsd_run(config: Config) -> int:
+    from csi_qsd.qsd import foreground
 
-    config.qsd_dir.mkdir(parents=True, exist_ok=True)
-    argv = daemon_argv(config, daemonize=False)
-    os.execvp(argv[0], argv)
+    return foreground.run([shards.ShardSettings(config, index) for index in range(config.qsd_shards)])
 
 
 async def _qsd_stop(args: argparse.Namespace) -> int:
@@ -410,11 +422,11 @@ async def _qsd_stop(args: argparse.Namespace) -> int:
     unless --force. Raises QSDError if QSD survives SIGKILL.
     """
     from csi_qsd.catalog import Catalog
-    from csi_qsd.qsd.daemon import QSDDaemon, running_pid
+    from csi_qsd.qsd.daemon import QSDDaemon
 
     config = Config(state_dir=Path(args.state_dir), endpoint=args.endpoint)
-    pid = running_pid(config)
-    if pid is None:
+    pids = _qsd_pids(config)
+    if not pids:
         print(f"no qemu-storage-daemon runs for {config.state_dir}")
         return 0
     if _accepts(config.socket_path):
@@ -429,9 +441,18 @@ async def _qsd_stop(args: argparse.Namespace) -> int:
             f"the catalog records {len(staged)} staged volume(s) ({', '.join(staged)}): stopping "
             "qemu-storage-daemon takes their disks from the pods and VMs using them; unstage them first, "
             "or pass --force")
-    await QSDDaemon(config).shutdown()
-    print(f"stopped qemu-storage-daemon (pid {pid}) of {config.state_dir}")
+    for shard, pid in pids.items():
+        await QSDDaemon(shards.ShardSettings(config, shard)).shutdown()
+        print(f"stopped qemu-storage-daemon (pid {pid}) of {config.state_dir}" + (f", shard {shard}" if shard else ""))
     return 0
+
+
+def _qsd_pids(config: Config) -> dict[int, int]:
+    """The live QSD of every shard of a state dir, by shard (whatever --qsd-shards a driver ran with)."""
+    from csi_qsd.qsd.daemon import running_pid
+
+    found = {shard: running_pid(shards.ShardSettings(config, shard)) for shard in range(shards.MAX_SHARDS)}
+    return {shard: pid for shard, pid in found.items() if pid is not None}
 
 
 def _accepts(path: Path) -> bool:
@@ -569,8 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = config_from(args)
     setup_logging(config.log_level)
     if args.command == "qsd-run":
-        _qsd_run(config)
-        return 0
+        return _qsd_run(config)
     try:
         asyncio.run(_serve(config))
     except (DriverError, ValueError) as exc:

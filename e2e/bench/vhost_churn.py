@@ -11,6 +11,9 @@ connections), run ``--runs`` times for each placement of the exports:
   main  QSD's main loop (what the driver does on QSD >= 10)
   one   every export in the first iothread of the pool
   pool  spread over a pool of two iothreads, the least loaded first
+  shards  main loops of two QSD processes (``--qsd-shards 2``): the other
+        volumes land on either, so graph changes run beside the VM's
+        shard and inside it
 
 The driver's own choice (`csi_qsd.qsd.features`) is overridden in this process
 only. Per placement: runs, connections, runs in which QSD died (an abort:
@@ -38,7 +41,7 @@ from tests.harness import in_process_driver, qsd_pid, sandbox
 from tests.integration.test_vhost_churn import CONNECTIONS, VM, come_and_go, graph_round
 
 MIB = 1 << 20
-PLACEMENTS = ("main", "one", "pool")
+PLACEMENTS = ("main", "one", "pool", "shards")
 ALWAYS = (0, 0, 0)
 
 
@@ -53,9 +56,10 @@ class Tally:
 
 def place(placement: str) -> None:
     """Override the driver's choice of where exports run, in this process."""
-    features.VHOST_IOTHREAD_SAFE = None if placement == "main" else ALWAYS
+    in_main = placement in ("main", "shards")
+    features.VHOST_IOTHREAD_SAFE = None if in_main else ALWAYS
     features.VHOST_SPREAD_SAFE = ALWAYS if placement == "pool" else None
-    if placement == "main":
+    if in_main:
         # 7.2 and older run exports in iothreads whatever the setting: not measured here.
         features.VHOST_IOTHREAD_ABORTS = ALWAYS
 
@@ -63,8 +67,12 @@ def place(placement: str) -> None:
 async def one_run(qsd: str, placement: str, tally: Tally) -> None:
     place(placement)
     with sandbox() as box:
-        async with in_process_driver(box, qsd_binary=qsd, iothreads=2) as (driver, csi):
-            pid, restarts = qsd_pid(box), driver.daemon.restarts
+        shards = 2 if placement == "shards" else 1
+        async with in_process_driver(box, qsd_binary=qsd, iothreads=2, qsd_shards=shards) as (driver, csi):
+            def alive() -> tuple[list[int | None], list[int]]:
+                return ([qsd_pid(box, k) for k in range(shards)], [d.restarts for d in driver.qsd.daemons])
+
+            before = alive()
             vid = (await csi.create_volume("pvc-vm-churn", 32 * MIB, VM)).volume_id
             staging, target = box.staging("vm-churn"), box.target("vm-churn")
             await csi.stage(vid, str(staging))
@@ -88,7 +96,7 @@ async def one_run(qsd: str, placement: str, tally: Tally) -> None:
                     tally.errors[f"client: {exc!r}"[:160]] += 1
             tally.runs += 1
             tally.connections += count[0]
-            if (qsd_pid(box), driver.daemon.restarts) != (pid, restarts):
+            if alive() != before:
                 tally.died += 1
 
 
@@ -96,7 +104,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--qsd", default="11", choices=["10", "11"], help="the install's qemu-storage-daemon-N")
     parser.add_argument("--runs", type=int, default=5, help="runs per placement")
-    parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated: main, one, pool")
+    parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated: main, one, pool, shards")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("needs root (mounts, FUSE)", file=sys.stderr)
