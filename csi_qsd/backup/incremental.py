@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import struct
 import tempfile
 from collections.abc import AsyncIterator
@@ -41,11 +40,10 @@ from csi_qsd.errors import InvalidArgument, NBDError
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.granularity import BACKUP_OPTIONS
 from csi_qsd.qcow2.imagemap import qcow2_spec
-from csi_qsd.sys import durable
+from csi_qsd.sys import durable, qemu_nbd as qemu_nbd_server
 from csi_qsd.sys.run import run
 
 CHUNK = 4 << 20  # bytes per NBD request; qemu-nbd accepts up to 32 MiB
-SERVER_EXIT_SECONDS = 30.0
 
 # NBD protocol constants (the NBD protocol document, "fixed newstyle" negotiation).
 _NBDMAGIC = b"NBDMAGIC"
@@ -113,34 +111,17 @@ class NBDClient:
 
 @contextlib.asynccontextmanager
 async def nbd_export(qemu_nbd: str, spec: str, socket: Path, *, read_only: bool) -> AsyncIterator[NBDClient]:
-    """Serve `spec` with qemu-nbd on `socket` for one client; the server is gone when this exits.
+    """Serve `spec` with qemu-nbd on `socket`, connected as its one client; the server is gone when this exits.
 
-    `--fork` returns once the socket listens, so no polling for it; the
-    server exits when its one client disconnects, and that exit is awaited
-    (bounded), so a written image is closed before the caller uses it.
+    Its exit is awaited (bounded, `csi_qsd.sys.qemu_nbd`), so a written
+    image is closed before the caller uses it.
     """
-    pid_file = socket.with_suffix(".pid")
-    argv = [qemu_nbd, "--fork", "--pid-file", str(pid_file), "--socket", str(socket)]
-    if read_only:
-        argv.append("--read-only")
-    await run(*argv, spec)
-    pid = int(pid_file.read_text().strip())
-    client = await NBDClient.connect(socket)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await _wait_gone(pid)
-
-
-async def _wait_gone(pid: int) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SERVER_EXIT_SECONDS
-    while Path(f"/proc/{pid}").exists():
-        if loop.time() > deadline:
-            os.kill(pid, 9)
-            raise NBDError(f"qemu-nbd {pid} did not exit after its client left")
-        await asyncio.sleep(0.01)
+    async with qemu_nbd_server.serving(qemu_nbd, spec, socket, writable=not read_only):
+        client = await NBDClient.connect(socket)
+        try:
+            yield client
+        finally:
+            await client.close()
 
 
 @dataclasses.dataclass(frozen=True)

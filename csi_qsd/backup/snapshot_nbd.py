@@ -12,14 +12,13 @@ these NBD metadata contexts:
   (`csi_qsd.qcow2.layer_bitmaps`), and `qemu:dirty-bitmap:cbt-NNN-IMAGE` for the
   layers a flatten merged into it. Bitmaps QSD left inconsistent are not offered.
 
-It runs in the foreground until SIGINT or SIGTERM. Only snapshots this
-node's catalog holds can be served.
+It runs until SIGINT or SIGTERM (`csi_qsd.sys.qemu_nbd` starts and stops
+the server). Only snapshots this node's catalog holds can be served.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from pathlib import Path
 
@@ -27,8 +26,9 @@ from csi_qsd.qcow2 import image_bitmaps
 
 from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotState
-from csi_qsd.errors import InvalidArgument, NotFound
+from csi_qsd.errors import InvalidArgument, NBDError, NotFound
 from csi_qsd.qcow2.imagemap import qcow2_spec
+from csi_qsd.sys import qemu_nbd as qemu_nbd_server
 from csi_qsd.sys.signals import stop_event
 
 
@@ -53,30 +53,32 @@ async def snapshot_image(catalog_path: Path, snapshot_id: str) -> Path:
 async def serve(
     catalog_path: Path, snapshot_id: str, socket: Path, *, qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd",
 ) -> int:
-    """Serve the snapshot until SIGINT/SIGTERM; print one JSON line saying where and what first. qemu-nbd's code."""
+    """Serve the snapshot until SIGINT/SIGTERM, having printed one JSON line saying where and what; 0 then.
+
+    Raises InvalidArgument, NotFound, HostCommandError if qemu-nbd cannot
+    start, NBDError if it ends by itself.
+    """
     image = await snapshot_image(catalog_path, snapshot_id)
     bitmaps = await served_contexts(qemu_img, image)
-    argv = [qemu_nbd, "--read-only", "--persistent", "--shared=16", "--allocation-depth", "--socket", str(socket)]
-    for name in bitmaps:
-        argv += ["--bitmap", name]
     socket.unlink(missing_ok=True)
-    process = await asyncio.create_subprocess_exec(*argv, qcow2_spec(image, read_only=True), stdin=asyncio.subprocess.DEVNULL)
     try:
-        while not socket.exists() and process.returncode is None:
-            await asyncio.sleep(0.02)
-        print(json.dumps({
-            "snapshot_id": snapshot_id, "uri": f"nbd+unix:///?socket={socket}",
-            "contexts": ["base:allocation", "qemu:allocation-depth", *(f"qemu:dirty-bitmap:{b}" for b in bitmaps)],
-        }), flush=True)
-        stop = stop_event()
-        ended = asyncio.create_task(process.wait())
-        await asyncio.wait([ended, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if not ended.done():
-            process.terminate()
-        return await process.wait()
+        async with qemu_nbd_server.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
+                                           clients=16, bitmaps=bitmaps, allocation_depth=True) as server:
+            print(json.dumps({
+                "snapshot_id": snapshot_id, "uri": f"nbd+unix:///?socket={socket}",
+                "contexts": ["base:allocation", "qemu:allocation-depth", *(f"qemu:dirty-bitmap:{b}" for b in bitmaps)],
+            }), flush=True)
+            stop = stop_event()
+            ended = asyncio.create_task(server.ended())
+            stopped = asyncio.create_task(stop.wait())
+            try:
+                await asyncio.wait([ended, stopped], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (ended, stopped):
+                    task.cancel()
+                await asyncio.gather(ended, stopped, return_exceptions=True)
+            if not stop.is_set():
+                raise NBDError(f"qemu-nbd serving snapshot {snapshot_id} on {socket} ended by itself")
     finally:
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
         socket.unlink(missing_ok=True)
+    return 0

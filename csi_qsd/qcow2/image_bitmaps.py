@@ -11,13 +11,8 @@ backing file, so reads share it (`force-share`).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import os
-import signal
 import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +21,8 @@ from csi_qsd.errors import HostCommandError
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.imagemap import layer_spec, qcow2_spec
 from csi_qsd.qcow2.layer_bitmaps import Bitmap
+from csi_qsd.sys import qemu_nbd as qemu_nbd_server
 from csi_qsd.sys.run import run
-
-NBD_START_SECONDS = 10.0
 
 
 async def add_tracking(qemu_img: str, image: Path, granularity: int) -> None:
@@ -72,40 +66,24 @@ async def carry_before_flatten(qemu_img: str, image: Path) -> None:
         await run(*argv, "--disable", layer_spec(image), step.target)
 
 
-@contextlib.asynccontextmanager
-async def _served(qemu_nbd: str, image: Path, names: list[str]) -> AsyncIterator[Path]:
-    """qemu-nbd serving `image` read-only with the bitmaps `names`, on a private socket, until exit."""
-    with tempfile.TemporaryDirectory(prefix="csi-qsd-bitmap-") as work:
-        socket, pid_file = Path(work) / "nbd.sock", Path(work) / "pid"
-        argv = [qemu_nbd, "--fork", "--persistent", "--read-only", "--pid-file", str(pid_file),
-                "--socket", str(socket)]
-        for name in names:
-            argv += ["--bitmap", name]
-        await run(*argv, qcow2_spec(image, read_only=True), timeout=NBD_START_SECONDS)
-        pid = int(pid_file.read_text())
-        try:
-            yield socket
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-            for _ in range(100):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                await asyncio.sleep(0.02)
-
-
 async def read(qemu_img: str, qemu_nbd: str, image: Path, names: list[str]) -> list[list[Extent]]:
-    """The dirty ranges of each bitmap `names` of a frozen `image`, in that order."""
-    async with _served(qemu_nbd, image, names) as socket:
-        found = []
-        for name in names:
-            opts = f"driver=nbd,server.type=unix,server.path={socket},x-dirty-bitmap=qemu:dirty-bitmap:{name}"
-            _, out = await run(qemu_img, "map", "--output=json", "--image-opts", opts, timeout=3600)
-            try:
-                entries = json.loads(out)
-            except json.JSONDecodeError as exc:
-                raise HostCommandError(f"qemu-img map of bitmap {name} of {image}: {exc}") from exc
-            found.append([(int(e["start"]), int(e["length"])) for e in entries if not e["data"]])
-        return found
+    """The dirty ranges of each bitmap `names` of a frozen `image`, in that order.
+
+    qemu-nbd serves the image read-only with those bitmaps on a private
+    socket until every `qemu-img map` has read its one.
+    """
+    with tempfile.TemporaryDirectory(prefix="csi-qsd-bitmap-") as work:
+        socket = Path(work) / "nbd.sock"
+        async with qemu_nbd_server.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
+                                           bitmaps=names):
+            return [await _dirty_ranges(qemu_img, image, socket, name) for name in names]
+
+
+async def _dirty_ranges(qemu_img: str, image: Path, socket: Path, name: str) -> list[Extent]:
+    opts = f"driver=nbd,server.type=unix,server.path={socket},x-dirty-bitmap=qemu:dirty-bitmap:{name}"
+    _, out = await run(qemu_img, "map", "--output=json", "--image-opts", opts, timeout=3600)
+    try:
+        entries = json.loads(out)
+    except json.JSONDecodeError as exc:
+        raise HostCommandError(f"qemu-img map of bitmap {name} of {image}: {exc}") from exc
+    return [(int(e["start"]), int(e["length"])) for e in entries if not e["data"]]

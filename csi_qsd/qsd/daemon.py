@@ -34,6 +34,7 @@ from csi_qsd.qsd.settings import QSDMode, QSDSettings
 from csi_qsd.errors import NoAnswer, QSDError, QSDNoAnswer
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd import iothreads
+from csi_qsd.sys.processes import wait_gone
 from csi_qsd.sys.run import tool_env
 
 log = logging.getLogger(__name__)
@@ -270,11 +271,11 @@ class QSDDaemon:
             await self.client.connect(qmp_socket(self._config))
             await self.client.quit()
         await self.client.disconnect()
-        if not await _wait_gone(pid, SHUTDOWN_TIMEOUT):
+        if not await wait_gone(pid, SHUTDOWN_TIMEOUT):
             log.warning("event=qsd_kill pid=%d reason=quit_timeout", pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            if not await _wait_gone(pid, SHUTDOWN_TIMEOUT):
+            if not await wait_gone(pid, SHUTDOWN_TIMEOUT):
                 raise QSDError(f"qemu-storage-daemon pid {pid} survived SIGKILL")
 
     async def _attach(self) -> None:
@@ -417,7 +418,7 @@ class QSDDaemon:
             log.warning("event=qsd_kill pid=%d reason=wedged", pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            if not await _wait_gone(pid, SHUTDOWN_TIMEOUT):
+            if not await wait_gone(pid, SHUTDOWN_TIMEOUT):
                 log.error("event=qsd_kill_failed pid=%d proc_state=%r", pid, process_state(pid))
         await self.client.disconnect()
         self._wedge = None
@@ -458,17 +459,3 @@ class QSDDaemon:
                 log.warning("event=qsd_recover_retry error=%r", str(exc))
                 await self.client.disconnect()
                 await asyncio.sleep(1.0)
-
-
-async def _wait_gone(pid: int, timeout: float) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        if Path(f"/proc/{pid}/stat").exists() and " Z " in Path(f"/proc/{pid}/stat").read_text():
-            return True
-        await asyncio.sleep(0.05)
-    return False
