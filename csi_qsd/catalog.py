@@ -7,10 +7,15 @@ transitional state. An intent may be committed without its own fsync
 (`durable=False`, 0.3-0.8 ms saved per call): it survives the driver's crash
 (the WAL is in the page cache), the final commit's fsync makes it durable
 with itself, and what a power loss can leave without it is an image no row
-names that holds no data of its own, which the reconcile removes. Writes run
-in a worker thread; a read runs on the event loop when the connection is
-free (tens of microseconds, less than the hop), in a worker thread when a
-transaction holds it. This module knows nothing of QSD, mounts or gRPC.
+names that holds no data of its own, which the reconcile removes.
+
+Not all I/O runs in a worker thread. Writes do, and so do opening and
+closing; a read runs on the event loop when the connection is free (tens of
+microseconds, less than the hop), in a worker thread when a transaction
+holds it. `usable()`, which Probe calls synchronously, always queries on the
+event loop, and while a transaction holds the connection it waits there for
+it (a commit's fsync included). This module knows nothing of QSD, mounts or
+gRPC.
 """
 
 from __future__ import annotations
@@ -241,7 +246,7 @@ _CLOSED = "the catalog is closed: the driver is stopping"
 
 
 class Catalog:
-    """Typed access to the catalog database; every method is a coroutine."""
+    """Typed access to the catalog database; every method is a coroutine but `usable`, Probe's check."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -262,7 +267,11 @@ class Catalog:
         await self.close()
 
     def usable(self) -> bool:
-        """True while the database answers a trivial query (used by Probe)."""
+        """True while the database answers a trivial query (used by Probe).
+
+        Runs on the caller's thread, the event loop: it waits there for a
+        transaction that holds the connection.
+        """
         try:
             self._call(lambda db: db.execute("SELECT 1").fetchone())
             return True

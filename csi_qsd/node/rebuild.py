@@ -5,7 +5,10 @@ and its final commit. This finishes or undoes each such call from the
 catalog's rows (moves first, then stages and publishes), re-creates what a
 new QSD lacks (graph, exports, loop devices, mounts), and drops graph nodes
 no staged volume needs. Images are never touched. Each volume is repaired
-under its lock, after any call still holding it.
+under its lock once a call still holding it is done; a call that holds it
+longer than REBUILD_LOCK_WAIT does not stop the repair, which then runs
+beside it without the lock (logged: `rebuild_lock_busy`). A move is settled
+only under the lock: one whose call still runs settles itself.
 """
 
 from __future__ import annotations

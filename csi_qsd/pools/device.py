@@ -35,10 +35,17 @@ What must never happen, and how it is prevented:
 * **A vanished device hangs the control plane.** `check` looks at udev's
   view (pyudev) and the stable path only, never does I/O on the device.
 
-This module reaches the device as the host's block device. The userspace
-NVMe way in (`nvme.py`) overrides only the few methods that touch the
-device (`describe`, `_read_label`, `_foreign_data`, `_zero`,
-`_write_label`, `device_problem`) to go through QSD instead.
+This module reaches the device as the host's block device. A device only
+QSD can reach, the userspace NVMe way in (`nvme.py`) or a remote target
+(`remote.py`), is a `DevicePoolThroughQSD` (`through_qsd.py`): it opens in
+two steps (`open` before QSD runs, `attach` once it does) and overrides the
+methods that touch the device to go through QSD (`_read_label`,
+`_foreign_data`, `_zero`, `_write_label`), with `_scrub_pending` waiting
+for `attach`. Each kind then names its device (`describe`, `same_device`)
+and says what is wrong with it without I/O on it (`device_problem`; a remote
+pool overrides `problem` instead, as it asks over the network); the NVMe
+pool also refuses volumes other than vhost-user-blk (`check_parameters`),
+and a remote pool names its own flag (`configured_as`, `startup_name`).
 """
 
 from __future__ import annotations
@@ -238,7 +245,7 @@ class DevicePool(Pool):
         await self._write_label(label)
         return label
 
-    # the device as this way in reaches it: the host's block device (the NVMe way in overrides these)
+    # the device as this way in reaches it: the host's block device (`DevicePoolThroughQSD` overrides these)
 
     def configured_as(self) -> str:
         """The flag that configures this pool, for messages that tell an admin what to change."""

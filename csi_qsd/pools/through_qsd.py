@@ -7,7 +7,7 @@ signatures from the start of the device read through a read-only FUSE
 view of the pool's own node, and scrubs as write-zeroes issued by QSD.
 A subclass names that node (`base`: what QSD opens, with the objects it
 needs first) and says what is wrong with the device without touching it
-(`problem`).
+(`device_problem`, or `problem` where that means asking over the network).
 
 What must never happen: a foreign device taken without `force` (its start
 is probed through QSD, as `blkid -p` probes a block device).

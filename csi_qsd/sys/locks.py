@@ -1,7 +1,12 @@
-"""Per-key try-locks: one call at a time per volume (or name); a second one gets ABORTED.
+"""Per-key try-locks: one CSI call at a time per volume (or name); a second one gets ABORTED.
 
-Only the driver's own repair work (the rebuild after a QSD restart) waits for
-a key instead; a CSI call never queues behind another.
+A CSI call never queues behind another. Only the driver's own repair work
+waits for a key (`wait_hold`), and only for a bound, after which it decides
+without the lock: the rebuild after a QSD restart (`csi_qsd.node.rebuild`)
+then repairs the volume anyway, beside the call still holding it (a staged
+volume left without its export is the worse outcome), while settling a move
+skips the volume instead. So these locks keep CSI calls apart from each
+other; they do not keep the rebuild from a call that outlives its wait.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ class KeyedLocks:
 
     @contextlib.asynccontextmanager
     async def wait_hold(self, key: str, timeout: float) -> AsyncIterator[bool]:
-        """Hold `key` once it is free; yields False (unheld) if it stays busy for `timeout` seconds."""
+        """Hold `key` once it is free; yields False (unheld) if it stays busy for `timeout` seconds.
+
+        On False the caller goes on without the lock or gives up: its choice.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while key in self._held:

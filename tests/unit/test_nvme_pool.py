@@ -16,9 +16,13 @@ from csi_qsd.cli import build_parser, config_from
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.errors import InvalidArgument, StartupError
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
+from csi_qsd.pools import device
+from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.nvme import NvmeDevicePool, base_node_name, vfio_problem
 from csi_qsd.pools.nvme_address import NvmeAddress
 from csi_qsd.qsd import graph
+from csi_qsd.pools.remote import RemotePool
+from csi_qsd.pools.through_qsd import DevicePoolThroughQSD
 from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice, NvmeNamespace
 
 VOLUME = "vol-0123456789abcdef01234567"
@@ -118,3 +122,10 @@ def test_serve_takes_the_nvme_spelling(monkeypatch: pytest.MonkeyPatch, capsys: 
     with pytest.raises(SystemExit):
         build_parser()
     assert "CSI_QSD_DEVICE_POOL: --device-pool 'vm=nvme://0000:01:00'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", [DevicePoolThroughQSD, NvmeDevicePool, RemotePool])
+def test_the_device_pool_docstring_names_every_hook_the_other_ways_in_override(kind: type[DevicePool]) -> None:
+    overridden = {name for name, value in vars(kind).items()
+                  if callable(value) and not name.startswith("__") and hasattr(DevicePool, name)}
+    assert overridden and not {name for name in overridden if f"`{name}`" not in (device.__doc__ or "")}
