@@ -20,6 +20,8 @@ import pytest
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import StartupError
 from csi_qsd.metrics import Metrics
+from csi_qsd.qsd import vhost_greeting
+from csi_qsd.qsd.shards import place
 from csi_qsd.server import Driver, serving
 from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored, write_synced
 
@@ -43,6 +45,11 @@ async def stage_until_both_shards(driver: Driver, csi: CSIClient, box: Sandbox) 
         if all(len(v) >= 2 for v in placed_on.values()):
             return placed_on
     raise AssertionError(f"24 volumes never spread over both shards: {placed_on}")
+
+
+def namespace_on(shard: int, count: int) -> str:
+    """A claim namespace the driver places on `shard` (its own rule, `csi_qsd.qsd.shards.place`)."""
+    return next(f"ns-{n}" for n in range(1000) if place(f"namespace:ns-{n}", count) == shard)
 
 
 async def unstage_when_free(csi: CSIClient, vid: str, path: Path) -> None:
@@ -72,22 +79,36 @@ async def test_each_shard_serves_its_volumes_and_a_crash_stays_in_its_shard(box:
         for volumes in placed_on.values():
             for vid in volumes:
                 write_synced(box.staging(vid) / "data", vid.encode() * 1000)
+        # A VM disk on each shard (a namespace that places it there), answering a vhost-user client.
+        sockets = {}
+        for shard in (0, 1):
+            vid = (await csi.create_volume(f"vm-{shard}", 64 * MIB, {"export": "vhost-user-blk",
+                                                                    NAMESPACE_KEY: namespace_on(shard, 2)})).volume_id
+            await csi.stage(vid, str(box.staging(vid)))
+            await csi.publish(vid, str(box.staging(vid)), str(box.target(vid)))
+            assert (await driver.catalog.stage(vid) or pytest.fail("not staged")).shard == shard
+            sockets[shard] = box.target(vid) / "vhost-user-blk.sock"
+            assert await vhost_greeting.greet(sockets[shard])
+            placed_on[shard].append(vid)
 
         os.kill(pids[1] or 0, signal.SIGKILL)
         # Shard 0's volumes keep serving while shard 1 is down and coming back.
-        for vid in placed_on[0]:
+        assert await vhost_greeting.greet(sockets[0])
+        for vid in placed_on[0][:-1]:
             assert (box.staging(vid) / "data").read_bytes() == vid.encode() * 1000
         await until(lambda: qsd_pid(box, 1) not in (None, pids[1]), "shard 1 to be replaced", 30)
-        for vid in placed_on[1]:
+        for vid in placed_on[1][:-1]:
             await wait_restored(csi, vid, box.staging(vid))
             assert (box.staging(vid) / "data").read_bytes() == vid.encode() * 1000
+        await wait_restored(csi, placed_on[1][-1], box.target(placed_on[1][-1]))
+        assert await vhost_greeting.greet(sockets[1]), "the VM disk of the lost shard is served again"
         assert qsd_pid(box, 0) == pids[0], "shard 0 was not touched"
         assert driver.qsd.daemons[0].restarts == 0 and driver.qsd.daemons[1].restarts == 1
         scraped = (await Metrics(driver).render()).decode()
         assert 'csi_qsd_qsd_restarts_total{shard="0"} 0.0' in scraped
         assert 'csi_qsd_qsd_restarts_total{shard="1"} 1.0' in scraped
         assert 'csi_qsd_qsd_ready{shard="1"} 1.0' in scraped
-        for vid in placed_on[0]:
+        for vid in placed_on[0][:-1]:
             stats = await csi.stats(vid, str(box.staging(vid)))
             assert not stats.volume_condition.abnormal
 
@@ -97,9 +118,14 @@ async def test_each_shard_serves_its_volumes_and_a_crash_stays_in_its_shard(box:
         await driver.qsd.start(driver.node.rebuild)
         assert [qsd_pid(box, 0), qsd_pid(box, 1)] == new_pids
         for volumes in placed_on.values():
-            for vid in volumes:
+            for vid in volumes[:-1]:
                 assert (box.staging(vid) / "data").read_bytes() == vid.encode() * 1000
                 await unstage_when_free(csi, vid, box.staging(vid))
+        for shard, socket in sockets.items():
+            assert await vhost_greeting.greet(socket)
+            vid = placed_on[shard][-1]
+            await csi.unpublish(vid, str(box.target(vid)))
+            await unstage_when_free(csi, vid, box.staging(vid))
         assert await exports_of(driver, 0) == set() and await exports_of(driver, 1) == set()
 
 
