@@ -228,10 +228,6 @@ class QoS:
     bps_write_max: int = 0
     burst_seconds: int = 1
 
-    @property
-    def limited(self) -> bool:
-        return any(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "burst_seconds")
-
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

@@ -126,10 +126,6 @@ class ChangedBlocks:
                  time.monotonic() - start)
         return BlockMap(target.size, answer, exact)
 
-    async def image_of(self, snapshot_id: str) -> Path:
-        """The frozen image holding a snapshot's data (with its backing chain), for readers on this node."""
-        return (await self._visible(snapshot_id, "snapshot_id")).image
-
     # ------------------------------------------------------------------
 
     async def _visible(self, snapshot_id: str, field: str) -> SnapshotRecord:

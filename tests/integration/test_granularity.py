@@ -22,7 +22,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
 from tests.harness import Sandbox
-from tests.integration.test_snapshot_metadata import SIZE, BlockDevice, check_delta, snapshot_content
+from tests.integration.test_snapshot_metadata import SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
 
 KIB, MIB = 1 << 10, 1 << 20
 GRANULE = 4 * KIB
@@ -87,7 +87,7 @@ async def test_delta_at_4k_reports_every_changed_granule_and_nothing_untouched(
     # Allocated agrees with qemu-img map of the chain, at 4 KiB, and covers every non-zero granule.
     capacity, allocated = await csi.metadata_allocated(s2)
     assert capacity == SIZE
-    image = await drv.changed_blocks.image_of(s2)
+    image = await frozen_image(drv, s2)
     assert allocated == extents.clip(await imagemap.chain_allocation(drv.config.qemu_img, image), 0, SIZE)
     assert all(offset % GRANULE == 0 and length % GRANULE == 0 for offset, length in allocated)
     content = await snapshot_content(drv, s2, box.root / "a.raw")
@@ -98,7 +98,7 @@ async def test_delta_at_4k_reports_every_changed_granule_and_nothing_untouched(
     # Every image of the chain has the volume's layout.
     volume = await drv.volumes.get(vid)
     assert volume is not None and volume.params.granularity == GRANULE
-    chain = [volume.image] + [(await drv.changed_blocks.image_of(s)) for s in (s0, s1, s2)]
+    chain = [volume.image] + [await frozen_image(drv, s) for s in (s0, s1, s2)]
     for path in chain:
         assert await layout(drv.config.qemu_img, path) == (CLUSTER, True), path
 

@@ -78,9 +78,16 @@ async def new_qsd(box: Sandbox, old: int, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
+async def frozen_image(drv: Driver, snapshot_id: str) -> Path:
+    """The image holding a snapshot's data (with its backing chain), as the catalog records it."""
+    snapshot = await drv.catalog.snapshot(snapshot_id)
+    assert snapshot is not None, snapshot_id
+    return snapshot.image
+
+
 async def snapshot_content(drv: Driver, snapshot_id: str, out: Path) -> bytes:
     """A snapshot's data, read from its frozen image chain."""
-    image = await drv.changed_blocks.image_of(snapshot_id)
+    image = await frozen_image(drv, snapshot_id)
     await run(drv.config.qemu_img, "convert", "-U", "-f", "qcow2", "-O", "raw", str(image), str(out))
     data = out.read_bytes()
     out.unlink()
@@ -150,7 +157,7 @@ async def test_delta_matches_the_truth_through_deletes_crashes_and_flattens(
     capacity, allocated = await csi.metadata_allocated(s1)
     assert capacity == SIZE
     assert allocated == extents.clip(
-        await imagemap.chain_allocation(drv.config.qemu_img, await drv.changed_blocks.image_of(s1)), 0, SIZE)
+        await imagemap.chain_allocation(drv.config.qemu_img, await frozen_image(drv, s1)), 0, SIZE)
     content = await snapshot_content(drv, s1, box.root / "a.raw")
     nonzero = {i for i in range(SIZE // CLUSTER) if content[i * CLUSTER:(i + 1) * CLUSTER].count(0) != CLUSTER}
     assert nonzero <= extents.blocks(allocated, CLUSTER)

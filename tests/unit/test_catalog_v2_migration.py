@@ -41,7 +41,7 @@ async def test_schema_2_catalog_migrates_and_keeps_its_rows(tmp_path: Path) -> N
         volume = await catalog.volume(VOLUME_ID)
         assert volume is not None
         assert (volume.name, volume.capacity, volume.generation, volume.pool) == ("pvc-old", 1 << 30, 2, "default")
-        assert volume.qos == QoS() and not volume.qos.limited
+        assert volume.qos == QoS()
         stage = await catalog.stage(VOLUME_ID)
         assert stage is not None and stage.loop_device == "/dev/loop7"
         limited = dataclasses.replace(volume, qos=QoS(iops_total=200, bps_read=1 << 20))
