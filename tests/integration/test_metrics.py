@@ -27,7 +27,7 @@ from tests.harness import DriverProcess, Sandbox, free_port, qsd_pid, running_dr
 
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
-DOCUMENTED_IN = (REPO / "deploy" / "README.md", REPO / "README.md")
+DOCUMENTED_IN = (REPO / "deploy" / "README.md", REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 Labels = frozenset[tuple[str, str]]
 
 
