@@ -31,7 +31,16 @@ RUN apt-get update \
         xfsprogs \
         util-linux \
         mount \
- && rm -rf /var/lib/apt/lists/*
+ && rm -rf /var/lib/apt/lists/* \
+ && rm -f /etc/mtab
+
+# No /etc/mtab: libfuse then skips recording each FUSE mount in it, which it
+# does by forking QSD to run `/bin/mount -f` (and `/bin/umount` on removal)
+# inside QSD's main loop. Measured with QSD 10.0.13: block-export-add of a
+# FUSE export 2.1-2.3 ms with the file, 0.5-0.8 ms without (removal 2.4 ms,
+# 0.8 ms), and a fork of a busy QSD stalled every volume's I/O up to 28 ms.
+# Nothing in the image reads the file: mount, df and findmnt read
+# /proc/self/mountinfo.
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

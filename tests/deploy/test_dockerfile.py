@@ -100,6 +100,12 @@ def test_installs_the_tools() -> None:
     assert "rm -rf /var/lib/apt/lists" in runs
 
 
+def test_the_image_has_no_mtab() -> None:
+    """libfuse forks QSD to run `mount -f` for every FUSE export while /etc/mtab exists: the image removes it."""
+    runs = [args for keyword, args in instructions() if keyword == "RUN"]
+    assert any("rm -f /etc/mtab" in args for args in runs)
+
+
 def test_installs_the_package_into_a_venv() -> None:
     """The source is built in a stage of its own; the final image gets the venv only."""
     *builders, (_, _, final) = stages()

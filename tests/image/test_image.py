@@ -247,6 +247,8 @@ def test_image_runs_csi_qsd_and_qemu_10(image: Image, container: Container) -> N
     tools = ("losetup", "mount", "umount", "blkid", "fsfreeze", "mkfs.ext4", "resize2fs", "mkfs.xfs",
              "xfs_growfs", "fusermount3")
     container.run("sh", "-c", " && ".join(f"command -v {tool} >/dev/null" for tool in tools))
+    # No /etc/mtab, so libfuse does not fork QSD to run `mount -f` for each FUSE export (Dockerfile).
+    assert not os.path.lexists(container.rootfs / "etc" / "mtab")
 
 
 def test_volume_lifecycle_in_the_image(image: Image, container: Container, tmp_path: Path) -> None:
