@@ -50,12 +50,12 @@ async def test_a_vm_keeps_writing_while_its_disk_moves(guest_image: GuestImage) 
                                     timeout=VM_TIMEOUT_S)
                 async with vm:
                     await wait_for_block(vm, 3)
-                    catalog: Catalog = driver.node._catalog
+                    catalog: Catalog = driver.catalog
                     volume = await catalog.volume(vol.volume_id)
                     stage = await catalog.stage(vol.volume_id)
                     assert volume is not None and stage is not None
-                    host = driver.node._exports.host
-                    moved = await moves.move(host, driver.node._exports.of(volume), volume, stage,
+                    exports = driver.node.exports
+                    moved = await moves.move(exports.host, exports.of(volume), volume, stage,
                                              await catalog.publishes(vol.volume_id), 48 * MIB)
                     moved_at = len(vm.output.splitlines())
                     result = await vm.wait()

@@ -227,6 +227,11 @@ class NodeVolumes:
             return VolumeStats.restarting(volume.capacity)
         return await self._exports.of(volume).stats(volume, stage, path)
 
+    @property
+    def exports(self) -> ExportPaths:
+        """Each volume's export path and the host they share (QSDs, pools): for driving a step no call offers."""
+        return self._exports
+
     def rebuild(self, shard: int) -> Rebuild:
         """The repair of one shard's volumes, run after every (re)connect to that shard's QSD (`rebuild`)."""
         return lambda client: self._rebuild.run(shard, client)

@@ -78,7 +78,7 @@ def spec(device: FakeNVMe, name: str = "fast", force: bool = False) -> tuple[Dev
 
 
 def pool_of(driver: Driver, name: str = "fast") -> DevicePool:
-    pool = driver.node._exports.host.pools[name]
+    pool = driver.pools[name]
     assert isinstance(pool, DevicePool)
     return pool
 

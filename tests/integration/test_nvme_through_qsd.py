@@ -150,7 +150,7 @@ async def test_vm_volume_lifecycle_and_a_qsd_restart(
 
     monkeypatch.setattr(server, "open_device_pools", open_stand_in)
     async with in_process_driver(box) as (driver, csi):
-        pool = driver.node._exports.host.pools["fast"]
+        pool = driver.pools["fast"]
         assert isinstance(pool, StandInPool)
         total, largest = await capacity(csi, "fast")
         assert total == largest == pool.layout.data_size

@@ -48,7 +48,7 @@ def pool_spec() -> tuple[DevicePoolSpec, ...]:
 
 async def test_vm_volume_lifecycle_on_a_vfio_namespace(box: Sandbox) -> None:
     async with in_process_driver(box, device_pools=pool_spec()) as (driver, csi):
-        pool = driver.node._exports.host.pools["vfio"]
+        pool = driver.pools["vfio"]
         assert isinstance(pool, NvmeDevicePool)
         size = await device_io.node_size(driver.daemon.client, pool.namespace.node_name)
         assert pool.layout.device_size == size  # capacity from QMP, not from a host block device

@@ -50,7 +50,7 @@ QEMU_11: dict[str, object] = {"qsd_binary": bundled("qemu-storage-daemon-11"), "
 
 
 def remote_pool(driver: Driver, name: str) -> RemotePool:
-    pool = driver.node._exports.host.pools[name]
+    pool = driver.pools[name]
     assert isinstance(pool, RemotePool)
     return pool
 

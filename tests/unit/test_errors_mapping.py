@@ -17,7 +17,6 @@ import grpc
 import pytest
 
 from csi_qsd import errors as E
-from csi_qsd.csi import errors as rpc_errors
 from csi_qsd.csi.errors import RpcObservers, rpc
 
 
@@ -159,11 +158,13 @@ async def test_a_cancelled_call_is_not_counted_as_ok(caplog: pytest.LogCaptureFi
     assert not any("code=OK" in r.getMessage() for r in caplog.records)
 
 
-def test_object_id_in_logs() -> None:
-    object_id = rpc_errors._object_id
-    assert object_id(Request(volume_id="vol-1", name="pvc")) == "volume_id=vol-1"
-    assert object_id(Request(name="pvc-9")) == "name=pvc-9"
-    assert object_id(Request()) == "-"
+@pytest.mark.parametrize("fields, named", [
+    ({"volume_id": "vol-1", "name": "pvc"}, "volume_id=vol-1"), ({"name": "pvc-9"}, "name=pvc-9"), ({}, "-"),
+])
+async def test_object_id_in_logs(fields: dict[str, str], named: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="csi_qsd.rpc"):
+        await Servicer().DeleteVolume(Request(**fields), FakeContext())
+    assert [r.getMessage().partition(" seconds=")[0] for r in caplog.records] == [f"rpc=DeleteVolume {named} code=OK"]
 
 
 def test_wrapper_keeps_the_handler_name() -> None:
