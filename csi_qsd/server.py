@@ -119,6 +119,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         await volumes.reconcile()
         qsd = QSDShards(config, config.qsd_shards)
         await placed(catalog, qsd)
+        await qsd.stop_beyond()
         exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)

@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.qsd.daemon import QSDDaemon, Rebuild
-from csi_qsd.qsd.settings import QSDSettings
+from csi_qsd.qsd.daemon import QSDDaemon, Rebuild, running_pid
+from csi_qsd.qsd.settings import QSDMode, QSDSettings
 
 MAX_SHARDS = 16
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,7 @@ class QSDShards:
 
     def __init__(self, settings: QSDSettings, count: int = 1) -> None:
         check_count(count)
+        self._settings = settings
         self.daemons = [QSDDaemon(ShardSettings(settings, index)) for index in range(count)]
         self._placed: dict[str, int] = {}
 
@@ -131,6 +135,26 @@ class QSDShards:
         if failures:
             await self.close()
             raise failures[0]
+
+    async def stop_beyond(self) -> list[int]:
+        """Stop the QSDs of shards past `count` that a driver with more shards left running (managed mode).
+
+        Only once no stage row names them (`csi_qsd.server.placed` checks):
+        they serve nothing, and nobody would supervise them. Returns their
+        former PIDs.
+        """
+        if self._settings.qsd_mode is not QSDMode.MANAGED:
+            return []  # qsd-run keeps those of an external QSD container
+        stopped = []
+        for index in range(self.count, MAX_SHARDS):
+            settings = ShardSettings(self._settings, index)
+            pid = running_pid(settings)
+            if pid is not None:
+                log.warning("event=qsd_shard_stopped shard=%d pid=%d reason=beyond_qsd_shards count=%d",
+                            index, pid, self.count)
+                await QSDDaemon(settings).shutdown()
+                stopped.append(pid)
+        return stopped
 
     async def close(self) -> None:
         """Stop supervising every shard; the QSDs keep running."""

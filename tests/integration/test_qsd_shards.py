@@ -162,3 +162,14 @@ async def test_fewer_shards_than_stages_use_is_refused_at_start(box: Sandbox) ->
     with pytest.raises(StartupError, match="--qsd-shards 2 or more"):
         async with serving(box.config(qsd_shards=1)):
             pass
+    # Once nothing is staged on shard 1, one shard is enough: the start stops the QSD nobody would supervise.
+    async with in_process_driver(box, qsd_shards=2) as (driver, csi):
+        for stage in await driver.catalog.stages():
+            await unstage_when_free(csi, stage.volume_id, stage.staging_path)
+    async with serving(box.config(qsd_shards=2)):
+        pass  # a driver with two shards goes away, leaving both QSDs running
+    left = qsd_pid(box, 1)
+    assert left is not None
+    async with serving(box.config(qsd_shards=1)) as driver:
+        assert qsd_pid(box, 1) is None and qsd_pid(box, 0) is not None
+        await driver.qsd.shutdown()
