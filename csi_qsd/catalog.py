@@ -36,7 +36,7 @@ from csi_qsd.params import QoS, VolumeParameters
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DEFAULT_POOL = "default"
 # The whole schema as this release creates it; older catalogs reach it through _MIGRATIONS.
 _SCHEMA = """
@@ -104,6 +104,19 @@ CREATE TABLE IF NOT EXISTS extents (
     PRIMARY KEY (pool, start)
 );
 CREATE INDEX IF NOT EXISTS extents_by_volume ON extents(volume_id);
+CREATE TABLE IF NOT EXISTS copies (
+    volume_id   TEXT NOT NULL,
+    role        TEXT NOT NULL,
+    node        TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    snapshot_id TEXT NOT NULL DEFAULT '',
+    address     TEXT NOT NULL DEFAULT '',
+    image       TEXT NOT NULL DEFAULT '',
+    state       TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    PRIMARY KEY (volume_id, role)
+);
+CREATE INDEX IF NOT EXISTS copies_by_snapshot ON copies(snapshot_id);
 """
 # Statements that bring a catalog of schema N-1 to N, each run in one transaction with the version bump.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -125,6 +138,15 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     5: (
         # QSD shards: which of the node's QSDs serves a staged volume; before them there was one.
         "ALTER TABLE stages ADD COLUMN shard INTEGER NOT NULL DEFAULT 0",
+    ),
+    6: (
+        # Copies across nodes: on the target, a volume being filled from another node's snapshot; on the
+        # source, the read lease that snapshot is served under. Catalogs before them had none.
+        "CREATE TABLE IF NOT EXISTS copies (volume_id TEXT NOT NULL, role TEXT NOT NULL, node TEXT NOT NULL,"
+        " source TEXT NOT NULL, snapshot_id TEXT NOT NULL DEFAULT '', address TEXT NOT NULL DEFAULT '',"
+        " image TEXT NOT NULL DEFAULT '', state TEXT NOT NULL, created_at REAL NOT NULL,"
+        " PRIMARY KEY (volume_id, role))",
+        "CREATE INDEX IF NOT EXISTS copies_by_snapshot ON copies(snapshot_id)",
     ),
 }
 
@@ -240,6 +262,45 @@ class PublishRecord:
     state: PublishState
     loop_device: str = ""
     single_writer: bool = False  # published with SINGLE_NODE_SINGLE_WRITER: no other target allowed
+
+
+class CopyRole(enum.Enum):
+    """Which end of a cross-node copy a row records."""
+
+    TARGET = "target"  # this node's volume is filled from another node's snapshot
+    SOURCE = "source"  # this node serves one of its snapshots to a copy on another node (a read lease)
+
+
+class CopyState(enum.Enum):
+    """TARGET: LEASING (asking the source), STREAMING (usable, being made local), RELEASING (whole; lease to drop).
+    SOURCE: SERVING (the snapshot is exported for the copy)."""
+
+    LEASING = "leasing"
+    STREAMING = "streaming"
+    RELEASING = "releasing"
+    SERVING = "serving"
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyRecord:
+    """One end of a copy of a snapshot from one node to another.
+
+    `volume_id` is the copy (the volume on the target node) at both ends;
+    `node` the other end's node; `source` what the CreateVolume named
+    ("snapshot:<id>" or "volume:<id>"); `snapshot_id` the source node's
+    snapshot served; `address` host:port of its NBD server; `image` on the
+    target the local copy image being filled, on the source the image served.
+    """
+
+    volume_id: str
+    role: CopyRole
+    node: str
+    source: str
+    state: CopyState
+    created_at: float
+    snapshot_id: str = ""
+    address: str = ""
+    image: str = ""
 
 
 _CLOSED = "the catalog is closed: the driver is stopping"
@@ -534,6 +595,37 @@ class Catalog:
         await self._run(grow)
         return result[0]
 
+    # copies across nodes -------------------------------------------------
+
+    async def put_copy(self, record: CopyRecord) -> None:
+        await self._run(lambda db: _put_copy(db, record))
+
+    async def copy(self, volume_id: str, role: CopyRole) -> CopyRecord | None:
+        rows = await self._query("SELECT * FROM copies WHERE volume_id=? AND role=?", (volume_id, role.value))
+        return _copy(rows[0]) if rows else None
+
+    async def copies(self, role: CopyRole) -> list[CopyRecord]:
+        rows = await self._query("SELECT * FROM copies WHERE role=? ORDER BY volume_id", (role.value,))
+        return [_copy(row) for row in rows]
+
+    async def delete_copy(self, volume_id: str, role: CopyRole) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM copies WHERE volume_id=? AND role=?",
+                                              (volume_id, role.value)))
+
+    async def add_copy_volume(self, volume: VolumeRecord, local_copy: SnapshotRecord, copy: CopyRecord) -> None:
+        """A volume made from another node's snapshot, its local copy image (a hidden snapshot) and its copy row,
+        in one transaction."""
+        def write(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO snapshots (id, name, source_volume_id, image, backing, size, created_at,"
+                " state, hidden, group_id, overlay) VALUES (?,?,?,?,?,?,?,?,?,?,?)", (
+                    local_copy.id, local_copy.name, local_copy.source_volume_id, str(local_copy.image),
+                    local_copy.backing, local_copy.size, local_copy.created_at, local_copy.state.value,
+                    int(local_copy.hidden), local_copy.group_id, local_copy.overlay))
+            _insert_volume(db, volume)
+            _put_copy(db, copy)
+        await self._run(write)
+
     # plumbing -----------------------------------------------------------
 
     def _open(self) -> None:
@@ -675,6 +767,23 @@ def _publish(row: sqlite3.Row) -> PublishRecord:
         target_path=Path(row["target_path"]), volume_id=row["volume_id"], readonly=bool(row["readonly"]),
         mount_flags=tuple(json.loads(row["mount_flags"])), state=PublishState(row["state"]),
         loop_device=row["loop_device"], single_writer=bool(row["single_writer"]),
+    )
+
+
+def _put_copy(db: sqlite3.Connection, record: CopyRecord) -> None:
+    db.execute(
+        "INSERT OR REPLACE INTO copies (volume_id, role, node, source, snapshot_id, address, image, state,"
+        " created_at) VALUES (?,?,?,?,?,?,?,?,?)",
+        (record.volume_id, record.role.value, record.node, record.source, record.snapshot_id, record.address,
+         record.image, record.state.value, record.created_at),
+    )
+
+
+def _copy(row: sqlite3.Row) -> CopyRecord:
+    return CopyRecord(
+        volume_id=row["volume_id"], role=CopyRole(row["role"]), node=row["node"], source=row["source"],
+        state=CopyState(row["state"]), created_at=row["created_at"], snapshot_id=row["snapshot_id"],
+        address=row["address"], image=row["image"],
     )
 
 

@@ -141,6 +141,17 @@ def _node_address(text: str) -> NodeAddress:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _port_range(text: str) -> range:
+    low, dash, high = text.partition("-")
+    try:
+        ports = range(int(low), int(high if dash else low) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH ports") from None
+    if not ports or ports.start < 1 or ports.stop > 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW-HIGH ports within 1-65535")
+    return ports
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -214,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     _option(serve, "--metadata-cert", "", "the listener's certificate (PEM)")
     _option(serve, "--metadata-key", "", "its private key (PEM)")
     _option(serve, "--metadata-client-ca", "", "CA (PEM) that must have signed the router's client certificate")
+    serve.add_argument("--peer", action="append", type=_node_address, metavar="NAME=HOST:PORT",
+                       default=_env_list(serve, "--peer", _node_address),
+                       help="another node plugin's metadata listener, asked for snapshots and volumes this node "
+                            "does not hold when CreateVolume names one (a restore or clone from another node); "
+                            f"uses the --metadata-* TLS files (repeatable; env {env_name('--peer')}, space-separated)")
+    _option(serve, "--copy-address", "", "address on which this node serves its snapshots to copies on other "
+            "nodes (NBD with TLS); default the --metadata-address host")
+    _option(serve, "--copy-ports", "10900-10999", "TCP ports for those NBD servers, LOW-HIGH (one per copy)",
+            type=_port_range)
+    _option(serve, "--copy-rate", "0", "bytes per second a copy from another node may stream (0: no limit)",
+            type=_size)
 
     router = sub.add_parser("snapshot-metadata-router", help="serve CSI SnapshotMetadata for the cluster on a UNIX "
                             "socket (for the external-snapshot-metadata sidecar), relaying each call to the node "
@@ -353,6 +375,10 @@ def config_from(args: argparse.Namespace) -> Config:
         metadata_address=getattr(args, "metadata_address", ""),
         metadata_tls=_pem_files(getattr(args, "metadata_cert", ""), getattr(args, "metadata_key", ""),
                                 getattr(args, "metadata_client_ca", "")),
+        peers=tuple((peer.name, peer.address) for peer in getattr(args, "peer", None) or ()),
+        copy_address=getattr(args, "copy_address", ""),
+        copy_ports=getattr(args, "copy_ports", range(10900, 11000)),
+        copy_rate=int(getattr(args, "copy_rate", 0)),
     )
 
 

@@ -69,6 +69,13 @@ class Config:
     # The mutual-TLS listener for the snapshot-metadata router (host:port; empty: off).
     metadata_address: str = ""
     metadata_tls: PemFiles | None = None
+    # Copies across nodes (`csi_qsd.controller.copies`): the other node plugins' listeners (NAME, HOST:PORT),
+    # where this node serves its snapshots to them over NBD (host; default the listener's), on which ports,
+    # and how fast a copy streams (bytes/s, 0: no limit). They use the listener's TLS files.
+    peers: tuple[tuple[str, str], ...] = ()
+    copy_address: str = ""
+    copy_ports: range = range(10900, 11000)
+    copy_rate: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", self.state_dir.resolve())
@@ -86,6 +93,21 @@ class Config:
             raise ValueError("--metadata-address needs --metadata-cert, --metadata-key and --metadata-client-ca")
         if not self.endpoint:
             object.__setattr__(self, "endpoint", f"unix://{self.state_dir / 'csi.sock'}")
+        if self.peers and self.metadata_tls is None:
+            raise ValueError("--peer needs the node-to-node TLS files: --metadata-cert, --metadata-key and "
+                             "--metadata-client-ca")
+        if not self.copy_ports or self.copy_ports.start < 1 or self.copy_ports.stop > 65536:
+            raise ValueError(f"--copy-ports {self.copy_ports.start}-{self.copy_ports.stop - 1}: not a port range")
+        if self.copy_rate < 0:
+            raise ValueError("--copy-rate must not be negative")
+
+    @property
+    def copy_host(self) -> str:
+        """Where this node serves snapshots to copies on other nodes: --copy-address, else the listener's host."""
+        if self.copy_address:
+            return self.copy_address
+        host = self.metadata_address.rpartition(":")[0].strip("[]")
+        return host if host and host not in ("0.0.0.0", "::") else "127.0.0.1"
 
     @property
     def pool(self) -> Path:

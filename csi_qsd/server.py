@@ -45,8 +45,15 @@ from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
+from csi_qsd.controller.copies import CopySettings, RemoteCopies, SourceLeases
+from csi_qsd.csi.peers import PeerNodes, copies_handler
+from csi_qsd.node.copies import CopyStreams, CrossNodeCopies
+from csi_qsd.sys.tools import bundled
 
 log = logging.getLogger(__name__)
+
+# The name in the node plugins' certificate, which a copy's NBD client checks (as the router does).
+COPY_SERVER_NAME = "csi-qsd-node"
 
 
 class Driver:
@@ -54,8 +61,9 @@ class Driver:
 
     def __init__(
         self, config: Config, catalog: Catalog, qsd: QSDShards, volumes: Volumes, node: NodeVolumes,
-        snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
+        snapshots: Snapshots, health: HealthView, limits: VolumeLimits, copies: CrossNodeCopies,
     ) -> None:
+        self.copies = copies
         self.health = health
         self.limits = limits
         self.snapshots = snapshots
@@ -76,13 +84,17 @@ def node_features() -> dict[str, bool]:
     return {"fuse": Path("/dev/fuse").exists(), "vhost-user-blk": True}
 
 
-def attaching(pools: list[DevicePool], rebuild: Callable[[int], Rebuild]) -> Callable[[int], Rebuild]:
+def attaching(pools: list[DevicePool], rebuild: Callable[[int], Rebuild],
+              prepare: Callable[[QSDClient], Awaitable[None]] | None = None) -> Callable[[int], Rebuild]:
     """Each shard's graph rebuild; shard 0 first opens what device pools' volumes stand on (a fresh QSD has none).
 
     One process owns a device, so device pools live in shard 0 only (`csi_qsd.node.placement`).
+    `prepare` runs first in every shard (the TLS credentials of copies from other nodes).
     """
     def for_shard(shard: int) -> Rebuild:
         async def run(client: QSDClient) -> Callable[[], Awaitable[None]] | None:
+            if prepare is not None:
+                await prepare(client)
             if shard == 0:
                 for pool in pools:
                     await pool.attach(client)
@@ -124,11 +136,24 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         await snapshots.reconcile()
-        await qsd.start(attaching(list(device_pools.values()), node.rebuild))
+        tls = config.metadata_tls
+        settings = CopySettings(
+            state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
+            tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
+            rate=config.copy_rate)
+        peers = PeerNodes(config.peers, tls, config.node_id, COPY_SERVER_NAME)
+        streams = CopyStreams(catalog, exports, locks, peers, settings)
+        copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, on_copy=streams.start),
+                                 SourceLeases(catalog, snapshots, settings), streams)
+        await copies.remote.reconcile()
+        await copies.leases.reconcile()
+        await qsd.start(attaching(list(device_pools.values()), node.rebuild, streams.prepare))
         try:
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports),
-                         VolumeLimits(catalog, qsd, locks))
+                         VolumeLimits(catalog, qsd, locks), copies)
         finally:
+            await streams.close()
+            await peers.close()
             await snapshots.close()
             await qsd.close()
 
@@ -141,7 +166,8 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         identity = IdentityService(
             config.driver_name, driver.ready, lambda: features.live_resize_reaches_guest(driver.qsd.version),
             observers)
-        controller = ControllerService(config, driver.volumes, driver.snapshots, driver.health, driver.limits, observers)
+        controller = ControllerService(config, driver.volumes, driver.snapshots, driver.health, driver.limits, observers,
+                                       copies=driver.copies)
         metadata = SnapshotMetadataService(driver.changed_blocks, observers)
         pb_grpc.add_IdentityServicer_to_server(identity, server)
         pb_grpc.add_ControllerServicer_to_server(controller, server)
@@ -150,5 +176,6 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
         async with unix_socket.serving(server, config.endpoint):
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
-            async with serving_metadata_listener(config, identity, controller, metadata):
+            async with serving_metadata_listener(config, identity, controller, metadata,
+                                                 handlers=(copies_handler(driver.copies.leases),)):
                 yield driver

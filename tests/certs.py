@@ -56,10 +56,12 @@ class Authority:
     def issue(self, common_name: str, *, server: bool, trusts: "Authority | None" = None) -> PemFiles:
         """A leaf certificate (server: for the node plugins' name and 127.0.0.1) and the CA its holder trusts."""
         key = ec.generate_private_key(ec.SECP256R1())
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        # A node plugin's certificate serves its listener and, for copies across nodes, calls other nodes.
+        usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [
+            ExtendedKeyUsageOID.CLIENT_AUTH]
         builder = (_builder(common_name, self.cert.subject, key)
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+                   .add_extension(x509.ExtendedKeyUsage(usage), critical=False))
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName([
                 x509.DNSName(DEFAULT_SERVER_NAME), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)

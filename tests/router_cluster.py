@@ -73,12 +73,13 @@ class Router:
 
 
 @contextlib.asynccontextmanager
-async def node_plugin(name: str, pki: Pki) -> AsyncIterator[Node]:
+async def node_plugin(name: str, pki: Pki, *extra: str, address: str = "") -> AsyncIterator[Node]:
+    """A node plugin on its own sandbox and listener (`address`, default a free port); `extra` serve flags."""
     with sandbox() as box:
-        address = f"127.0.0.1:{free_port()}"
+        address = address or f"127.0.0.1:{free_port()}"
         process = DriverProcess(box, "--node-id", name, "--metadata-address", address,
                                 "--metadata-cert", str(pki.node.cert), "--metadata-key", str(pki.node.key),
-                                "--metadata-client-ca", str(pki.node.ca))
+                                "--metadata-client-ca", str(pki.node.ca), *extra)
         try:
             await process.start()
             async with CSIClient(box.endpoint, timeout=60) as csi:

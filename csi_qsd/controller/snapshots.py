@@ -87,6 +87,18 @@ class Snapshots:
             (snapshot,) = await self._cut([(name, source_volume_id)], group_id="")
             return snapshot
 
+    async def cut_hidden(self, name: str, source_volume_id: str) -> SnapshotRecord:
+        """A hidden snapshot of a volume, for a clone made elsewhere (idempotent by name); deleted like any other.
+
+        Raises NotFound, FailedPrecondition, Aborted, Unavailable.
+        """
+        async with self._name_locks.hold(name):
+            existing = await self._catalog.snapshot_by_name(name)
+            if existing is not None and existing.state is SnapshotState.READY:
+                return existing
+            (snapshot,) = await self._cut([(name, source_volume_id)], group_id="", hidden=True)
+            return snapshot
+
     async def delete(self, snapshot_id: str) -> None:
         """Remove a snapshot from the user's view; its image goes once nothing stands on it."""
         snapshot = await self._catalog.snapshot(snapshot_id)

@@ -20,6 +20,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from csi_qsd.node.condition import HealthView, VolumeHealth
+from csi_qsd.node.copies import CrossNodeCopies
 from csi_qsd.node.qos import VolumeLimits
 from csi_qsd.params import PROVISIONER_PREFIX, parse_mutable_parameters, parse_parameters
 from csi_qsd.controller.snapshots import Snapshots
@@ -52,9 +53,10 @@ def check_snapshot_parameters(parameters: dict[str, str]) -> None:
 class ControllerService(pb_grpc.ControllerServicer):
     def __init__(
         self, config: Config, volumes: Volumes, snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
-        observers: RpcObservers | None = None,
+        observers: RpcObservers | None = None, copies: CrossNodeCopies | None = None,
     ) -> None:
         self.rpc_observers = observers
+        self._copies = copies
         self._config = config
         self._volumes = volumes
         self._snapshots = snapshots
@@ -99,11 +101,20 @@ class ControllerService(pb_grpc.ControllerServicer):
             record = await self._volumes.create(name, required, limit, params, caps, qos=qos)
         elif source.WhichOneof("type") == "snapshot":
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
-            record = await self._snapshots.volume_from(
-                name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos)
+            if self._copies is not None and self._config.peers and await self._snapshots.get(snapshot_id) is None:
+                record = await self._copies.remote.create(
+                    name, required, limit, params, caps, source=f"snapshot:{snapshot_id}", qos=qos)
+            else:
+                record = await self._snapshots.volume_from(
+                    name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos)
         else:
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
-            record = await self._snapshots.volume_from(name, required, limit, params, caps, volume_id=volume_id, qos=qos)
+            if self._copies is not None and self._config.peers and await self._volumes.get(volume_id) is None:
+                record = await self._copies.remote.create(
+                    name, required, limit, params, caps, source=f"volume:{volume_id}", qos=qos)
+            else:
+                record = await self._snapshots.volume_from(
+                    name, required, limit, params, caps, volume_id=volume_id, qos=qos)
         return pb.CreateVolumeResponse(volume=self._volume_message(record))
 
     @rpc
@@ -111,8 +122,23 @@ class ControllerService(pb_grpc.ControllerServicer):
         self, request: pb.DeleteVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteVolumeResponse:
         if validate.VOLUME_ID_RE.match(request.volume_id):
-            await self._volumes.delete(request.volume_id)
+            if self._copies is None:
+                await self._volumes.delete(request.volume_id)
+            else:
+                await self._delete_copied(request.volume_id, self._copies)
         return pb.DeleteVolumeResponse()
+
+    async def _delete_copied(self, volume_id: str, copies: CrossNodeCopies) -> None:
+        """DeleteVolume where volumes cross nodes: refused while a copy elsewhere reads it; its own copy stops."""
+        await copies.leases.refuse_volume_delete(volume_id)
+        stopped = await copies.streams.stop(volume_id)
+        try:
+            await self._volumes.delete(volume_id)
+        except BaseException:
+            if stopped:
+                copies.streams.start(volume_id)
+            raise
+        await copies.remote.release_later(volume_id)
 
     @rpc
     async def ValidateVolumeCapabilities(
@@ -150,8 +176,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     volume=self._volume_message(r),
                     status=pb.ListVolumesResponse.VolumeStatus(
                         published_node_ids=self._published_nodes(health[r.id]),
-                        volume_condition=pb.VolumeCondition(
-                            abnormal=health[r.id].abnormal, message=health[r.id].message),
+                        volume_condition=self._condition(r.id, health[r.id]),
                     ),
                 )
                 for r in records
@@ -195,9 +220,16 @@ class ControllerService(pb_grpc.ControllerServicer):
             volume=self._volume_message(record),
             status=pb.ControllerGetVolumeResponse.VolumeStatus(
                 published_node_ids=self._published_nodes(health),
-                volume_condition=pb.VolumeCondition(abnormal=health.abnormal, message=health.message),
+                volume_condition=self._condition(record.id, health),
             ),
         )
+
+    def _condition(self, volume_id: str, health: VolumeHealth) -> pb.VolumeCondition:
+        """The volume's condition; one still being copied from another node says how far, or why it stopped."""
+        copying = self._copies.condition(volume_id) if self._copies is not None else None
+        if copying is not None and not health.abnormal:
+            return pb.VolumeCondition(abnormal=copying[0], message=copying[1])
+        return pb.VolumeCondition(abnormal=health.abnormal, message=health.message)
 
     @rpc
     async def ControllerModifyVolume(
@@ -238,6 +270,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         self, request: pb.DeleteSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSnapshotResponse:
         if validate.SNAPSHOT_ID_RE.match(request.snapshot_id):
+            if self._copies is not None:
+                await self._copies.leases.refuse_snapshot_delete(request.snapshot_id)
             await self._snapshots.delete(request.snapshot_id)
         return pb.DeleteSnapshotResponse()
 

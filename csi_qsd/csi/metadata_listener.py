@@ -5,7 +5,9 @@ driver, but each snapshot lives on one node; the router (`csi_qsd.router`)
 forwards each call to the node that holds the snapshot, over this listener.
 It serves the SnapshotMetadata service, Identity, and of the Controller
 service only GetSnapshot (so the router can ask which node holds a snapshot):
-nothing that changes a volume is reachable from the network. Off unless
+nothing that changes a volume is reachable from the network. Other node
+plugins reach it too, for the leases of copies across nodes
+(`csi_qsd.csi.peers`: `handlers`), which only serve snapshots read-only. Off unless
 `--metadata-address` is given with a certificate, key and client CA; waits
 for those files when they are not there yet.
 """
@@ -45,13 +47,13 @@ FILES_CHECK_INTERVAL = 15.0
 
 
 def _server(config: Config, identity: IdentityService, controller: ControllerService,
-            metadata: SnapshotMetadataService) -> grpc.aio.Server:
+            metadata: SnapshotMetadataService, handlers: tuple[grpc.GenericRpcHandler, ...] = ()) -> grpc.aio.Server:
     """The listener's server, bound. Raises StartupError when the address cannot be bound."""
     assert config.metadata_tls is not None
     server = grpc.aio.server()
     pb_grpc.add_IdentityServicer_to_server(identity, server)
     pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
-    server.add_generic_rpc_handlers((_get_snapshot_only(controller),))
+    server.add_generic_rpc_handlers((_get_snapshot_only(controller), *handlers))
     try:
         port = server.add_secure_port(config.metadata_address, server_credentials(config.metadata_tls))
     except (OSError, RuntimeError) as exc:
@@ -64,7 +66,7 @@ def _server(config: Config, identity: IdentityService, controller: ControllerSer
 @contextlib.asynccontextmanager
 async def serving_metadata_listener(
     config: Config, identity: IdentityService, controller: ControllerService, metadata: SnapshotMetadataService,
-    *, check_interval: float = FILES_CHECK_INTERVAL,
+    *, check_interval: float = FILES_CHECK_INTERVAL, handlers: tuple[grpc.GenericRpcHandler, ...] = (),
 ) -> AsyncIterator[None]:
     """Serve the listener while the context is open; nothing when it is not configured.
 
@@ -82,7 +84,7 @@ async def serving_metadata_listener(
 
     async def start() -> None:
         nonlocal server
-        started = _server(config, identity, controller, metadata)
+        started = _server(config, identity, controller, metadata, handlers)
         await started.start()
         server = started
         log.info("event=metadata_listener address=%s cert=%s client_ca=%s", config.metadata_address, files.cert,

@@ -12,6 +12,7 @@ below it leaves filter and exports in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -22,7 +23,7 @@ from csi_qsd.qcow2 import layer_bitmaps
 from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
 from csi_qsd.qsd import graph, vhost_greeting
-from csi_qsd.qsd.client import BlockNodeInfo, QSDClient, node_info
+from csi_qsd.qsd.client import JOB_BY_HAND, BlockNodeInfo, QSDClient, node_info
 from csi_qsd.qsd.iothreads import IOThreadPool
 from csi_qsd.qsd.storage import Storage
 
@@ -347,3 +348,35 @@ async def volumes_in_graph(client: QSDClient) -> set[str]:
     """IDs of every volume that has a node, export or throttle group of ours in QSD."""
     names = await client.node_names() | set(await client.exports()) | await client.throttle_groups()
     return {vid for vid in map(graph.volume_of, names) if vid is not None}
+
+
+async def node_reading(client: QSDClient, image: Path) -> str:
+    """The qcow2 node through which QSD reads `image` (opened by name or from a backing chain), or ''."""
+    nodes, _ = await _nodes_and_bitmaps(client)
+    return _format_node_of(nodes, str(image))
+
+
+async def ensure_tls_client(client: QSDClient, object_id: str, directory: Path) -> None:
+    """Give QSD the x509 client credentials `object_id` from `directory` (QEMU's file names), unless it has them.
+
+    Nodes whose backing files reach another node over NBD name this object (`tls-creds`), so it must exist
+    before any of them is opened.
+    """
+    objects = {str(item["name"]) for item in await client.execute("qom-list", {"path": "/objects"})}
+    if object_id not in objects:
+        await client.execute("object-add", {"qom-type": "tls-creds-x509", "id": object_id, "dir": str(directory),
+                                            "endpoint": "client", "verify-peer": True})
+
+
+async def start_fill(client: QSDClient, job_id: str, node: str, speed: int) -> None:
+    """Start copying everything below `node` into it (block-stream, finalized by hand), at most `speed` bytes/s
+    (0: no limit)."""
+    await client.execute("block-stream", {"job-id": job_id, "device": node, "speed": speed, **JOB_BY_HAND})
+
+
+async def cancel_job(client: QSDClient, job_id: str) -> None:
+    """Cancel block job `job_id` and see it end; nothing if there is none."""
+    if await client.job(job_id) is not None:
+        await client.execute("job-cancel", {"id": job_id})
+        with contextlib.suppress(QSDError):
+            await client.finish_job(job_id)

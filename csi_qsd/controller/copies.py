@@ -1,0 +1,379 @@
+"""Volumes made from another node's snapshot or volume, and the read leases that serve them.
+
+Both ends of a copy across nodes, without gRPC (the node-to-node calls are
+behind `Peers`, which `csi_qsd.csi.peers` implements over the mutual-TLS
+listener):
+
+* **Target** (`RemoteCopies`): CreateVolume names a snapshot or volume this
+  node does not hold. A peer that holds it grants a read lease: it serves the
+  snapshot read-only over NBD with TLS. The new volume is at once a thin
+  overlay on a local copy image whose backing file is that NBD export, so it
+  can be staged and used before a byte has moved; `csi_qsd.node.copies`
+  then fills the copy image (QSD's block-stream), after which the copy image
+  stands alone, the link is dropped and the lease released. The copy row is
+  recorded before the lease is asked for, so a crash at any point leaves a row
+  that `reconcile` finishes (the stream resumes) or undoes (the lease goes).
+* **Source** (`SourceLeases`): a lease is a row recorded before its NBD
+  server starts (`csi_qsd.sys.nbd_tcp`, detached: it outlives the driver,
+  and a driver that starts serves again every lease whose server is gone).
+  While a lease reads a snapshot, DeleteSnapshot of it (and DeleteVolume of a
+  volume being cloned) is FAILED_PRECONDITION naming the copy and its node.
+  A clone of a volume leases a hidden snapshot cut for it, deleted with the
+  lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from csi_qsd import validate
+from csi_qsd.catalog import (
+    Catalog, CopyRecord, CopyRole, CopyState, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now,
+)
+from csi_qsd.controller.snapshots import Snapshots
+from csi_qsd.controller.volumes import Capability, choose_size, unsupported_capability
+from csi_qsd.errors import (
+    AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted,
+)
+from csi_qsd.params import ImageFormat, QoS, VolumeParameters
+from csi_qsd.pools.base import Pool
+from csi_qsd.qcow2 import blank, layer_bitmaps
+from csi_qsd.qcow2.imagemap import qcow2_spec
+from csi_qsd.sys import durable, nbd_tcp
+from csi_qsd.sys.locks import KeyedLocks
+
+log = logging.getLogger(__name__)
+
+# The id of the TLS client credentials object in every QSD of a node that copies from peers.
+PEER_TLS_OBJECT = "cqpeer-tls"
+# How long the target's reads wait for a lost source to come back before they fail (QEMU's nbd
+# reconnect-delay), and how long opening the link may take: both bound what a dead peer costs QSD.
+RECONNECT_DELAY_SECONDS = 5
+OPEN_TIMEOUT_SECONDS = 10
+COPY_SUFFIX = "-copy.qcow2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """What a source node granted: where its snapshot is served for one copy."""
+
+    node: str
+    snapshot_id: str
+    address: str  # host:port of its NBD server
+    export: str
+    size: int
+
+
+class Peers(Protocol):
+    """The other nodes' plugins, as the target of a copy reaches them."""
+
+    async def lease(self, source: str, copy_volume_id: str) -> Lease:
+        """Ask every peer; the one holding `source` serves it. Raises NotFound, Unavailable."""
+        ...
+
+    async def release(self, node: str, copy_volume_id: str) -> None:
+        """Drop the lease on `node` ('' : on every peer). Raises Unavailable."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CopySettings:
+    """Where this node serves leased snapshots, and with which TLS files (None: not at all)."""
+
+    state_dir: Path
+    host: str = "127.0.0.1"
+    ports: range = range(10900, 11000)
+    tls: tuple[Path, Path, Path] | None = None  # cert, key, CA
+    server_name: str = "csi-qsd-node"
+    qemu_nbd: str = "qemu-nbd"
+    rate: int = 0  # bytes/s a stream may copy (0: as fast as it goes)
+
+    @property
+    def copies_dir(self) -> Path:
+        return self.state_dir / "copies"
+
+
+def parse_source(source: str) -> tuple[str, str]:
+    """("snapshot"|"volume", id) of a CreateVolume source; InvalidArgument otherwise."""
+    kind, _, ident = source.partition(":")
+    if kind == "snapshot" and validate.SNAPSHOT_ID_RE.match(ident):
+        return kind, ident
+    if kind == "volume" and validate.VOLUME_ID_RE.match(ident):
+        return kind, ident
+    raise InvalidArgument(f"copy source {source!r} is not snapshot:<id> or volume:<id>")
+
+
+def copy_image(pool: Pool, volume_id: str) -> Path:
+    """The local copy image of a volume made from another node's snapshot."""
+    return pool.image_path(volume_id, ImageFormat.QCOW2).with_name(f"{volume_id}{COPY_SUFFIX}")
+
+
+def nbd_backing(address: str, export: str, server_name: str) -> str:
+    """The `json:` backing file name of a copy image: the source's export, over TLS, bounded waits."""
+    host, _, port = address.rpartition(":")
+    spec = {"driver": "raw", "file": {
+        "driver": "nbd", "server": {"type": "inet", "host": host.strip("[]"), "port": port}, "export": export,
+        "tls-creds": PEER_TLS_OBJECT, "tls-hostname": server_name,
+        "reconnect-delay": RECONNECT_DELAY_SECONDS, "open-timeout": OPEN_TIMEOUT_SECONDS}}
+    return "json:" + json.dumps(spec, separators=(",", ":"))
+
+
+def _write_image(path: Path, pieces: list[tuple[int, bytes]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        blank.write(fd, pieces)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    durable.replace(tmp, path)
+
+
+class SourceLeases:
+    """The source end: serve snapshots to copies on other nodes, and refuse deletes while they read."""
+
+    def __init__(self, catalog: Catalog, snapshots: Snapshots, settings: CopySettings) -> None:
+        self._catalog = catalog
+        self._snapshots = snapshots
+        self._settings = settings
+        self._locks = KeyedLocks("copy")
+
+    async def lease(self, copy_volume_id: str, node: str, source: str) -> Lease:
+        """Serve `source` for the copy `copy_volume_id` on `node` (idempotent). Raises NotFound,
+        FailedPrecondition (no TLS files), ResourceExhausted (no free port)."""
+        validate.volume_id(copy_volume_id, "copy volume_id")
+        kind, ident = parse_source(source)
+        if self._settings.tls is None:
+            raise FailedPrecondition("this node serves no copies: it has no node-to-node TLS files "
+                                     "(--metadata-cert, --metadata-key, --metadata-client-ca)")
+        async with self._locks.hold(copy_volume_id):
+            record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+            if record is None:
+                snapshot = await self._snapshot_for(copy_volume_id, kind, ident)
+                taken = {int(r.address.rpartition(":")[2]) for r in await self._catalog.copies(CopyRole.SOURCE)}
+                port = await asyncio.to_thread(nbd_tcp.pick_port, self._settings.host, self._settings.ports, taken)
+                if port is None:
+                    raise ResourceExhausted(f"every copy port of this node ({self._settings.ports.start}-"
+                                            f"{self._settings.ports.stop - 1}) is in use")
+                record = CopyRecord(
+                    volume_id=copy_volume_id, role=CopyRole.SOURCE, node=node, source=source,
+                    state=CopyState.SERVING, created_at=now(), snapshot_id=snapshot.id,
+                    address=f"{self._settings.host}:{port}", image=str(snapshot.image))
+                await self._catalog.put_copy(record)
+                log.info("event=copy_lease copy_volume_id=%s node=%s snapshot_id=%s address=%s",
+                         copy_volume_id, node, snapshot.id, record.address)
+            try:
+                await self._serve(record)
+            except BaseException:
+                await self._drop(record)
+                raise
+            size = (await self._catalog.snapshot(record.snapshot_id))
+            if size is None:  # deleted before the lease row was seen
+                await self._drop(record)
+                raise NotFound(f"snapshot {record.snapshot_id} does not exist")
+            return Lease("", record.snapshot_id, record.address, copy_volume_id, size.size)
+
+    async def _snapshot_for(self, copy_volume_id: str, kind: str, ident: str) -> SnapshotRecord:
+        if kind == "snapshot":
+            snapshot = await self._snapshots.get(ident)
+            if snapshot is None:
+                raise NotFound(f"snapshot {ident} does not exist")
+            return snapshot
+        volume = await self._catalog.volume(ident)
+        if volume is None or volume.state is not VolumeState.READY:
+            raise NotFound(f"volume {ident} does not exist")
+        return await self._snapshots.cut_hidden(f"copy.{copy_volume_id}", ident)
+
+    async def release(self, copy_volume_id: str) -> None:
+        """Stop serving the copy and drop its lease; nothing if there is none."""
+        async with self._locks.hold(copy_volume_id):
+            record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+            if record is not None:
+                await self._drop(record)
+                log.info("event=copy_lease_released copy_volume_id=%s node=%s snapshot_id=%s",
+                         copy_volume_id, record.node, record.snapshot_id)
+
+    async def _drop(self, record: CopyRecord) -> None:
+        await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
+        await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
+        if parse_source(record.source)[0] == "volume":
+            await self._snapshots.delete(record.snapshot_id)  # the hidden cut made for this clone
+
+    async def refuse_snapshot_delete(self, snapshot_id: str) -> None:
+        """FailedPrecondition while a copy on another node reads the snapshot."""
+        for record in await self._catalog.copies(CopyRole.SOURCE):
+            if record.snapshot_id == snapshot_id:
+                raise FailedPrecondition(
+                    f"snapshot {snapshot_id} is being copied to volume {record.volume_id} on node {record.node}; "
+                    "delete it once that copy is done (or that volume is deleted)")
+
+    async def refuse_volume_delete(self, volume_id: str) -> None:
+        """FailedPrecondition while a clone on another node reads the volume."""
+        for record in await self._catalog.copies(CopyRole.SOURCE):
+            if record.source == f"volume:{volume_id}":
+                raise FailedPrecondition(
+                    f"volume {volume_id} is being cloned to volume {record.volume_id} on node {record.node}; "
+                    "delete it once that copy is done (or that volume is deleted)")
+
+    async def reconcile(self) -> None:
+        """Serve again every lease whose server is gone; drop leases whose snapshot is gone."""
+        for record in await self._catalog.copies(CopyRole.SOURCE):
+            if await self._catalog.snapshot(record.snapshot_id) is None:
+                log.warning("event=copy_lease_dropped copy_volume_id=%s reason=snapshot_gone", record.volume_id)
+                await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
+                await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
+                continue
+            try:
+                await self._serve(record)
+            except DriverError as exc:
+                log.error("event=copy_serve_failed copy_volume_id=%s error=%r", record.volume_id, str(exc))
+
+    async def close(self) -> None:
+        """Nothing to stop: the servers are the data plane and outlive the driver."""
+
+    def _pid_file(self, copy_volume_id: str) -> Path:
+        return self._settings.copies_dir / f"{copy_volume_id}.pid"
+
+    @staticmethod
+    def _port(record: CopyRecord) -> int:
+        return int(record.address.rpartition(":")[2])
+
+    async def _serve(self, record: CopyRecord) -> None:
+        pid_file, port = self._pid_file(record.volume_id), self._port(record)
+        if nbd_tcp.serving_pid(pid_file, port) is not None:
+            return
+        assert self._settings.tls is not None
+        cert, key, ca = self._settings.tls
+        tls = await asyncio.to_thread(nbd_tcp.tls_dir, self._settings.copies_dir / "tls-server", cert, key, ca,
+                                      endpoint="server")
+        pid = await nbd_tcp.start(
+            self._settings.qemu_nbd, qcow2_spec(Path(record.image), read_only=True), host=self._settings.host,
+            port=port, export=record.volume_id, tls=tls, pid_file=pid_file)
+        log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
+                 record.volume_id, record.snapshot_id, record.address, pid)
+
+
+class RemoteCopies:
+    """The target end: volumes made from a snapshot or volume that another node holds."""
+
+    def __init__(
+        self, catalog: Catalog, pool: Pool, peers: Peers, settings: CopySettings,
+        on_copy: Callable[[str], None] = lambda volume_id: None,
+    ) -> None:
+        self._catalog = catalog
+        self._pool = pool
+        self._peers = peers
+        self._settings = settings
+        self._name_locks = KeyedLocks("volume name")
+        self.on_copy = on_copy  # told of every copy to (re)start or to release: `csi_qsd.node.copies`
+
+    async def create(
+        self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
+        *, source: str, qos: QoS = QoS(),
+    ) -> VolumeRecord:
+        """A new volume over another node's snapshot (or a hidden cut of its volume), usable at once.
+
+        Raises InvalidArgument, NotFound (no node holds the source),
+        Unavailable (a peer could not be asked), OutOfRange, AlreadyExists.
+        """
+        parse_source(source)
+        for cap in caps:
+            reason = unsupported_capability(cap, params)
+            if reason:
+                raise InvalidArgument(reason)
+        if params.format is not ImageFormat.QCOW2:
+            raise InvalidArgument("volumes made from a snapshot or another volume must use format 'qcow2'")
+        if params.pool != self._pool.id:
+            raise InvalidArgument(f"a volume copied from another node goes to the file pool {self._pool.id!r}, "
+                                  f"not {params.pool!r}")
+        if self._settings.tls is None:
+            raise NotFound(f"{source.replace(':', ' ')} is not on this node, and this node reaches no other "
+                           "(no node-to-node TLS files)")
+        async with self._name_locks.hold(name):
+            existing = await self._catalog.volume_by_name(name)
+            if existing is not None and existing.state is VolumeState.READY:
+                if existing.source != source or existing.params != params or existing.qos != qos or not (
+                        existing.capacity >= required and (not limit or existing.capacity <= limit)):
+                    raise AlreadyExists(f"volume named {name!r} exists ({existing.id}, {existing.capacity} bytes) "
+                                        "with other parameters, source or capacity")
+                return existing
+            if existing is not None:
+                raise FailedPrecondition(f"volume named {name!r} ({existing.id}) is being created or deleted; "
+                                         "retry later")
+            volume_id = validate.new_volume_id()
+            intent = CopyRecord(volume_id=volume_id, role=CopyRole.TARGET, node="", source=source,
+                                state=CopyState.LEASING, created_at=now())
+            await self._catalog.put_copy(intent)
+            try:
+                return await self._create(volume_id, intent, name, required, limit, params, qos)
+            except BaseException:
+                await self._undo(intent)
+                raise
+
+    async def _create(
+        self, volume_id: str, intent: CopyRecord, name: str, required: int, limit: int, params: VolumeParameters,
+        qos: QoS,
+    ) -> VolumeRecord:
+        lease = await self._peers.lease(intent.source, volume_id)
+        intent = dataclasses.replace(intent, node=lease.node, snapshot_id=lease.snapshot_id, address=lease.address)
+        await self._catalog.put_copy(intent)
+        size = choose_size(required or lease.size, limit)
+        if size < lease.size:
+            raise OutOfRange(f"volume {name!r} must hold at least the {lease.size} bytes of its source")
+        local = copy_image(self._pool, volume_id)
+        top = self._pool.image_path(volume_id, ImageFormat.QCOW2)
+        pieces = blank.image_bytes(lease.size, params.granularity, layer_bitmaps.OWN,
+                                   backing=nbd_backing(lease.address, lease.export, self._settings.server_name),
+                                   backing_format="raw")
+        await asyncio.to_thread(_write_image, local, pieces)
+        await self._pool.create_overlay(top, local, size, params.granularity)
+        created = now()
+        volume = VolumeRecord(
+            id=volume_id, name=name, capacity=size, params=params, image=top, state=VolumeState.READY,
+            pool=self._pool.id, created_at=created, backing=str(local), source=intent.source, qos=qos)
+        snapshot = SnapshotRecord(
+            id=validate.new_snapshot_id(), name=f"copy.{volume_id}", source_volume_id=volume_id, image=local,
+            backing="", size=lease.size, created_at=created, state=SnapshotState.READY, hidden=True)
+        copy = dataclasses.replace(intent, state=CopyState.STREAMING, image=str(local))
+        await self._catalog.add_copy_volume(volume, snapshot, copy)
+        log.info("event=volume_created volume_id=%s name=%s bytes=%d copy_from=%s node=%s", volume_id, name, size,
+                 intent.source, lease.node)
+        self.on_copy(volume_id)
+        return volume
+
+    async def _undo(self, intent: CopyRecord) -> None:
+        """A create that failed or crashed: its images, its lease and its row go."""
+        if await self._catalog.volume(intent.volume_id) is None:
+            for image in (self._pool.image_path(intent.volume_id, ImageFormat.QCOW2),
+                          copy_image(self._pool, intent.volume_id)):
+                if image.exists():
+                    await asyncio.to_thread(durable.unlink, image)
+        try:
+            await self._peers.release(intent.node, intent.volume_id)
+        except DriverError as exc:  # kept: the next start asks again
+            log.warning("event=copy_release_deferred volume_id=%s error=%r", intent.volume_id, str(exc))
+            return
+        await self._catalog.delete_copy(intent.volume_id, CopyRole.TARGET)
+
+    async def reconcile(self) -> None:
+        """Undo creates a crash cut off; list the copies to resume."""
+        for record in await self._catalog.copies(CopyRole.TARGET):
+            if record.state is CopyState.LEASING:
+                log.info("event=reconcile_undo_copy volume_id=%s", record.volume_id)
+                await self._undo(record)
+            else:
+                self.on_copy(record.volume_id)
+
+    async def release_later(self, volume_id: str) -> None:
+        """After the volume is deleted: its copy, if any, gives its lease back (now or at a later retry)."""
+        record = await self._catalog.copy(volume_id, CopyRole.TARGET)
+        if record is not None:
+            await self._catalog.put_copy(dataclasses.replace(record, state=CopyState.RELEASING))
+            self.on_copy(volume_id)

@@ -1,0 +1,177 @@
+"""Node to node: the copy calls one node plugin makes of another, over the mutual-TLS listener.
+
+A copy's target asks its peers (`--peer NAME=HOST:PORT`, their metadata
+listeners) to lease a snapshot or volume for it (`Lease`), and gives the lease
+back when its copy is whole or its volume deleted (`Release`). These two
+methods are the service `csi_qsd.v1.Copies`, which the listener serves beside
+the router's calls; CSI has no message for them, so requests and answers are
+small JSON objects. Both ends present the node certificate and accept only a
+peer whose certificate the cluster CA signed (`csi_qsd.csi.tls`): the node
+certificate must allow TLS server and client use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from csi_qsd import validate
+from csi_qsd.controller.copies import Lease, SourceLeases, parse_source
+from csi_qsd.csi.tls import channel_credentials
+from csi_qsd.errors import Code, DriverError, Forwarded, InvalidArgument, NotFound, Unavailable
+from csi_qsd.sys.pem import PemFiles
+
+log = logging.getLogger(__name__)
+
+SERVICE = "csi_qsd.v1.Copies"
+CALL_SECONDS = 60.0  # a lease of a volume cuts a snapshot first
+_NODE_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?\Z")
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                    ("grpc.max_reconnect_backoff_ms", 2000))
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message).encode()
+
+
+def _decode(data: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(data)
+    except ValueError:
+        message = None
+    return message if isinstance(message, dict) else {}
+
+
+def _text(request: dict[str, Any], key: str) -> str:
+    value = request.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{key} is required")
+    return value
+
+
+class PeerNodes:
+    """The other node plugins, as `csi_qsd.controller.copies.Peers`: one channel each, opened when first used."""
+
+    def __init__(self, peers: tuple[tuple[str, str], ...], tls: PemFiles | None, node_id: str, server_name: str,
+                 timeout: float = CALL_SECONDS) -> None:
+        self._peers = dict(peers)
+        self._tls = tls
+        self._node_id = node_id
+        self._server_name = server_name
+        self._timeout = timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _call(self, name: str, method: str) -> Callable[..., Awaitable[dict[str, Any]]]:
+        channel = self._channels.get(name)
+        if channel is None:
+            assert self._tls is not None
+            options = (("grpc.ssl_target_name_override", self._server_name), *_CHANNEL_OPTIONS)
+            channel = grpc.aio.secure_channel(self._peers[name], channel_credentials(self._tls), options=options)
+            self._channels[name] = channel
+        return channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=_encode,  # type: ignore[no-any-return]
+                                   response_deserializer=_decode)
+
+    async def lease(self, source: str, copy_volume_id: str) -> Lease:
+        """Ask every peer at once; the one that holds `source` serves it. Raises NotFound, Unavailable."""
+        parse_source(source)
+        if not self._peers:
+            raise NotFound(f"{source.replace(':', ' ')} is not on this node, and no other node is known (--peer)")
+        request = {"source": source, "copy_volume_id": copy_volume_id, "node": self._node_id}
+
+        async def ask(name: str) -> Lease | str | None:
+            try:
+                answer = await self._call(name, "Lease")(request, timeout=self._timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return None
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.UNIMPLEMENTED):
+                    return f"{name} ({self._peers[name]}): {exc.code().name}: {exc.details()}"
+                raise _forwarded(name, exc) from None
+            return Lease(name, str(answer["snapshot_id"]), str(answer["address"]), str(answer["export"]),
+                         int(answer["size"]))
+
+        answers = await asyncio.gather(*(ask(name) for name in self._peers), return_exceptions=True)
+        leases = [a for a in answers if isinstance(a, Lease)]
+        failures = [a for a in answers if isinstance(a, BaseException)]
+        unreachable = [a for a in answers if isinstance(a, str)]
+        if leases:
+            return leases[0]
+        if failures:
+            raise failures[0]
+        if unreachable:
+            raise Unavailable(f"{source.replace(':', ' ')} is on none of the nodes that answered; could not ask: "
+                              + "; ".join(unreachable))
+        raise NotFound(f"{source.replace(':', ' ')} does not exist on this node nor on any of the "
+                       f"{len(self._peers)} others")
+
+    async def release(self, node: str, copy_volume_id: str) -> None:
+        """Give the lease back on `node` ('' or unknown: on every peer). Raises Unavailable."""
+        names = [node] if node in self._peers else list(self._peers)
+        for name in names:
+            try:
+                await self._call(name, "Release")({"copy_volume_id": copy_volume_id}, timeout=self._timeout)
+            except grpc.aio.AioRpcError as exc:
+                raise Unavailable(f"cannot give the lease of copy {copy_volume_id} back to node {name}: "
+                                  f"{exc.code().name}: {exc.details()}") from None
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(channel.close() for channel in channels))
+
+
+def _forwarded(name: str, exc: grpc.aio.AioRpcError) -> Forwarded:
+    code = exc.code().name
+    return Forwarded(Code[code] if code in Code.__members__ else Code.UNAVAILABLE, f"{exc.details()} (node {name})")
+
+
+def copies_handler(leases: SourceLeases) -> grpc.GenericRpcHandler:
+    """`csi_qsd.v1.Copies` for the listener: Lease and Release, errors answered with their codes."""
+
+    async def lease(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        async def grant() -> dict[str, Any]:
+            copy_volume_id = validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id")
+            node = _text(request, "node")
+            if not _NODE_RE.match(node):
+                raise InvalidArgument(f"node {node!r} is not a node name")
+            got = await leases.lease(copy_volume_id, node, _text(request, "source"))
+            return {"snapshot_id": got.snapshot_id, "address": got.address, "export": got.export, "size": got.size}
+        return await _answer("CopyLease", request, context, grant)
+
+    async def release(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        async def give_back() -> dict[str, Any]:
+            await leases.release(validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id"))
+            return {}
+        return await _answer("CopyRelease", request, context, give_back)
+
+    handler = {"request_deserializer": _decode, "response_serializer": _encode}
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Lease": grpc.unary_unary_rpc_method_handler(lease, **handler),
+        "Release": grpc.unary_unary_rpc_method_handler(release, **handler),
+    })
+
+
+async def _answer(method: str, request: dict[str, Any], context: grpc.aio.ServicerContext,
+                  work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    start = time.monotonic()
+    ident = request.get("copy_volume_id", "")
+    try:
+        answer = await work()
+    except DriverError as exc:
+        log.info("rpc=%s copy_volume_id=%s code=%s error=%r seconds=%.4f", method, ident, exc.code.value, str(exc),
+                 time.monotonic() - start)
+        await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
+        raise
+    except Exception:
+        log.exception("rpc=%s copy_volume_id=%s code=INTERNAL", method, ident)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed; see the node plugin's log")
+        raise
+    log.info("rpc=%s copy_volume_id=%s code=OK seconds=%.4f", method, ident, time.monotonic() - start)
+    return answer

@@ -1,0 +1,249 @@
+"""Make a volume copied from another node local, in the background, and say how it is doing.
+
+A volume made from another node's snapshot (`csi_qsd.controller.copies`)
+reads through a local copy image whose backing file is the source node's
+NBD export. Here QSD fills that image with block-stream, at the configured
+rate: the volume's top image is opened in the QSD (shard) that serves or
+will serve it, exactly as staging opens it, so a stage during the copy finds
+it open and adds its exports; the job streams into the copy image below the
+top, so the volume's own changed-block record sees only its user's writes.
+
+When the job ends well, the copy image no longer names a backing file: it is
+whole. Only then is the copy recorded as done and the source's lease given
+back. Until then the volume works (reads fall through to the source), and a
+source that stops answering makes reads of what is not yet copied fail
+after QEMU's reconnect delay and the volume report abnormal; the copy is
+retried (with back-off) until the source answers again, and resumes where
+it was (block-stream skips what the copy image holds). A driver that starts
+resumes every copy its catalog records; a job still running in a QSD that
+outlived the driver is waited for, not restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import struct
+from pathlib import Path
+
+from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
+from csi_qsd.controller.copies import PEER_TLS_OBJECT, CopySettings, Peers, RemoteCopies, SourceLeases
+from csi_qsd.errors import Aborted, DriverError, QSDError, Unavailable
+from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.node import placement
+from csi_qsd.qsd import attach
+from csi_qsd.qsd.client import QSDClient
+from csi_qsd.sys import nbd_tcp
+from csi_qsd.sys.locks import KeyedLocks
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+RETRY_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0)
+REACH_TIMEOUT = 3.0
+
+
+def names_backing(image: Path) -> bool:
+    """True while a qcow2 image's header names a backing file (reads the on-disk header)."""
+    with open(image, "rb") as f:
+        header = f.read(20)
+    offset: int = struct.unpack(">Q", header[8:16])[0]
+    return offset != 0
+
+
+def job_id(volume_id: str) -> str:
+    return "cqcopy-" + volume_id.removeprefix("vol-")
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyStatus:
+    """How a copy stands: bytes done of total, and what stops it (empty while it goes well)."""
+
+    node: str
+    done: int = 0
+    total: int = 0
+    problem: str = ""
+
+
+class CopyStreams:
+    """The background fills of this node's copied volumes, one task each."""
+
+    def __init__(
+        self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, peers: Peers, settings: CopySettings,
+    ) -> None:
+        self._catalog = catalog
+        self._exports = exports
+        self._locks = locks
+        self._peers = peers
+        self._settings = settings
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._status: dict[str, CopyStatus] = {}
+
+    @property
+    def tls_dir(self) -> Path:
+        return self._settings.copies_dir / "tls-client"
+
+    async def prepare(self, client: QSDClient) -> None:
+        """Give a (re)started QSD the TLS client credentials copies' backing files name, before any volume opens."""
+        if self._settings.tls is None:
+            return
+        cert, key, ca = self._settings.tls
+        directory = await asyncio.to_thread(nbd_tcp.tls_dir, self.tls_dir, cert, key, ca, endpoint="client")
+        await attach.ensure_tls_client(client, PEER_TLS_OBJECT, directory)
+
+    def start(self, volume_id: str) -> None:
+        """Run (or keep running) the copy of `volume_id`: fill, then give the lease back."""
+        task = self._tasks.get(volume_id)
+        if task is None or task.done():
+            self._tasks[volume_id] = asyncio.create_task(self._run(volume_id), name=f"copy-{volume_id}")
+
+    def status(self, volume_id: str) -> CopyStatus | None:
+        """The copy's state while the volume is not yet local; None once it is (or never was a copy)."""
+        task = self._tasks.get(volume_id)
+        return self._status.get(volume_id) if task is not None and not task.done() else None
+
+    async def stop(self, volume_id: str) -> bool:
+        """Before an unstaged volume is deleted: end its fill (task and QSD job), close what the fill opened.
+
+        False (nothing done) if the volume is no copy under way, or staged (its delete is refused).
+        """
+        if await self._catalog.copy(volume_id, CopyRole.TARGET) is None or await self._catalog.stage(volume_id):
+            return False
+        task = self._tasks.pop(volume_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._status.pop(volume_id, None)
+        for daemon in self._exports.host.qsd.daemons:
+            if not daemon.ready:
+                continue
+            with contextlib.suppress(QSDError):
+                await attach.cancel_job(daemon.client, job_id(volume_id))
+        async with self._locks.hold(volume_id):
+            if await self._catalog.stage(volume_id) is None:
+                for daemon in self._exports.host.qsd.daemons:
+                    if daemon.ready:
+                        with contextlib.suppress(QSDError):
+                            await attach.remove_volume(daemon.client, volume_id)
+        return True
+
+    async def close(self) -> None:
+        """Stop watching; jobs running in QSD go on, and the next driver picks them up."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _run(self, volume_id: str) -> None:
+        attempt = 0
+        while True:
+            record = await self._catalog.copy(volume_id, CopyRole.TARGET)
+            if record is None:
+                return
+            self._status.setdefault(volume_id, CopyStatus(record.node))
+            try:
+                if record.state is CopyState.RELEASING:
+                    await self._peers.release(record.node, volume_id)
+                    await self._catalog.delete_copy(volume_id, CopyRole.TARGET)
+                    log.info("event=copy_released volume_id=%s node=%s", volume_id, record.node)
+                    return
+                volume = await self._catalog.volume(volume_id)
+                if volume is None:  # deleted under us: give the lease back
+                    await self._catalog.put_copy(dataclasses.replace(record, state=CopyState.RELEASING))
+                    continue
+                await self._fill(record, volume)
+                await self._catalog.put_copy(dataclasses.replace(record, state=CopyState.RELEASING))
+                log.info("event=copy_local volume_id=%s node=%s snapshot_id=%s", volume_id, record.node,
+                         record.snapshot_id)
+                attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except (DriverError, OSError) as exc:
+                delay = RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)]
+                attempt += 1
+                if not isinstance(exc, Aborted):
+                    problem = (f"copy from node {record.node or '?'} interrupted: {exc}; data not yet copied cannot "
+                               "be read until it resumes (retrying)")
+                    self._status[volume_id] = dataclasses.replace(self._status[volume_id], problem=problem)
+                    log.warning("event=copy_retry volume_id=%s node=%s delay=%.1f error=%r", volume_id, record.node,
+                                delay, str(exc))
+                await asyncio.sleep(delay)
+            except Exception:
+                log.exception("event=copy_failed volume_id=%s", volume_id)
+                await asyncio.sleep(RETRY_SECONDS[-1])
+
+    async def _fill(self, record: CopyRecord, volume: VolumeRecord) -> None:
+        """Fill the copy image until it stands alone. Raises DriverError (retried), OSError."""
+        local = Path(record.image)
+        if not await asyncio.to_thread(names_backing, local):
+            await self._close_if_unstaged(volume)
+            return
+        if not await nbd_tcp.reachable(record.address, REACH_TIMEOUT):
+            raise Unavailable(f"node {record.node} does not answer at {record.address}")
+        stage = await self._catalog.stage(volume.id)
+        shard = stage.shard if stage is not None else await placement.shard_for(
+            self._catalog, volume, self._exports.host.qsd.count)
+        daemon = self._exports.host.qsd.daemons[shard]
+        if not daemon.ready:
+            raise Unavailable("qemu-storage-daemon is not ready")
+        client = daemon.client
+        job = job_id(volume.id)
+        if await client.job(job) is None:
+            async with self._locks.hold(volume.id):
+                await self.prepare(client)
+                current = await self._catalog.volume(volume.id)
+                if current is None:
+                    return
+                await attach.ensure_top(client, self._exports.host.top_image(current))
+                node = await attach.node_reading(client, local)
+                if not node:
+                    raise QSDError(f"qemu-storage-daemon has not opened the copy image {local}")
+                await attach.start_fill(client, job, node, self._settings.rate)
+            log.info("event=copy_stream volume_id=%s node=%s rate=%d", volume.id, record.node, self._settings.rate)
+        while True:
+            info = await client.job(job)
+            if info is None:
+                raise QSDError(f"block job {job} is gone")
+            self._status[volume.id] = CopyStatus(record.node, int(info.get("offset", 0)), int(info.get("len", 0)),
+                                                 self._status.get(volume.id, CopyStatus("")).problem
+                                                 if info.get("status") != "running" else "")
+            if info["status"] in ("pending", "concluded"):
+                break
+            await asyncio.sleep(POLL_SECONDS)
+        await client.finish_job(job)  # finalizes (the copy image drops its backing) and dismisses; QSDError if failed
+        if await asyncio.to_thread(names_backing, local):
+            raise QSDError(f"the copy image {local} still names its backing file after the stream")
+        await self._close_if_unstaged(volume)
+
+    async def _close_if_unstaged(self, volume: VolumeRecord) -> None:
+        """Close what the fill opened (closing flushes the copy image); a staged volume keeps its graph."""
+        async with self._locks.hold(volume.id):
+            if await self._catalog.stage(volume.id) is not None:
+                return
+            for daemon in self._exports.host.qsd.daemons:
+                if daemon.ready:
+                    await attach.remove_volume(daemon.client, volume.id)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossNodeCopies:
+    """Both ends of copies across nodes, for the CSI layer: the target's creates and fills, the source's leases."""
+
+    remote: RemoteCopies
+    leases: SourceLeases
+    streams: CopyStreams
+
+    def condition(self, volume_id: str) -> tuple[bool, str] | None:
+        """(abnormal, message) while the volume is still being made local; None once it is."""
+        status = self.streams.status(volume_id)
+        if status is None:
+            return None
+        if status.problem:
+            return True, f"volume {volume_id}: {status.problem}"
+        done = f"{status.done * 100 // status.total}%" if status.total else "starting"
+        return False, f"volume {volume_id} is usable and being copied from node {status.node} ({done})"

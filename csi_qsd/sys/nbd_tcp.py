@@ -1,0 +1,134 @@
+"""qemu-nbd serving one read-only image over TCP with mutual TLS, detached: it outlives the driver.
+
+The source end of a copy across nodes (`csi_qsd.controller.copies`). Like
+QSD, the server is part of the data plane: a driver that restarts finds it
+by its pid file and leaves it serving, so a copy reading through it never
+notices. One that is gone (the node rebooted, or it was killed) is started
+again on the same port, which the copy's NBD client keeps reconnecting to.
+
+TLS: QEMU's `tls-creds-x509` reads fixed file names from one directory
+(`ca-cert.pem`, `server-cert.pem`, `server-key.pem` for a server,
+`client-*.pem` for a client); `tls_dir` lays the node's PEM files out that
+way, private to root. Both ends verify the peer against the CA. The key is
+never logged, nor passed on a command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from pathlib import Path
+
+from csi_qsd.sys import durable
+from csi_qsd.sys.run import run
+
+START_SECONDS = 30.0
+STOP_SECONDS = 10.0
+TLS_OBJECT_ID = "cqtls0"
+
+
+def tls_dir(directory: Path, cert: Path, key: Path, ca: Path, *, endpoint: str) -> Path:
+    """Lay out `cert`, `key` and `ca` as QEMU's x509 credentials for `endpoint` ('server' or 'client').
+
+    Rewritten only when the bytes differ (atomically, mode 0600). Raises OSError.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    for source, name in ((ca, "ca-cert.pem"), (cert, f"{endpoint}-cert.pem"), (key, f"{endpoint}-key.pem")):
+        data = source.read_bytes()
+        target = directory / name
+        with contextlib.suppress(FileNotFoundError):
+            if target.read_bytes() == data:
+                continue
+        tmp = target.with_name(name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, target)
+    durable.fsync_path(directory)
+    return directory
+
+
+def port_free(host: str, port: int) -> bool:
+    """True if nothing listens on host:port now (a bind succeeds)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_port(host: str, ports: range, taken: set[int]) -> int | None:
+    """The first port of `ports` not in `taken` that nothing listens on; None when every one is in use."""
+    for port in ports:
+        if port not in taken and port_free(host, port):
+            return port
+    return None
+
+
+def serving_pid(pid_file: Path, port: int) -> int | None:
+    """The pid of the qemu-nbd that `pid_file` names if it still runs and serves `port`, else None."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    if not any(b"qemu-nbd" in arg for arg in argv[:2]) or str(port).encode() not in argv:
+        return None
+    return pid
+
+
+async def start(
+    qemu_nbd: str, image_spec: str, *, host: str, port: int, export: str, tls: Path, pid_file: Path,
+) -> int:
+    """Start qemu-nbd serving `image_spec` read-only as `export` on host:port, TLS from `tls`; its pid.
+
+    `--fork` returns once it listens; it runs in a session of its own, so the
+    driver's end does not end it. Raises HostCommandError if it cannot start.
+    """
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.unlink(missing_ok=True)
+    await run(
+        "setsid", qemu_nbd, "--fork", "--pid-file", str(pid_file), "--bind", host, "--port", str(port),
+        "--export-name", export, "--read-only", "--shared=4", "--persistent",
+        "--object", f"tls-creds-x509,id={TLS_OBJECT_ID},dir={tls},endpoint=server,verify-peer=on",
+        "--tls-creds", TLS_OBJECT_ID, image_spec, timeout=START_SECONDS,
+    )
+    return int(pid_file.read_text().strip())
+
+
+async def stop(pid_file: Path, port: int) -> None:
+    """Stop the server `pid_file` names (SIGTERM, a bounded wait, SIGKILL); nothing if it is not running."""
+    pid = serving_pid(pid_file, port)
+    if pid is not None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + STOP_SECONDS
+            while serving_pid(pid_file, port) == pid and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if serving_pid(pid_file, port) != pid:
+                break
+    pid_file.unlink(missing_ok=True)
+
+
+async def reachable(address: str, timeout: float) -> bool:
+    """True if a TCP connection to host:port opens within `timeout` seconds (closed at once)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True

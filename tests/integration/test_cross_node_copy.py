@@ -1,0 +1,250 @@
+"""Restores and clones onto another node: two `csi-qsd serve` processes as two nodes, over mutual TLS.
+
+Node A holds a block volume with a known pattern and a snapshot of it; node
+B is given A as a peer (`--peer`) and a slow copy rate, so the copy is still
+streaming while the test crashes each side. B's volume must be usable at
+once (its first bytes read through NBD from A), survive a SIGKILL of B's
+driver and QSD and a SIGKILL of A's driver, QSD and NBD server, report
+abnormal while A is gone, finish, give A's lease back, and hold the
+snapshot's bytes exactly. A refuses to delete what a copy reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import random
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.sys.run import run
+from csi_qsd.sys.tools import bundled
+from tests.certs import Pki, mint
+from tests.harness import Sandbox, free_port, qsd_pids, until
+from tests.router_cluster import Node, node_plugin
+
+MIB = 1 << 20
+SIZE = 64 * MIB
+RATE = 4 * MIB  # bytes/s: the 64 MiB copy takes ~16 s, long enough to crash each side during it
+
+
+def _pattern(seed: int) -> bytes:
+    return random.Random(seed).randbytes(SIZE)
+
+
+def _write(device: Path, data: bytes) -> None:
+    fd = os.open(device, os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, data, 0) == len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read(device: Path, offset: int, length: int) -> bytes:
+    fd = os.open(device, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read what the volume holds, not the page cache
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+def _copy_servers(box: Sandbox) -> list[int]:
+    pids = []
+    for pid_file in (box.state_dir / "copies").glob("*.pid"):
+        with contextlib.suppress(OSError, ValueError):
+            pids.append(int(pid_file.read_text()))
+    return pids
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.asynccontextmanager
+async def _node(name: str, pki: Pki, address: str, *extra: str) -> AsyncIterator[Node]:
+    """A node plugin; the NBD servers it leaves running for copies (the data plane) go with the test."""
+    async with node_plugin(name, pki, *extra, address=address) as node:
+        try:
+            yield node
+        finally:
+            _kill(_copy_servers(node.box))
+
+
+@dataclasses.dataclass
+class Pair:
+    a: Node
+    b: Node
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    pki = mint(tmp_path / "pki")
+    a_address, b_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    low = free_port()
+    async with _node("node-a", pki, a_address, "--copy-ports", f"{low}-{low + 4}") as a, \
+            _node("node-b", pki, b_address, "--peer", f"node-a={a_address}", "--copy-rate", str(RATE)) as b:
+        yield Pair(a, b)
+
+
+async def _condition(node: Node, volume_id: str) -> pb.VolumeCondition:
+    answer: pb.ControllerGetVolumeResponse = await node.csi.controller.ControllerGetVolume(
+        pb.ControllerGetVolumeRequest(volume_id=volume_id), timeout=30)
+    return answer.status.volume_condition
+
+
+async def _code(call: object) -> tuple[grpc.StatusCode, str]:
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    raise AssertionError("the call succeeded")
+
+
+async def _as_the_co(call: Callable[[], Awaitable[None]]) -> None:
+    """Retry a call answered ABORTED (another operation holds the volume), as kubelet does."""
+    for _ in range(100):
+        try:
+            await call()
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED:
+                raise
+        await asyncio.sleep(0.1)
+    raise AssertionError("ABORTED for 10 s")
+
+
+async def _block_volume(node: Node, name: str, data: bytes, *, keep_staged: bool = True) -> tuple[str, Path]:
+    vid = (await node.csi.create_volume(name, SIZE, block=True)).volume_id
+    staging, target = node.box.staging(vid), node.box.target(vid)
+    await node.csi.stage(vid, str(staging), block=True)
+    await node.csi.publish(vid, str(staging), str(target), block=True)
+    await asyncio.to_thread(_write, target, data)
+    if not keep_staged:
+        await node.csi.unpublish(vid, str(target))
+        await node.csi.unstage(vid, str(staging))
+    return vid, target
+
+
+async def test_restore_on_another_node_survives_a_crash_of_each_side(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    data = _pattern(19)
+    source_vid, _ = await _block_volume(a, "source", data)
+    snapshot = (await a.csi.create_snapshot("snap", source_vid)).snapshot_id
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    copy = await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)
+    created = loop.time() - started
+    vid = copy.volume_id
+    assert copy.content_source.snapshot.snapshot_id == snapshot
+    assert created < 10, f"CreateVolume took {created:.1f}s: it must not wait for the copy"
+    # Idempotent: the same request answers the same volume.
+    again = await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)
+    assert again.volume_id == vid
+
+    code, message = await _code(a.csi.delete_snapshot(snapshot))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and vid in message and "node-b" in message, message
+
+    # Usable at once: stage, publish and read through to node A.
+    staging, target = b.box.staging(vid), b.box.target(vid)
+    await _as_the_co(lambda: b.csi.stage(vid, str(staging), block=True))
+    await _as_the_co(lambda: b.csi.publish(vid, str(staging), str(target), block=True))
+    assert await asyncio.to_thread(_read, target, SIZE - MIB, MIB) == data[SIZE - MIB:]
+    condition = await _condition(b, vid)
+    assert not condition.abnormal and "being copied from node node-a" in condition.message, condition
+
+    # SIGKILL of the target's driver and QSD mid-stream: the restarted driver resumes the copy.
+    await until(lambda: _progress(b, vid, 5), "the copy under way", 30, interval=0.2)
+    b_qsd = qsd_pids(b.box.state_dir)
+    await b.process.kill9()
+    _kill(b_qsd)
+    await b.process.start(timeout=60)
+    await until(lambda: _progress(b, vid, 1), lambda: f"the copy resumed on node-b; log:\n{b.process.log()[-3000:]}",
+                60, interval=0.2)
+    assert await asyncio.to_thread(_read, target, 0, MIB) == data[:MIB]
+
+    # SIGKILL of the source's driver, QSD and NBD server mid-stream: B reports abnormal, then finishes.
+    a_pids = qsd_pids(a.box.state_dir) + _copy_servers(a.box)
+    await a.process.kill9()
+    _kill(a_pids)
+
+    async def abnormal() -> bool:
+        return (await _condition(b, vid)).abnormal
+
+    await until(abnormal, lambda: f"node-b reporting the copy abnormal; log:\n{b.process.log()[-3000:]}", 60,
+                interval=0.5)
+    await a.process.start(timeout=60)
+
+    await until(lambda: _local(b, vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
+                interval=0.5)
+
+    # Whole, byte for byte, standing alone; and node A's lease is gone, so its snapshot can go.
+    assert await asyncio.to_thread(_read, target, 0, SIZE) == data
+    local_copy = next((b.box.state_dir / "pool").glob("*-copy.qcow2"))
+    _, info = await run(bundled("qemu-img"), "info", "-U", "--output=json", str(local_copy))
+    assert "backing-filename" not in info, info
+    await until(lambda: _lease_gone(a, snapshot), "node-a's lease released", 30, interval=0.5)
+    assert not _copy_servers(a.box)
+
+
+async def _local(node: Node, volume_id: str) -> bool:
+    """The volume no longer reads through another node: healthy, and no copy under way."""
+    condition = await _condition(node, volume_id)
+    return not condition.abnormal and "copied" not in condition.message
+
+
+async def _progress(node: Node, volume_id: str, percent: int) -> bool:
+    message = (await _condition(node, volume_id)).message
+    if "being copied" not in message or "%" not in message:
+        return False
+    done = int(message.rsplit("(", 1)[1].split("%")[0])
+    return done >= percent and done < 95
+
+
+async def _lease_gone(node: Node, snapshot_id: str) -> bool:
+    try:
+        await node.csi.delete_snapshot(snapshot_id)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
+        return False
+    return True
+
+
+async def test_clone_of_a_volume_on_another_node(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    data = _pattern(7)
+    source_vid, _ = await _block_volume(a, "origin", data, keep_staged=False)
+    clone = await b.csi.create_volume("clone", SIZE, block=True, from_volume=source_vid)
+    code, message = await _code(a.csi.delete_volume(source_vid))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and clone.volume_id in message and "node-b" in message, message
+    code, message = await _code(b.csi.create_volume("nowhere", SIZE, block=True,
+                                                    from_snapshot="snap-" + "0" * 24))
+    assert code == grpc.StatusCode.NOT_FOUND, message
+
+    await until(lambda: _local(b, clone.volume_id), lambda: f"the clone done; node-b log:\n{b.process.log()[-4000:]}",
+                60, interval=0.5)
+    staging, target = b.box.staging(clone.volume_id), b.box.target(clone.volume_id)
+    await _as_the_co(lambda: b.csi.stage(clone.volume_id, str(staging), block=True))
+    await _as_the_co(lambda: b.csi.publish(clone.volume_id, str(staging), str(target), block=True))
+    assert await asyncio.to_thread(_read, target, 0, SIZE) == data
+    await until(lambda: _deleted(a, source_vid), "the origin deletable once the clone is local", 30, interval=0.5)
+
+
+async def _deleted(node: Node, volume_id: str) -> bool:
+    try:
+        await node.csi.delete_volume(volume_id)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
+        return False
+    return True
