@@ -45,7 +45,7 @@ from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
-from csi_qsd.controller.copies import CopySettings, RemoteCopies, SourceLeases
+from csi_qsd.controller.copies import CopySettings, LinkCheck, RemoteCopies, SourceLeases
 from csi_qsd.csi.peers import PeerNodes, copies_handler
 from csi_qsd.node.copies import CopyStreams, CrossNodeCopies
 from csi_qsd.sys.tools import bundled
@@ -132,7 +132,8 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         qsd = QSDShards(config, config.qsd_shards)
         await placed(catalog, qsd)
         await qsd.stop_beyond()
-        exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints))
+        exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints,
+                                         before_open=LinkCheck(catalog)))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         await snapshots.reconcile()
@@ -140,11 +141,13 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         settings = CopySettings(
             state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
             tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
-            rate=config.copy_rate)
+            qemu_img=config.qemu_img, rate=config.copy_rate)
         peers = PeerNodes(config.peers, tls, config.node_id, COPY_SERVER_NAME)
         streams = CopyStreams(catalog, exports, locks, peers, settings)
         copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, on_copy=streams.start),
-                                 SourceLeases(catalog, snapshots, settings), streams)
+                                 SourceLeases(catalog, snapshots, settings, locks), streams)
+        snapshots.before_delete = copies.leases.refuse_snapshot_delete
+        volumes.before_delete = copies.leases.refuse_volume_delete
         await copies.remote.reconcile()
         await copies.leases.reconcile()
         await qsd.start(attaching(list(device_pools.values()), node.rebuild, streams.prepare))

@@ -41,12 +41,14 @@ from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.controller.volumes import Capability, choose_size, unsupported_capability
 from csi_qsd.errors import (
     AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted,
+    Unavailable,
 )
 from csi_qsd.params import ImageFormat, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
-from csi_qsd.qcow2 import blank, layer_bitmaps
+from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import durable, nbd_tcp
+from csi_qsd.sys.run import run
 from csi_qsd.sys.locks import KeyedLocks
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,14 @@ PEER_TLS_OBJECT = "cqpeer-tls"
 # How long the target's reads wait for a lost source to come back before they fail (QEMU's nbd
 # reconnect-delay), and how long opening the link may take: both bound what a dead peer costs QSD.
 RECONNECT_DELAY_SECONDS = 5
-OPEN_TIMEOUT_SECONDS = 10
+# QSD opens the link (blockdev-add of any image whose chain reaches a copy image) with its monitor silent
+# for as long as the open waits: measured on QSD 10.0.13, blockdev-add of an NBD node whose server is
+# gone or never greets answers after exactly open-timeout (2.0 s for 2, 10.0 s for 10), and with 0 a
+# server that accepts but never greets holds it for good. So the driver first checks that the source
+# greets (`LinkCheck`, PROBE_SECONDS) and keeps this short, far below the QMP timeout (10 s by default),
+# for a source that goes away between the check and the open.
+OPEN_TIMEOUT_SECONDS = 2
+PROBE_SECONDS = 1.0
 COPY_SUFFIX = "-copy.qcow2"
 
 
@@ -93,6 +102,7 @@ class CopySettings:
     tls: tuple[Path, Path, Path] | None = None  # cert, key, CA
     server_name: str = "csi-qsd-node"
     qemu_nbd: str = "qemu-nbd"
+    qemu_img: str = "qemu-img"
     rate: int = 0  # bytes/s a stream may copy (0: as fast as it goes)
 
     @property
@@ -125,6 +135,49 @@ def nbd_backing(address: str, export: str, server_name: str) -> str:
     return "json:" + json.dumps(spec, separators=(",", ":"))
 
 
+async def point_backing(qemu_img: str, image: Path, address: str, export: str, server_name: str) -> None:
+    """Make a copy image (open nowhere) read through the source's export at a new `address`.
+
+    Only the header's backing name changes (`qemu-img rebase -u`, which opens no backing); the copied data stays.
+    Raises HostCommandError.
+    """
+    await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", nbd_backing(address, export, server_name),
+              str(image))
+
+
+class LinkCheck:
+    """Refuse to let QSD open a chain that reads through another node that does not greet.
+
+    QSD opens a copy image's NBD link with its monitor silent until the
+    source answers or open-timeout passes, and a monitor silent for the QMP
+    timeout gets the whole QSD (every volume of the node) killed. So before
+    QSD opens any volume's chain from disk (stage, the rebuild after a QSD
+    restart, a resize, the fill), the links the chain's headers name are
+    asked for the NBD greeting first; one that does not greet within
+    PROBE_SECONDS is UNAVAILABLE, naming the source node, and QSD is never
+    asked. Costs nothing while no copy is under way.
+    """
+
+    def __init__(self, catalog: Catalog, timeout: float = PROBE_SECONDS) -> None:
+        self._catalog = catalog
+        self._timeout = timeout
+
+    async def __call__(self, volume: VolumeRecord) -> None:
+        """Raises Unavailable if the volume's chain reads through a link that does not answer."""
+        copies = [r for r in await self._catalog.copies(CopyRole.TARGET) if r.state is not CopyState.RELEASING]
+        if not copies or Path(volume.image).suffix != ".qcow2":
+            return
+        for address in await asyncio.to_thread(backing.nbd_links, Path(volume.image)):
+            if await nbd_tcp.answers(address, self._timeout):
+                continue
+            nodes = sorted({r.node for r in copies if r.address == address and r.node})
+            source = f"node {', '.join(nodes)}" if nodes else "another node"
+            raise Unavailable(
+                f"volume {volume.id} reads data not yet copied from {source}, whose copy server at {address} "
+                f"does not answer; it can be opened once {source} serves it again (the copy retries and learns a "
+                "new address by itself)")
+
+
 def _write_image(path: Path, pieces: list[tuple[int, bytes]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -139,10 +192,12 @@ def _write_image(path: Path, pieces: list[tuple[int, bytes]]) -> None:
 class SourceLeases:
     """The source end: serve snapshots to copies on other nodes, and refuse deletes while they read."""
 
-    def __init__(self, catalog: Catalog, snapshots: Snapshots, settings: CopySettings) -> None:
+    def __init__(self, catalog: Catalog, snapshots: Snapshots, settings: CopySettings, volume_locks: KeyedLocks,
+                 ) -> None:
         self._catalog = catalog
         self._snapshots = snapshots
         self._settings = settings
+        self._volume_locks = volume_locks  # the volumes' own: a lease of a clone and DeleteVolume exclude each other
         self._locks = KeyedLocks("copy")
 
     async def lease(self, copy_volume_id: str, node: str, source: str) -> Lease:
@@ -156,21 +211,9 @@ class SourceLeases:
         async with self._locks.hold(copy_volume_id):
             record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
             if record is None:
-                snapshot = await self._snapshot_for(copy_volume_id, kind, ident)
-                taken = {int(r.address.rpartition(":")[2]) for r in await self._catalog.copies(CopyRole.SOURCE)}
-                port = await asyncio.to_thread(nbd_tcp.pick_port, self._settings.host, self._settings.ports, taken)
-                if port is None:
-                    raise ResourceExhausted(f"every copy port of this node ({self._settings.ports.start}-"
-                                            f"{self._settings.ports.stop - 1}) is in use")
-                record = CopyRecord(
-                    volume_id=copy_volume_id, role=CopyRole.SOURCE, node=node, source=source,
-                    state=CopyState.SERVING, created_at=now(), snapshot_id=snapshot.id,
-                    address=f"{self._settings.host}:{port}", image=str(snapshot.image))
-                await self._catalog.put_copy(record)
-                log.info("event=copy_lease copy_volume_id=%s node=%s snapshot_id=%s address=%s",
-                         copy_volume_id, node, snapshot.id, record.address)
+                record = await self._new_lease(copy_volume_id, node, source, kind, ident)
             try:
-                await self._serve(record)
+                record = await self._serve(record)
             except BaseException:
                 await self._drop(record)
                 raise
@@ -180,16 +223,50 @@ class SourceLeases:
                 raise NotFound(f"snapshot {record.snapshot_id} does not exist")
             return Lease("", record.snapshot_id, record.address, copy_volume_id, size.size)
 
-    async def _snapshot_for(self, copy_volume_id: str, kind: str, ident: str) -> SnapshotRecord:
+    async def _new_lease(self, copy_volume_id: str, node: str, source: str, kind: str, ident: str) -> CopyRecord:
+        """Record a lease of a snapshot (or of a hidden cut of a volume) that still exists.
+
+        The row goes in under the lock a delete of what it reads takes, and
+        that delete looks for leases under it (`refuse_snapshot_delete`,
+        `refuse_volume_delete`): one of the two calls answers first and the
+        other sees it, or gets ABORTED while it runs.
+        """
         if kind == "snapshot":
-            snapshot = await self._snapshots.get(ident)
-            if snapshot is None:
-                raise NotFound(f"snapshot {ident} does not exist")
-            return snapshot
+            async with self._snapshots.holding(ident):
+                snapshot = await self._snapshots.get(ident)
+                if snapshot is None:
+                    raise NotFound(f"snapshot {ident} does not exist")
+                return await self._record(copy_volume_id, node, source, snapshot)
         volume = await self._catalog.volume(ident)
         if volume is None or volume.state is not VolumeState.READY:
             raise NotFound(f"volume {ident} does not exist")
-        return await self._snapshots.cut_hidden(f"copy.{copy_volume_id}", ident)
+        snapshot = await self._snapshots.cut_hidden(f"copy.{copy_volume_id}", ident)
+        async with self._volume_locks.hold(ident):
+            volume = await self._catalog.volume(ident)
+            if volume is not None and volume.state is VolumeState.READY:
+                return await self._record(copy_volume_id, node, source, snapshot)
+        await self._snapshots.delete(snapshot.id)
+        raise NotFound(f"volume {ident} does not exist")
+
+    async def _free_port(self, copy_volume_id: str) -> int:
+        """A port of --copy-ports that no other lease records and nothing listens on. Raises ResourceExhausted."""
+        taken = {self._port(r) for r in await self._catalog.copies(CopyRole.SOURCE) if r.volume_id != copy_volume_id}
+        port = await asyncio.to_thread(nbd_tcp.pick_port, self._settings.host, self._settings.ports, taken)
+        if port is None:
+            raise ResourceExhausted(f"every copy port of this node ({self._settings.ports.start}-"
+                                    f"{self._settings.ports.stop - 1}) is in use")
+        return port
+
+    async def _record(self, copy_volume_id: str, node: str, source: str, snapshot: SnapshotRecord) -> CopyRecord:
+        port = await self._free_port(copy_volume_id)
+        record = CopyRecord(
+            volume_id=copy_volume_id, role=CopyRole.SOURCE, node=node, source=source,
+            state=CopyState.SERVING, created_at=now(), snapshot_id=snapshot.id,
+            address=f"{self._settings.host}:{port}", image=str(snapshot.image))
+        await self._catalog.put_copy(record)
+        log.info("event=copy_lease copy_volume_id=%s node=%s snapshot_id=%s address=%s",
+                 copy_volume_id, node, snapshot.id, record.address)
+        return record
 
     async def release(self, copy_volume_id: str) -> None:
         """Stop serving the copy and drop its lease; nothing if there is none."""
@@ -207,7 +284,7 @@ class SourceLeases:
             await self._snapshots.delete(record.snapshot_id)  # the hidden cut made for this clone
 
     async def refuse_snapshot_delete(self, snapshot_id: str) -> None:
-        """FailedPrecondition while a copy on another node reads the snapshot."""
+        """FailedPrecondition while a copy on another node reads the snapshot (asked under the snapshot's lock)."""
         for record in await self._catalog.copies(CopyRole.SOURCE):
             if record.snapshot_id == snapshot_id:
                 raise FailedPrecondition(
@@ -215,7 +292,7 @@ class SourceLeases:
                     "delete it once that copy is done (or that volume is deleted)")
 
     async def refuse_volume_delete(self, volume_id: str) -> None:
-        """FailedPrecondition while a clone on another node reads the volume."""
+        """FailedPrecondition while a clone on another node reads the volume (asked under the volume's lock)."""
         for record in await self._catalog.copies(CopyRole.SOURCE):
             if record.source == f"volume:{volume_id}":
                 raise FailedPrecondition(
@@ -245,10 +322,26 @@ class SourceLeases:
     def _port(record: CopyRecord) -> int:
         return int(record.address.rpartition(":")[2])
 
-    async def _serve(self, record: CopyRecord) -> None:
+    async def _serve(self, record: CopyRecord) -> CopyRecord:
+        """Serve the lease if its server is gone; the record, with a new address if the old one is lost.
+
+        A restarted node may find its lease's port taken by something else
+        (or --copy-address changed): the lease then moves to a free port of
+        --copy-ports, recorded, and the copy's node learns it when it asks
+        the lease again (`csi_qsd.node.copies`). Raises ResourceExhausted, HostCommandError.
+        """
         pid_file, port = self._pid_file(record.volume_id), self._port(record)
         if nbd_tcp.serving_pid(pid_file, port) is not None:
-            return
+            return record
+        host = record.address.rpartition(":")[0]
+        if host != self._settings.host or not await asyncio.to_thread(nbd_tcp.port_free, host, port):
+            moved = dataclasses.replace(
+                record, address=f"{self._settings.host}:{await self._free_port(record.volume_id)}")
+            log.warning("event=copy_lease_moved copy_volume_id=%s node=%s old=%s new=%s reason=%s",
+                        record.volume_id, record.node, record.address, moved.address,
+                        "address_changed" if host != self._settings.host else "port_taken")
+            await self._catalog.put_copy(moved)
+            record, port = moved, self._port(moved)
         assert self._settings.tls is not None
         cert, key, ca = self._settings.tls
         tls = await asyncio.to_thread(nbd_tcp.tls_dir, self._settings.copies_dir / "tls-server", cert, key, ca,
@@ -258,6 +351,7 @@ class SourceLeases:
             port=port, export=record.volume_id, tls=tls, pid_file=pid_file)
         log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
                  record.volume_id, record.snapshot_id, record.address, pid)
+        return record
 
 
 class RemoteCopies:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from csi_qsd.controller import chains
@@ -62,6 +63,9 @@ class Snapshots:
         self._name_locks = KeyedLocks("snapshot name")
         # A restore reads through the snapshot's image from before its row exists until after: a delete must wait.
         self._snapshot_locks = KeyedLocks("snapshot")
+        # Asked under the snapshot's lock before a delete: raises while something outside this catalog's
+        # chains reads the snapshot (a copy on another node: `csi_qsd.controller.copies.SourceLeases`).
+        self.before_delete: Callable[[str], Awaitable[None]] | None = None
         self._flattening: dict[str, asyncio.Task[None]] = {}
 
     async def close(self) -> None:
@@ -107,6 +111,8 @@ class Snapshots:
         if snapshot.state is SnapshotState.CREATING:
             raise Aborted(f"snapshot {snapshot_id} is still being created; retry the delete")
         async with self._snapshot_locks.hold(snapshot_id):
+            if self.before_delete is not None:
+                await self.before_delete(snapshot_id)
             if await self._catalog.dependants(str(snapshot.image)) > 0:
                 await self._catalog.put_snapshots([dataclasses.replace(snapshot, hidden=True)])
                 log.info("event=snapshot_hidden snapshot_id=%s (images still depend on it)", snapshot_id)
@@ -175,8 +181,17 @@ class Snapshots:
         members = tuple(m for m in await self._catalog.group_members(group_id) if m.state is SnapshotState.READY)
         return Group(found[0], found[1], found[2], members)
 
+    def holding(self, snapshot_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """The snapshot's lock, as deletes and restores take it (Aborted while another call holds it)."""
+        return self._snapshot_locks.hold(snapshot_id)
+
     async def delete_group(self, group_id: str) -> None:
-        for member in await self._catalog.group_members(group_id):
+        """Delete every member; refused before any goes while one of them may not (FailedPrecondition)."""
+        members = await self._catalog.group_members(group_id)
+        if self.before_delete is not None:
+            for member in members:
+                await self.before_delete(member.id)
+        for member in members:
             await self.delete(member.id)
         await self._catalog.delete_group(group_id)
 

@@ -112,6 +112,9 @@ class Volumes:
         self._pools: dict[str, Pool] = {**(pools or {}), pool.id: pool}
         self._volume_locks = volume_locks
         self._name_locks = KeyedLocks("volume name")
+        # Asked under the volume's lock before a delete: raises while something outside this catalog's
+        # chains reads the volume (a clone on another node: `csi_qsd.controller.copies.SourceLeases`).
+        self.before_delete: Callable[[str], Awaitable[None]] | None = None
 
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
@@ -185,6 +188,8 @@ class Volumes:
                 return
             if await self._catalog.stage(volume_id) is not None:
                 raise FailedPrecondition(f"volume {volume_id} is still staged on node; unstage it first")
+            if self.before_delete is not None:
+                await self.before_delete(volume_id)
             # Not waited for: lost only with power, when the CO's retry of the unanswered call deletes again.
             await self._catalog.set_volume_state(volume_id, VolumeState.DELETING, durable=False)
             self._failpoints.hit("delete.after_intent")

@@ -270,8 +270,6 @@ class ControllerService(pb_grpc.ControllerServicer):
         self, request: pb.DeleteSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteSnapshotResponse:
         if validate.SNAPSHOT_ID_RE.match(request.snapshot_id):
-            if self._copies is not None:
-                await self._copies.leases.refuse_snapshot_delete(request.snapshot_id)
             await self._snapshots.delete(request.snapshot_id)
         return pb.DeleteSnapshotResponse()
 

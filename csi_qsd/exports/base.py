@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -58,6 +59,9 @@ class ExportHost:
     exports_dir: Path
     pools: Mapping[str, Pool]
     failpoints: Failpoints = NO_FAILPOINTS
+    # Asked before QSD opens a volume's chain from disk (`attach.TopImage.before_open`): refuses to open one
+    # that reads through another node that does not answer, which would hold QSD's monitor.
+    before_open: Callable[[VolumeRecord], Awaitable[None]] | None = None
 
     def daemon_of(self, volume_id: str) -> QSDDaemon:
         """The QSD (shard) serving the volume."""
@@ -72,7 +76,8 @@ class ExportHost:
     def top_image(self, volume: VolumeRecord) -> attach.TopImage:
         """What QSD must have open as the volume's top node, in the terms of the volume's pool."""
         storage = self.pools[volume.pool].storage(volume.image)
-        return attach.TopImage(volume.id, volume.generation, storage, volume.params, volume.qos)
+        check = functools.partial(self.before_open, volume) if self.before_open is not None else None
+        return attach.TopImage(volume.id, volume.generation, storage, volume.params, volume.qos, before_open=check)
 
 
 class ExportPath(abc.ABC):

@@ -29,7 +29,9 @@ import struct
 from pathlib import Path
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
-from csi_qsd.controller.copies import PEER_TLS_OBJECT, CopySettings, Peers, RemoteCopies, SourceLeases
+from csi_qsd.controller.copies import (
+    PEER_TLS_OBJECT, CopySettings, Peers, RemoteCopies, SourceLeases, point_backing,
+)
 from csi_qsd.errors import Aborted, DriverError, QSDError, Unavailable
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import placement
@@ -183,8 +185,8 @@ class CopyStreams:
         if not await asyncio.to_thread(names_backing, local):
             await self._close_if_unstaged(volume)
             return
-        if not await nbd_tcp.reachable(record.address, REACH_TIMEOUT):
-            raise Unavailable(f"node {record.node} does not answer at {record.address}")
+        if not await nbd_tcp.answers(record.address, REACH_TIMEOUT):
+            record = await self._relearn(record, volume)
         stage = await self._catalog.stage(volume.id)
         shard = stage.shard if stage is not None else await placement.shard_for(
             self._catalog, volume, self._exports.host.qsd.count)
@@ -219,6 +221,42 @@ class CopyStreams:
         if await asyncio.to_thread(names_backing, local):
             raise QSDError(f"the copy image {local} still names its backing file after the stream")
         await self._close_if_unstaged(volume)
+
+    async def _relearn(self, record: CopyRecord, volume: VolumeRecord) -> CopyRecord:
+        """The source does not greet at the recorded address: ask the lease again, and follow it if it moved.
+
+        A restarted source serves a lease whose port something else took on
+        another port (`SourceLeases`). The copy image names the address in
+        its header, so it can point at the new one only while no QSD has it
+        open: the fill's own open is closed first; a staged volume keeps
+        the old link until it is unstaged, which the volume's condition says.
+        Raises Unavailable.
+        """
+        try:
+            lease = await self._peers.lease(record.source, volume.id)
+        except DriverError as exc:
+            raise Unavailable(f"node {record.node} does not answer at {record.address}: {exc}") from None
+        if lease.address == record.address:
+            raise Unavailable(f"node {record.node} does not answer at {record.address}")
+        local = Path(record.image)
+        async with self._locks.hold(volume.id):
+            if await self._catalog.stage(volume.id) is None:
+                for daemon in self._exports.host.qsd.daemons:
+                    if daemon.ready:
+                        await attach.remove_volume(daemon.client, volume.id)
+            for daemon in self._exports.host.qsd.daemons:
+                if daemon.ready and await attach.node_reading(daemon.client, local):
+                    raise Unavailable(
+                        f"node {record.node} now serves this copy at {lease.address}, not {record.address}; volume "
+                        f"{volume.id} is staged and reads through the old address until it is unstaged (then the "
+                        "copy resumes)")
+            await point_backing(self._settings.qemu_img, local, lease.address, lease.export,
+                                self._settings.server_name)
+            moved = dataclasses.replace(record, address=lease.address)
+            await self._catalog.put_copy(moved)
+        log.warning("event=copy_source_moved volume_id=%s node=%s old=%s new=%s", volume.id, record.node,
+                    record.address, lease.address)
+        return moved
 
     async def _close_if_unstaged(self, volume: VolumeRecord) -> None:
         """Close what the fill opened (closing flushes the copy image); a staged volume keeps its graph."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from csi_qsd.qsd import features
@@ -39,6 +40,9 @@ class TopImage:
     storage: Storage
     params: VolumeParameters
     qos: QoS = QoS()
+    # Awaited before QSD opens the image with its backing chain from disk; raises if that open could hold
+    # QSD's monitor (a chain that reads through another node that does not answer: `csi_qsd.controller.copies`).
+    before_open: Callable[[], Awaitable[None]] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nodes(self) -> graph.VolumeNodes:
@@ -48,6 +52,8 @@ class TopImage:
 async def ensure_top(client: QSDClient, top: TopImage, *, read_only: bool = False) -> None:
     """Make `top` the volume's top node (open it fresh, or switch to it live from an older top) under its throttle."""
     present = await client.node_names()
+    if top.before_open is not None and not graph.format_generations(present, top.volume_id):
+        await top.before_open()
     await _ensure_format(client, top, present, read_only)
     await _ensure_throttle(client, top, present)
 

@@ -20,12 +20,16 @@ import contextlib
 import os
 import signal
 import socket
+import struct
 from pathlib import Path
 
 from csi_qsd.sys import durable
 from csi_qsd.sys.run import run
 
 START_SECONDS = 30.0
+# The fixed newstyle greeting every NBD server sends first, before any TLS (NBDMAGIC, IHAVEOPT).
+NBD_GREETING = b"NBDMAGIC" + b"IHAVEOPT"
+NBD_OPT_ABORT = 2
 STOP_SECONDS = 10.0
 TLS_OBJECT_ID = "cqtls0"
 
@@ -121,14 +125,31 @@ async def stop(pid_file: Path, port: int) -> None:
     pid_file.unlink(missing_ok=True)
 
 
-async def reachable(address: str, timeout: float) -> bool:
-    """True if a TCP connection to host:port opens within `timeout` seconds (closed at once)."""
+async def answers(address: str, timeout: float) -> bool:
+    """True if an NBD server at host:port greets within `timeout` seconds (then told goodbye and closed).
+
+    Stronger than a connect: a port that something else holds, or a server
+    too wedged to speak, accepts connections but never greets. QEMU's NBD
+    client would wait on either for its whole open-timeout, with QSD's
+    monitor silent, so the driver asks this first.
+    """
     host, _, port = address.rpartition(":")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    writer = None
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-    except (OSError, asyncio.TimeoutError, ValueError):
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        greeting = await asyncio.wait_for(reader.readexactly(len(NBD_GREETING) + 2),
+                                          max(0.0, deadline - loop.time()))
+        if greeting[:len(NBD_GREETING)] != NBD_GREETING:
+            return False
+        # Client flags (fixed newstyle, no zeroes), then NBD_OPT_ABORT: the server ends the session cleanly.
+        writer.write(struct.pack(">I", 3) + b"IHAVEOPT" + struct.pack(">II", NBD_OPT_ABORT, 0))
+        return True
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
         return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(writer.wait_closed(), timeout)

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import random
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -248,3 +249,98 @@ async def _deleted(node: Node, volume_id: str) -> bool:
         assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
         return False
     return True
+
+
+def _served_port(pid: int) -> int:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(argv[argv.index(b"--port") + 1])
+
+
+async def _as_the_co_until_up(call: Callable[[], Awaitable[None]], timeout: float) -> None:
+    """Retry a call answered ABORTED or UNAVAILABLE, as kubelet does, for up to `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await call()
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE) or loop.time() > deadline:
+                raise
+        await asyncio.sleep(0.5)
+
+
+async def test_a_stage_while_the_source_is_down_answers_at_once_and_the_source_may_come_back_elsewhere(
+        pair: Pair) -> None:
+    """The source's NBD server gone and its port held by something that accepts but never speaks (QEMU
+    would wait its whole open-timeout there, with QSD's monitor silent): a stage on the target answers
+    UNAVAILABLE naming the source at once, QSD lives on serving the other volumes, and the source, back
+    on another port, is found again by the copy without help."""
+    a, b = pair.a, pair.b
+    data = _pattern(23)
+    source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
+    snapshot = (await a.csi.create_snapshot("snap", source_vid)).snapshot_id
+    other_data = _pattern(29)[:4 * MIB]
+    _, other = await _block_volume(b, "other", other_data)
+    vid = (await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)).volume_id
+
+    # Node A goes down, and something else takes its copy port; B's QSD restarts, so nothing of the copy is open.
+    (server,) = _copy_servers(a.box)
+    port = _served_port(server)
+    await a.process.kill9()
+    _kill(qsd_pids(a.box.state_dir) + [server])
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    await until(lambda: _bound(squatter, port), f"port {port} free", 10, interval=0.1)
+    squatter.listen(8)
+    try:
+        b_qsd = qsd_pids(b.box.state_dir)
+        _kill(b_qsd)
+        await until(lambda: qsd_pids(b.box.state_dir) not in ([], b_qsd), "node-b's QSD back", 30, interval=0.2)
+        await until(lambda: _reads(other, other_data), "node-b's other volume served again", 30, interval=0.2)
+        qsd = qsd_pids(b.box.state_dir)
+
+        loop = asyncio.get_running_loop()
+        staging, target = b.box.staging(vid), b.box.target(vid)
+        for _ in range(3):
+            started = loop.time()
+            code, message = await _code(b.csi.stage(vid, str(staging), block=True))
+            waited = loop.time() - started
+            if code != grpc.StatusCode.ABORTED:  # the fill holds the volume a moment at times
+                break
+            await asyncio.sleep(0.2)
+        assert code == grpc.StatusCode.UNAVAILABLE and "node node-a" in message and str(port) in message, message
+        assert waited < 3, f"the refused stage took {waited:.1f}s"
+        # QSD answered throughout: the same process, never declared wedged, serving the other volume.
+        assert qsd_pids(b.box.state_dir) == qsd
+        assert "qsd_wedged" not in b.process.log()
+        assert await asyncio.to_thread(_read, other, 0, 4 * MIB) == other_data
+
+        # A comes back, its port still taken: it serves the lease on another port, and B follows.
+        await a.process.start(timeout=60)
+        await _as_the_co_until_up(lambda: b.csi.stage(vid, str(staging), block=True), 60)
+        await _as_the_co(lambda: b.csi.publish(vid, str(staging), str(target), block=True))
+        assert "event=copy_lease_moved" in a.process.log()
+        assert "event=copy_source_moved" in b.process.log()
+        await until(lambda: _local(b, vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
+                    interval=0.5)
+        assert await asyncio.to_thread(_read, target, 0, SIZE) == data
+        assert qsd_pids(b.box.state_dir) == qsd
+        await until(lambda: _lease_gone(a, snapshot), "node-a's lease released", 30, interval=0.5)
+    finally:
+        squatter.close()
+
+
+def _bound(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
+def _reads(device: Path, data: bytes) -> bool:
+    try:
+        return _read(device, 0, len(data)) == data
+    except OSError:
+        return False

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import pytest
 
-from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState
+from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord, VolumeState
 from csi_qsd.cli import build_parser
-from csi_qsd.controller.copies import PEER_TLS_OBJECT, nbd_backing, parse_source
-from csi_qsd.errors import InvalidArgument
+from csi_qsd.controller.copies import (
+    PEER_TLS_OBJECT, CopySettings, LinkCheck, SourceLeases, nbd_backing, parse_source,
+)
+from csi_qsd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from csi_qsd.node.copies import names_backing
-from csi_qsd.qcow2 import blank, layer_bitmaps
+from csi_qsd.params import VolumeParameters
+from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import nbd_tcp
+from tests.fakes import FakeNode, fake_node
 
 
 def test_the_backing_names_the_export_over_tls_with_bounded_waits() -> None:
@@ -81,3 +87,160 @@ async def test_copy_rows_round_trip(tmp_path: Path) -> None:
         assert await catalog.copies(CopyRole.SOURCE) == [record]
         await catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
         assert await catalog.copies(CopyRole.SOURCE) == []
+
+
+# What QSD would connect to when it opens a chain, read from the headers alone ------------------------------
+
+
+def _qcow2(path: Path, backing: str = "", backing_format: str = "qcow2") -> Path:
+    with open(path, "wb") as f:
+        blank.write(f.fileno(), blank.image_bytes(1 << 26, 1 << 16, layer_bitmaps.OWN, backing=backing,
+                                                  backing_format=backing_format if backing else ""))
+    return path
+
+
+def test_a_chain_names_the_link_of_the_copy_image_below_it(tmp_path: Path) -> None:
+    copy = _qcow2(tmp_path / "vol-a-copy.qcow2", nbd_backing("10.0.0.7:10901", "e", "n"), "raw")
+    top = _qcow2(tmp_path / "vol-a.qcow2", copy.name)
+    clone = _qcow2(tmp_path / "vol-b.qcow2", str(top))
+    assert backing.nbd_links(clone) == backing.nbd_links(top) == backing.nbd_links(copy) == ["10.0.0.7:10901"]
+    assert backing.nbd_links(_qcow2(tmp_path / "alone.qcow2")) == []
+    assert backing.nbd_links(_qcow2(tmp_path / "dangling.qcow2", "gone.qcow2")) == []
+    (tmp_path / "raw.img").write_bytes(b"\0" * 4096)
+    assert backing.nbd_links(tmp_path / "raw.img") == []
+    assert backing.nbd_address(nbd_backing("[fd00::1]:10901", "e", "n")) == "[fd00::1]:10901"
+
+
+async def _nbd_greeter(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(nbd_tcp.NBD_GREETING + b"\0\3")
+    await writer.drain()
+    await reader.read(20)
+    writer.close()
+
+
+async def test_only_a_server_that_greets_answers() -> None:
+    loop = asyncio.get_running_loop()
+    greeter = await asyncio.start_server(_nbd_greeter, "127.0.0.1", 0)
+    with socket.socket() as silent, socket.socket() as closed:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)  # accepts (the kernel does) but never speaks: a port something else holds
+        closed.bind(("127.0.0.1", 0))
+        async with greeter:
+            address = "127.0.0.1:%d" % greeter.sockets[0].getsockname()[1]
+            assert await nbd_tcp.answers(address, 2.0)
+            started = loop.time()
+            assert not await nbd_tcp.answers("127.0.0.1:%d" % silent.getsockname()[1], 0.3)
+            assert not await nbd_tcp.answers("127.0.0.1:%d" % closed.getsockname()[1], 0.3)
+            assert loop.time() - started < 1.5
+
+
+async def test_a_volume_whose_link_does_not_greet_is_unavailable_naming_the_node(tmp_path: Path) -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        address = "127.0.0.1:%d" % silent.getsockname()[1]
+        copy = _qcow2(tmp_path / "vol-0123456789abcdef01234567-copy.qcow2", nbd_backing(address, "e", "n"), "raw")
+        top = _qcow2(tmp_path / "vol-0123456789abcdef01234567.qcow2", copy.name)
+        volume = VolumeRecord(id="vol-0123456789abcdef01234567", name="v", capacity=1 << 26,
+                              params=VolumeParameters(), image=top, state=VolumeState.READY, pool="default",
+                              created_at=1.0)
+        async with Catalog(tmp_path / "catalog.db") as catalog:
+            check = LinkCheck(catalog, timeout=0.3)
+            await check(volume)  # no copy under way: not even the headers are read
+            await catalog.put_copy(CopyRecord(
+                volume_id=volume.id, role=CopyRole.TARGET, node="node-a", source="snapshot:snap-" + "0" * 24,
+                state=CopyState.STREAMING, created_at=1.0, snapshot_id="snap-" + "0" * 24, address=address,
+                image=str(copy)))
+            with pytest.raises(Unavailable) as refused:
+                await check(volume)
+            assert "node node-a" in str(refused.value) and address in str(refused.value) and volume.id in str(
+                refused.value)
+
+
+# Deletes of what a copy reads, and leases, exclude each other --------------------------------------------
+
+
+@pytest.fixture
+async def source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeNode, SourceLeases]]:
+    async def serving(self: SourceLeases, record: CopyRecord) -> CopyRecord:
+        return record  # no qemu-nbd: what is under test is the catalog and the locks
+
+    monkeypatch.setattr(SourceLeases, "_serve", serving)
+    for name in ("cert", "key", "ca"):
+        (tmp_path / name).write_text(name)
+    async with fake_node(tmp_path) as node:
+        settings = CopySettings(state_dir=tmp_path / "state", tls=(tmp_path / "cert", tmp_path / "key", tmp_path / "ca"),
+                                ports=range(40000, 40100))
+        leases = SourceLeases(node.catalog, node.snapshots, settings, node.volumes._volume_locks)
+        node.snapshots.before_delete = leases.refuse_snapshot_delete
+        node.volumes.before_delete = leases.refuse_volume_delete
+        yield node, leases
+
+
+COPY = "vol-0123456789abcdef0123ffff"
+
+
+async def _refused_for_the_copy(delete: Awaitable[None]) -> None:
+    """The delete is FAILED_PRECONDITION naming the copying volume and its node."""
+    with pytest.raises(FailedPrecondition) as refused:
+        await delete
+    assert COPY in str(refused.value) and "node-b" in str(refused.value)
+
+
+async def test_a_leased_snapshot_is_not_deleted(source: tuple[FakeNode, SourceLeases]) -> None:
+    node, leases = source
+    volume = await node.new_volume()
+    snapshot = await node.snapshots.create("snap", volume.id)
+    await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")
+    await _refused_for_the_copy(node.snapshots.delete(snapshot.id))
+    await leases.release(COPY)
+    await node.snapshots.delete(snapshot.id)
+    assert await node.snapshots.get(snapshot.id) is None
+
+
+async def test_a_lease_and_a_delete_at_the_same_moment_never_both_pass(
+        source: tuple[FakeNode, SourceLeases], monkeypatch: pytest.MonkeyPatch) -> None:
+    node, leases = source
+    volume = await node.new_volume()
+    snapshot = await node.snapshots.create("snap", volume.id)
+    # The delete has looked for leases and found none; it pauses before it acts.
+    looked, go_on = asyncio.Event(), asyncio.Event()
+    dependants = node.catalog.dependants
+
+    async def paused(image: str) -> int:
+        looked.set()
+        await go_on.wait()
+        return await dependants(image)
+
+    monkeypatch.setattr(node.catalog, "dependants", paused)
+    deleting = asyncio.create_task(node.snapshots.delete(snapshot.id))
+    await looked.wait()
+    with pytest.raises(Aborted):
+        await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")
+    go_on.set()
+    await deleting
+    with pytest.raises(NotFound):
+        await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")
+    assert await node.catalog.copies(CopyRole.SOURCE) == []
+
+
+async def test_a_cloned_volume_is_not_deleted(source: tuple[FakeNode, SourceLeases]) -> None:
+    node, leases = source
+    volume = await node.new_volume()
+    await leases.lease(COPY, "node-b", f"volume:{volume.id}")
+    await _refused_for_the_copy(node.volumes.delete(volume.id))
+    await leases.release(COPY)
+    await node.volumes.delete(volume.id)
+
+
+async def test_a_group_snapshot_whose_member_a_copy_reads_is_not_deleted(
+        source: tuple[FakeNode, SourceLeases]) -> None:
+    node, leases = source
+    first, second = await node.new_volume("pvc-1"), await node.new_volume("pvc-2")
+    group = await node.snapshots.create_group("group", [first.id, second.id])
+    await leases.lease(COPY, "node-b", f"snapshot:{group.members[1].id}")
+    await _refused_for_the_copy(node.snapshots.delete_group(group.id))
+    assert len((await node.snapshots.get_group(group.id) or group).members) == 2  # none went
+    await leases.release(COPY)
+    await node.snapshots.delete_group(group.id)
+    assert await node.snapshots.get_group(group.id) is None
