@@ -36,7 +36,7 @@ from csi_qsd.params import QoS, VolumeParameters
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 DEFAULT_POOL = "default"
 # The whole schema as this release creates it; older catalogs reach it through _MIGRATIONS.
 _SCHEMA = """
@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS volumes (
     generation  INTEGER NOT NULL DEFAULT 0,
     source      TEXT NOT NULL DEFAULT '',
     pool        TEXT NOT NULL DEFAULT 'default',
-    qos         TEXT NOT NULL DEFAULT '{}'
+    qos         TEXT NOT NULL DEFAULT '{}',
+    image_pending INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     id               TEXT PRIMARY KEY,
@@ -148,6 +149,10 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         " PRIMARY KEY (volume_id, role))",
         "CREATE INDEX IF NOT EXISTS copies_by_snapshot ON copies(snapshot_id)",
     ),
+    7: (
+        # A blank image written but not yet fsynced (made durable after CreateVolume answers); before, none was.
+        "ALTER TABLE volumes ADD COLUMN image_pending INTEGER NOT NULL DEFAULT 0",
+    ),
 }
 
 
@@ -210,6 +215,7 @@ class VolumeRecord:
     source: str = ""  # "snapshot:<id>" or "volume:<id>" it was made from
     pool: str = DEFAULT_POOL  # the pool the volume's images live in
     qos: QoS = QoS()  # I/O limits, the mutable parameters (ControllerModifyVolume changes them)
+    image_pending: bool = False  # the image is written but maybe not on disk yet (`Catalog.add_volume`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +310,8 @@ class CopyRecord:
 
 
 _CLOSED = "the catalog is closed: the driver is stopping"
+# Commits between two checkpoints of the WAL into the database (SQLite's own default is 1000 pages).
+CHECKPOINT_EVERY = 200
 
 
 class Catalog:
@@ -313,6 +321,7 @@ class Catalog:
         self._path = path
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        self._commits = 0  # since the last checkpoint
 
     async def open(self) -> None:
         await asyncio.to_thread(self._open)
@@ -342,7 +351,26 @@ class Catalog:
     # volumes ------------------------------------------------------------
 
     async def add_volume(self, record: VolumeRecord, *, durable: bool = True) -> None:
+        """`record.image_pending`: its image is written but not yet on disk for sure (`settle_images` says it is).
+
+        Such a volume has never held data: it is not staged before its image
+        is settled. So a power loss that takes the image with it loses
+        nothing; the reconcile writes it again (`pending_images`).
+        """
         await self._run(lambda db: _insert_volume(db, record), durable=durable)
+
+    async def settle_images(self, volume_ids: list[str]) -> None:
+        """Record, durably and in one commit, that these volumes' images are durable.
+
+        Durably, because a volume may hold data from then on: a row still
+        pending after a power loss must mean it never held any.
+        """
+        await self._run(lambda db: db.executemany(
+            "UPDATE volumes SET image_pending=0 WHERE id=?", [(volume_id,) for volume_id in volume_ids]))
+
+    async def pending_images(self) -> list[VolumeRecord]:
+        """Volumes whose image was written but not recorded durable: a crash cut off their settling."""
+        return [_volume(row) for row in await self._query("SELECT * FROM volumes WHERE image_pending=1", ())]
 
     async def update_volume(self, record: VolumeRecord) -> None:
         """Rewrite a volume's row (same ID) in one transaction."""
@@ -634,6 +662,7 @@ class Catalog:
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA wal_autocheckpoint=0")  # durable commits checkpoint, off the event loop (`_run`)
         db.execute("PRAGMA foreign_keys=ON")
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
@@ -661,7 +690,13 @@ class Catalog:
             return fn(self._db)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], object], *, durable: bool = True) -> None:
-        """`fn` in one transaction; `durable=False` commits an intent without waiting for its fsync."""
+        """`fn` in one transaction; `durable=False` commits an intent without waiting for its fsync.
+
+        An intent writes the WAL without syncing it and never checkpoints
+        (the connection does not checkpoint by itself: durable commits do,
+        in their worker thread), so it cannot wait for the disk and runs on
+        the event loop when the connection is free, saving the hop.
+        """
         def transaction(db: sqlite3.Connection) -> None:
             if not durable:
                 db.execute("PRAGMA synchronous=NORMAL")
@@ -676,6 +711,19 @@ class Catalog:
             finally:
                 if not durable:
                     db.execute("PRAGMA synchronous=FULL")
+            self._commits += 1
+            if durable and self._commits >= CHECKPOINT_EVERY:
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                self._commits = 0
+        if not durable and self._lock.acquire(blocking=False):
+            try:
+                if self._db is None:
+                    raise Unavailable(_CLOSED)
+                transaction(self._db)
+            finally:
+                self._lock.release()
+            await asyncio.sleep(0)
+            return
         await asyncio.to_thread(self._call, transaction)
 
     async def _query(self, sql: str, args: tuple[Any, ...]) -> list[sqlite3.Row]:
@@ -714,10 +762,10 @@ def _migrate(db: sqlite3.Connection, target: int) -> None:
 def _insert_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     db.execute(
         "INSERT INTO volumes (id, name, capacity, params, image, state, created_at, backing, generation, source,"
-        " pool, qos) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        " pool, qos, image_pending) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (record.id, record.name, record.capacity, record.params.to_json(), str(record.image),
          record.state.value, record.created_at, record.backing, record.generation, record.source, record.pool,
-         record.qos.to_json()),
+         record.qos.to_json(), int(record.image_pending)),
     )
 
 
@@ -737,6 +785,7 @@ def _volume(row: sqlite3.Row) -> VolumeRecord:
         params=VolumeParameters.from_json(row["params"]), image=Path(row["image"]),
         state=VolumeState(row["state"]), created_at=row["created_at"], backing=row["backing"],
         generation=row["generation"], source=row["source"], pool=row["pool"], qos=QoS.from_json(row["qos"]),
+        image_pending=bool(row["image_pending"]),
     )
 
 

@@ -158,6 +158,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
             await streams.close()
             await peers.close()
             await snapshots.close()
+            await volumes.close()
             await qsd.close()
 
 

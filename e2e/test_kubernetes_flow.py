@@ -82,7 +82,7 @@ from tests.deploy.helpers import (
 )
 from tests.deploy.kustomize import load_yaml_documents, render
 from e2e.conftest import e2e_marks
-from tests.harness import DriverProcess, Sandbox, free_port, running_driver, sandbox
+from tests.harness import DriverProcess, Sandbox, free_port, running_driver, sandbox, until
 
 pytestmark = e2e_marks(("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount"))
 
@@ -606,7 +606,7 @@ async def test_vm_pod_boots_from_the_published_socket(
     for index in range(BLOCKS):
         assert data[index * MIB:(index + 1) * MIB] == pattern_block(SEED, index), f"block {index} not in the image"
     await provisioner.delete(pv)
-    assert not image.exists()
+    await until(lambda: not image.exists(), "the deleted volume's image to go", 10)
     listed = await served.csi.controller.ListVolumes(pb.ListVolumesRequest())
     assert volume_id not in {entry.volume.volume_id for entry in listed.entries}
 
@@ -660,7 +660,7 @@ async def test_filesystem_pod_writes_into_the_published_mount(served: Served, de
     assert (target / "dir" / "blob").read_bytes() == blob
     await kubelet.unmount(pv, second)
     await provisioner.delete(pv)
-    assert not image_of(served, pv).exists()
+    await until(lambda: not image_of(served, pv).exists(), "the deleted volume's image to go", 10)
 
 
 CLASS_NAMES = sorted(sc["metadata"]["name"] for sc in select(render(DEPLOY_DIR), "StorageClass"))

@@ -46,7 +46,7 @@ from e2e.guest import (
     write_summaries,
 )
 from e2e.conftest import e2e_marks
-from tests.harness import DriverProcess, Sandbox, qsd_pid, running_driver, sandbox
+from tests.harness import DriverProcess, Sandbox, qsd_pid, running_driver, sandbox, until
 
 pytestmark = e2e_marks()
 
@@ -246,4 +246,4 @@ async def test_live_snapshot_and_clone_of_a_vm_volume_under_writes(
     for volume_id in (restored.volume_id, clone.volume_id, vid):
         await csi.delete_volume(volume_id)
     await csi.delete_snapshot(snapshot.snapshot_id)
-    assert sorted(p.name for p in pool.iterdir()) == [], "every image goes with the last user of the chain"
+    await until(lambda: sorted(p.name for p in pool.iterdir()) == [], "every image to go with the last user of the chain", 10)

@@ -261,6 +261,7 @@ class Snapshots:
                     raise NotFound(f"volume {vid} does not exist")
                 if volume.params.format is not ImageFormat.QCOW2:
                     raise FailedPrecondition(f"volume {vid} is a raw image; snapshots need format 'qcow2'")
+                await self._volumes.settled(volume)
                 volumes.append(volume)
             created = now()
             snapshots = [

@@ -26,6 +26,8 @@ from csi_qsd import validate
 
 log = logging.getLogger(__name__)
 
+# How long after a CreateVolume its image is made durable, with every other created meanwhile (`_settle_later`).
+SETTLE_DELAY = 0.1
 MIB = 1 << 20
 GIB = 1 << 30
 SIZE_GRANULARITY = MIB
@@ -90,6 +92,17 @@ def choose_size(required: int, limit: int) -> int:
     return size
 
 
+async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> None:
+    """Make `volume`'s image durable if CreateVolume answered before it was; idempotent.
+
+    Called before the volume may hold data (a stage) or back another image
+    (a snapshot); harmless beside the settling CreateVolume started.
+    """
+    if volume.image_pending:
+        await pool.settle([volume.image])
+        await catalog.settle_images([volume.id])
+
+
 def _fits(record: VolumeRecord, required: int, limit: int) -> bool:
     return record.capacity >= required and (not limit or record.capacity <= limit)
 
@@ -115,6 +128,9 @@ class Volumes:
         # Asked under the volume's lock before a delete: raises while something outside this catalog's
         # chains reads the volume (a clone on another node: `csi_qsd.controller.copies.SourceLeases`).
         self.before_delete: Callable[[str], Awaitable[None]] | None = None
+        self._unsettled: dict[str, VolumeRecord] = {}  # created, image not yet known durable
+        self._settler: asyncio.Task[None] | None = None
+        self._deleting: dict[str, asyncio.Task[None]] = {}
 
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
@@ -148,8 +164,9 @@ class Volumes:
                         )
                     return existing
                 if existing.state is VolumeState.DELETING:
-                    raise Aborted(f"volume named {name!r} ({existing.id}) is being deleted; retry later")
-                await self._discard(existing)  # a crashed earlier attempt
+                    await self._wait_deleted(existing.id, name)
+                else:
+                    await self._discard(existing)  # a crashed earlier attempt
             size = choose_size(required or base_size, limit)
             if size < base_size:
                 raise OutOfRange(f"volume {name!r} must hold at least the {base_size} bytes of its source")
@@ -161,6 +178,8 @@ class Volumes:
                 image=pool.image_path(volume_id, params.format), state=VolumeState.CREATING, pool=pool.id,
                 created_at=now(), backing=str(base) if base is not None else "", source=source, qos=qos,
             )
+            if base is None and pool.settles_later(params):
+                return await self._create_blank(pool, record)
             async with self._volume_locks.hold(volume_id):
                 await self._catalog.add_volume(record, durable=False)  # the READY commit makes it durable
                 self._failpoints.hit("create.after_intent")
@@ -168,7 +187,7 @@ class Volumes:
                     if base is not None:
                         await pool.create_overlay(record.image, base, size, params.granularity)
                     else:
-                        await pool.create(record.image, size, params)
+                        await self._with_room(pool, lambda: pool.create(record.image, size, params))
                 except ResourceExhausted as exc:
                     await self._discard(record)
                     raise ResourceExhausted(f"cannot create volume {name!r} of {size} bytes: {exc}") from exc
@@ -180,25 +199,145 @@ class Volumes:
             log.info("event=volume_created volume_id=%s name=%s bytes=%d", volume_id, name, size)
             return dataclasses.replace(record, state=VolumeState.READY)
 
+    async def _create_blank(self, pool: Pool, record: VolumeRecord) -> VolumeRecord:
+        """A volume with no source, answered once its row is durable; its image is settled right after.
+
+        The image is written while the row commits ready, recording that the
+        image may not be on disk yet; neither waits for the other. A crash
+        leaves either no row (the image is nameless and empty: the reconcile
+        removes it) or a pending one. Until `settled`, the volume holds no
+        data, so whatever a crash or a power loss left of its image, the
+        reconcile writes it again and loses nothing.
+        """
+        record = dataclasses.replace(record, state=VolumeState.READY, image_pending=True)
+
+        async def make_image() -> None:
+            await self._with_room(pool, lambda: pool.create_unsettled(record.image, record.capacity, record.params))
+            self._failpoints.hit("create.after_image")
+
+        async with self._volume_locks.hold(record.id):
+            made, committed = await asyncio.gather(make_image(), self._catalog.add_volume(record),
+                                                   return_exceptions=True)
+            if isinstance(committed, BaseException):
+                await pool.delete(record.image)
+                raise committed
+            if isinstance(made, BaseException):
+                await self._catalog.delete_volume(record.id)
+                await pool.delete(record.image)
+                if isinstance(made, ResourceExhausted):
+                    raise ResourceExhausted(
+                        f"cannot create volume {record.name!r} of {record.capacity} bytes: {made}") from made
+                raise made
+            self._failpoints.hit("create.before_settle")
+            self._settle_later(record)
+        log.info("event=volume_created volume_id=%s name=%s bytes=%d", record.id, record.name, record.capacity)
+        return record
+
+    def _settle_later(self, record: VolumeRecord) -> None:
+        """Queue `record`'s image for the next batch, which starts SETTLE_DELAY seconds after the first.
+
+        A burst of creates then pays one fsync of the pool directory and one
+        catalog commit for all of it, after the burst: fsyncs run one at a
+        time on a filesystem, and each would stall the next create's commit.
+        """
+        self._unsettled[record.id] = record
+        if self._settler is None or self._settler.done():
+            self._settler = asyncio.create_task(self._settle_batches())
+
+    async def _settle_batches(self) -> None:
+        while self._unsettled:
+            await asyncio.sleep(SETTLE_DELAY)
+            batch, self._unsettled = self._unsettled, {}
+            try:
+                await self._settle_all(list(batch.values()))
+            except Exception:
+                log.exception("event=settle_failed volumes=%d (each is settled before it is used)", len(batch))
+
+    async def _settle_all(self, records: list[VolumeRecord]) -> None:
+        by_pool: dict[str, list[VolumeRecord]] = {}
+        for record in records:
+            by_pool.setdefault(record.pool, []).append(record)
+        for pool_id, group in by_pool.items():
+            await self._pools[pool_id].settle([r.image for r in group])
+        await self._catalog.settle_images([r.id for r in records])
+
+    async def settled(self, volume: VolumeRecord) -> None:
+        """Return once `volume`'s image is durable (`settle_image`). Raises OSError if it cannot be made so."""
+        await settle_image(self._catalog, self._pool_of(volume), volume)
+
     async def delete(self, volume_id: str) -> None:
-        """Delete a volume; a missing one is success. FailedPrecondition while it is staged."""
+        """Delete a volume; a missing one is success. FailedPrecondition while it is staged.
+
+        Answered once the deletion is durable in the catalog: the volume is
+        gone for the CO from then on. Its storage is freed right after, in
+        the background (a crash leaves that to the start-up reconcile).
+        """
         async with self._volume_locks.hold(volume_id):
             record = await self._catalog.volume(volume_id)
             if record is None:
+                return
+            if record.state is VolumeState.DELETING and volume_id in self._deleting:
                 return
             if await self._catalog.stage(volume_id) is not None:
                 raise FailedPrecondition(f"volume {volume_id} is still staged on node; unstage it first")
             if self.before_delete is not None:
                 await self.before_delete(volume_id)
-            # Not waited for: lost only with power, when the CO's retry of the unanswered call deletes again.
-            await self._catalog.set_volume_state(volume_id, VolumeState.DELETING, durable=False)
+            self._unsettled.pop(volume_id, None)  # gone with the volume (a batch under way skips a missing image)
+            await self._catalog.set_volume_state(volume_id, VolumeState.DELETING)
             self._failpoints.hit("delete.after_intent")
-            pool = self._pool_of(record)
-            await pool.delete(record.image)
-            self._failpoints.hit("delete.after_image")
-            await self._catalog.delete_volume(volume_id)
-            log.info("event=volume_deleted volume_id=%s", volume_id)
-            await chains.reclaim(self._catalog, pool, record.backing)
+            self._deleting[volume_id] = asyncio.create_task(self._free_later(record))
+
+    async def _free_later(self, record: VolumeRecord) -> None:
+        try:
+            await self._free(record)
+        except Exception:
+            log.exception("event=delete_failed volume_id=%s (the start-up reconcile finishes it)", record.id)
+        finally:
+            self._deleting.pop(record.id, None)
+
+    async def _free(self, record: VolumeRecord) -> None:
+        """Remove a volume marked DELETING: its storage, then its row, then what only it kept alive."""
+        pool = self._pool_of(record)
+        await pool.delete(record.image)
+        self._failpoints.hit("delete.after_image")
+        await self._catalog.delete_volume(record.id)
+        log.info("event=volume_deleted volume_id=%s", record.id)
+        await chains.reclaim(self._catalog, pool, record.backing)
+
+    async def _wait_deleted(self, volume_id: str, name: str) -> None:
+        """Wait for the background deletion of `volume_id`; Aborted if it is not under way or did not finish."""
+        task = self._deleting.get(volume_id)
+        if task is not None:
+            await asyncio.shield(task)
+        if task is None or await self._catalog.volume(volume_id) is not None:
+            raise Aborted(f"volume named {name!r} ({volume_id}) is being deleted; retry later")
+
+    async def _with_room(self, pool: Pool, create: Callable[[], Awaitable[None]]) -> None:
+        """`create`, once more after the deletions under way have freed their storage if it found no room."""
+        try:
+            await create()
+        except ResourceExhausted:
+            if not self._deleting:
+                raise
+            await self.freed()
+            await create()
+
+    async def freed(self) -> None:
+        """Wait for every background deletion under way: their storage is free once this returns."""
+        while self._deleting:
+            await asyncio.gather(*map(asyncio.shield, list(self._deleting.values())))
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Let background settling and deletions finish (each is redone at start-up if cut off)."""
+        if self._unsettled:
+            batch, self._unsettled = list(self._unsettled.values()), {}
+            await self._settle_all(batch)
+        pending = [*self._deleting.values(), *([self._settler] if self._settler is not None else [])]
+        if not pending:
+            return
+        _done, unfinished = await asyncio.wait(pending, timeout=timeout)
+        for task in unfinished:
+            task.cancel()
 
     async def get(self, volume_id: str) -> VolumeRecord | None:
         record = await self._catalog.volume(volume_id)
@@ -267,10 +406,14 @@ class Volumes:
                 await self._discard(record)
             elif record.state is VolumeState.DELETING:
                 log.info("event=reconcile_finish_delete volume_id=%s", record.id)
+                await self._free(record)
+            elif record.image_pending:
+                # Never staged, so it never held data: whatever a crash left of its image is written again.
+                log.info("event=reconcile_settle_image volume_id=%s", record.id)
                 pool = self._pool_of(record)
                 await pool.delete(record.image)
-                await self._catalog.delete_volume(record.id)
-                await chains.reclaim(self._catalog, pool, record.backing)
+                await pool.create(record.image, record.capacity, record.params)
+                await self._catalog.settle_images([record.id])
         known = {r.image for r in await self._catalog.volumes()}
         known |= {r.image for r in await self._catalog.snapshots()}
         for pool in self._pools.values():

@@ -59,14 +59,16 @@ class FuseLoopExport(ExportPath):
         top = self.host.top_image(volume)
         export = self.export_file(volume.id)
         # Asked before QSD opens the image: a volume never written needs no probe for a filesystem.
-        blank = await asyncio.to_thread(self.host.pools[volume.pool].reads_as_zeros, volume.image)
+        blank = stage.access_type is AccessType.MOUNT and await asyncio.to_thread(
+            self.host.pools[volume.pool].reads_as_zeros, volume.image)
         fresh_export = not await attach.has_export(client, top.nodes.fuse_export)
         if fresh_export:
             await self._drop_stale_host_state(volume, stage, publishes)
-        await attach.ensure_top(client, top)
+        spec = (attach.fuse_export(top, export, writable=True, iothreads=self.host.daemon_of(volume.id).fuse_iothreads())
+                if fresh_export else None)
+        if not await attach.ensure_top(client, top, export=spec) and spec is not None:
+            await client.export_add(spec)
         if fresh_export:
-            await attach.add_fuse_export(client, top, export, writable=True,
-                                         iothreads=self.host.daemon_of(volume.id).fuse_iothreads())
             await fusectl.raise_background(export)
         self.host.failpoints.hit("stage.after_export")
         device = await self._loop_for(export, stage.loop_device, fresh_export)

@@ -1,10 +1,13 @@
 """The staging orchestrator: stage, publish, unpublish, unstage, expand, stats; the rebuild after a QSD (re)connect.
 
-Each operation holds the volume's lock, records intent in the catalog (not
-waited for on disk: a power loss takes the host state the intent guards with
-it, and the final commit makes it durable), asks the volume's export path
-(`csi_qsd.exports`) to bring QSD and the host into the wanted shape with
-idempotent steps, then commits. The same steps rebuild
+Each operation holds the volume's lock, records intent in the catalog, asks
+the volume's export path (`csi_qsd.exports`) to bring QSD and the host into
+the wanted shape with idempotent steps, then commits. A row that adds host
+state (staged, published) is not waited for on disk: a power loss takes the
+mounts, loop devices and QSD it describes with it, and kubelet stages and
+publishes again after the reboot, while a crash of the driver keeps it. A
+row's removal is durable: after a reboot, a row the CO had removed would
+bring back host state nobody unstages. The same steps rebuild
 everything after a QSD restart. No gRPC types here, no QMP, no mounts.
 """
 
@@ -32,7 +35,7 @@ from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.pools.base import Pool
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import Rebuild
-from csi_qsd.controller.volumes import choose_size
+from csi_qsd.controller.volumes import choose_size, settle_image
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class NodeVolumes:
         """Raises NotFound, InvalidArgument, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
         async with self._locks.hold(spec.volume_id), self._transient_if_qsd_lost(spec.volume_id):
             volume = await self.volume(spec.volume_id)
+            await settle_image(self._catalog, self._exports.host.pools[volume.pool], volume)
             kind = self._exports.of(volume)
             kind.check_access(volume, spec.block)
             fs_type = kind.fs_type(spec.block, spec.fs_type)
@@ -108,7 +112,9 @@ class NodeVolumes:
             except BaseException:
                 await self._undo_stage(kind, volume, record)
                 raise
-            await self._catalog.put_stage(dataclasses.replace(record, state=StageState.STAGED))
+            # Not waited onto the disk: a power loss takes the mounts, loop devices and QSD the row
+            # describes with it, and kubelet stages again after the reboot. A crash keeps the row.
+            await self._catalog.put_stage(dataclasses.replace(record, state=StageState.STAGED), durable=False)
             log.info("event=staged volume_id=%s path=%s loop=%s", volume.id, spec.staging_path, record.loop_device)
 
     async def unstage(self, volume_id: str, staging_path: Path) -> None:
@@ -170,7 +176,8 @@ class NodeVolumes:
                 await self._remove_publish(kind, volume, stage, record)
                 raise
             self._failpoints.hit("publish.after_bind")
-            await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.PUBLISHED))
+            # Not waited onto the disk, as a stage's row (a power loss takes the bind mount with it).
+            await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.PUBLISHED), durable=False)
             log.info("event=published volume_id=%s target=%s readonly=%s", volume.id, spec.target_path, spec.readonly)
 
     async def unpublish(self, volume_id: str, target_path: Path) -> None:

@@ -64,6 +64,26 @@ class Pool(abc.ABC):
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         """Raises ResourceExhausted when the pool cannot hold `size` bytes."""
 
+    def settles_later(self, params: VolumeParameters) -> bool:
+        """Whether `create_unsettled` makes a volume of `params` without waiting for the disk (default: never)."""
+        return False
+
+    async def create_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
+        """Create `image` as `create` does, without waiting for the disk where `settles_later` says so.
+
+        A CreateVolume need not wait for the disk to hold an image that holds
+        no data yet: `settle` makes it durable before it can hold any (a
+        stage) or back another image (a snapshot). The default is `create`.
+        Raises ResourceExhausted.
+        """
+        await self.create(image, size, params)
+
+    async def settle(self, images: list[Path]) -> None:
+        """Make images `create_unsettled` wrote durable; idempotent, and one deleted since is skipped.
+
+        The default has nothing to wait for.
+        """
+
     async def grow(self, image: Path, size: int) -> bool:
         """Make room where `image` lives for it to hold `size` bytes, before QSD grows it; idempotent.
 

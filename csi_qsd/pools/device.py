@@ -182,6 +182,7 @@ class DevicePool(Pool):
         self._device: BlockDevice | None = None
         self._layout: Layout | None = None
         self._rows: dict[int, ExtentRecord] = {}
+        self._scrubbing = asyncio.Lock()  # one scrub at a time: blkdiscard opens the device exclusively
         self._host: WholeDevice = HostDevice(path=spec.path)
 
     # start-up -----------------------------------------------------------
@@ -437,6 +438,11 @@ class DevicePool(Pool):
         self._failpoints.hit("extent.after_release")
 
     async def _scrub_pending(self) -> None:
+        """Zero and free every extent released: one scrub at a time, whoever asks (deletes run side by side)."""
+        async with self._scrubbing:
+            await self._scrub_released()
+
+    async def _scrub_released(self) -> None:
         for row in sorted(self._rows.values(), key=lambda r: r.start):
             if row.state is not ExtentState.SCRUBBING:
                 continue

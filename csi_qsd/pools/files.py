@@ -22,6 +22,7 @@ from csi_qsd.qcow2 import blank
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys import durable
+from csi_qsd.sys.durable import fsync_path
 from csi_qsd.sys.run import run
 
 __all__ = ["FilePool", "PoolUsage"]
@@ -68,18 +69,11 @@ class FilePool(Pool):
 
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         """Create `image` of `size` bytes; RESOURCE_EXHAUSTED if the pool cannot hold it."""
-        available = self.usage().available
-        if size > available:
-            raise ResourceExhausted(
-                f"pool {self.directory} has {available} bytes free, volume needs {size}"
-            )
+        self._check_room(size)
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
         if params.preallocation is Preallocation.OFF:
-            # The common case, made in-process: an empty image is a few tables (`csi_qsd.qcow2.blank`).
-            pieces = (blank.image_bytes(size, params.granularity, layer_bitmaps.OWN)
-                      if params.format is ImageFormat.QCOW2 else [])
-            await asyncio.to_thread(_write_durably, tmp, image, pieces, size)
+            await asyncio.to_thread(_write_image, tmp, image, _blank_pieces(size, params), size, durable=True)
             return
         argv = [self._qemu_img, "create", "-q", "-f", params.format.value,
                 "-o", f"preallocation={params.preallocation.value}"]
@@ -93,6 +87,30 @@ class FilePool(Pool):
         finally:
             tmp.unlink(missing_ok=True)
 
+    def settles_later(self, params: VolumeParameters) -> bool:
+        """An image made in-process (not preallocated) is written at once and made durable by `settle`."""
+        return params.preallocation is Preallocation.OFF
+
+    async def create_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
+        if not self.settles_later(params):
+            await self.create(image, size, params)
+            return
+        self._check_room(size)
+        tmp = image.with_name(image.name + TMP_SUFFIX)
+        tmp.unlink(missing_ok=True)
+        await asyncio.to_thread(_write_image, tmp, image, _blank_pieces(size, params), size, durable=False)
+
+    async def settle(self, images: list[Path]) -> None:
+        """fsync each image, then the pool's directory (which holds their names) once."""
+        await asyncio.to_thread(_settle, images, self.directory)
+
+    def _check_room(self, size: int) -> None:
+        available = self.usage().available
+        if size > available:
+            raise ResourceExhausted(
+                f"pool {self.directory} has {available} bytes free, volume needs {size}"
+            )
+
     async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
         """Create a thin qcow2 `image` over `backing` (same directory, named relatively): O(1).
 
@@ -105,7 +123,7 @@ class FilePool(Pool):
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
         pieces = blank.image_bytes(
             size, granularity, layer_bitmaps.OWN, backing=backing.name, backing_format=backing_format)
-        await asyncio.to_thread(_write_durably, tmp, image, pieces, size)
+        await asyncio.to_thread(_write_image, tmp, image, pieces, size, durable=True)
 
     async def backing_of(self, image: Path) -> str:
         """The absolute backing file an image's header names, or ''."""
@@ -215,19 +233,41 @@ def _allocated_blocks(images: list[Path]) -> dict[Path, int]:
     return found
 
 
-def _write_durably(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size: int) -> None:
-    """A new image at `image`: qcow2 `pieces` (or, with none, a raw file of `size` bytes) via `tmp`, durable."""
+def _blank_pieces(size: int, params: VolumeParameters) -> list[tuple[int, bytes]]:
+    """An empty image's bytes: a few qcow2 tables (`csi_qsd.qcow2.blank`), or none for a raw file."""
+    if params.format is ImageFormat.QCOW2:
+        return blank.image_bytes(size, params.granularity, layer_bitmaps.OWN)
+    return []
+
+
+def _write_image(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size: int, *, durable: bool) -> None:
+    """A new image at `image`: qcow2 `pieces` (or, with none, a raw file of `size` bytes) via `tmp`.
+
+    Whole under its name or not there at all; with `durable`, also on disk
+    before this returns (else `_settle` makes it so).
+    """
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         if pieces:
             blank.write(fd, pieces)
         else:
             os.ftruncate(fd, size)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     os.rename(tmp, image)
-    durable.fsync_path(image.parent)
+    if durable:
+        fsync_path(image.parent)
+
+
+def _settle(images: list[Path], directory: Path) -> None:
+    for image in images:
+        try:
+            fsync_path(image)
+        except FileNotFoundError:
+            continue  # deleted meanwhile: nothing to keep
+    fsync_path(directory)

@@ -16,7 +16,6 @@ works, at the kernel's default, and a warning says so.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from pathlib import Path
@@ -39,7 +38,8 @@ async def raise_background(export_file: Path, limit: int = MAX_BACKGROUND) -> bo
             return False
     try:
         minor = os.minor(os.stat(export_file).st_dev)
-        await asyncio.to_thread(_write_limits, CONNECTIONS / str(minor), limit)
+        # fusectl's files are kernel attributes held in memory: reading and writing them never waits for a disk.
+        _write_limits(CONNECTIONS / str(minor), limit)
     except OSError as exc:
         log.warning("event=fuse_max_background_failed export=%s error=%r", export_file, exc.strerror)
         return False

@@ -68,7 +68,12 @@ def mount_table() -> list[MountEntry]:
 
 
 def mounted_at(path: Path) -> MountEntry | None:
-    """The topmost mount at `path`, or None (parses only the lines that can match)."""
+    """The topmost mount at `path`, or None (parses only the lines that can match).
+
+    A path the kernel says is no mount root costs no read of the table.
+    """
+    if mount_calls.is_mount_root(path) is False:
+        return None
     needle = f" {_escape(str(path))} "
     lines = [line for line in read_mountinfo().splitlines() if needle in line]
     found = None

@@ -72,7 +72,7 @@ async def test_driver_sigkill_between_every_step(box: Sandbox, process: DriverPr
         await crash_and_restart(process)
         await csi.delete_volume(vid)
         assert await csi.list_volumes() == []
-        assert not list((box.state_dir / "pool").glob("vol-*"))
+        await until(lambda: not list((box.state_dir / "pool").glob("vol-*")), "the deleted volumes' storage to be freed", 10)
     finally:
         await csi.close()
 

@@ -31,7 +31,7 @@ from csi_qsd.qsd import attach, graph
 from csi_qsd.server import Driver
 from tests.harness import Sandbox, free_port, in_process_driver, qsd_pid, running_driver, until
 from tests.integration.test_expansion import Writer, fs_bytes
-from tests.integration.test_metrics import scrape
+from tests.integration.test_metrics import Scrape, scrape
 
 MIB = 1 << 20
 DEVICE_BYTES = 512 * MIB
@@ -156,6 +156,7 @@ async def test_volumes_of_every_kind_live_in_their_extents(box: Sandbox, nvme: F
         await csi.unstage(fs.volume_id, str(staging))
         for vid in (fs.volume_id, blk.volume_id, vm.volume_id):
             await csi.delete_volume(vid)
+        await driver.volumes.freed()
         assert await capacity(csi, "fast") == (total, total)
         assert pool_of(driver).images() == []
 
@@ -218,6 +219,7 @@ async def test_a_deleted_tenants_bytes_never_reach_the_next(box: Sandbox, nvme: 
         await csi.unpublish(a.volume_id, str(tg))
         await csi.unstage(a.volume_id, str(st))
         await csi.delete_volume(a.volume_id)
+        await driver.volumes.freed()  # A's extent is scrubbed and free once DeleteVolume's background work ends
         b = await csi.create_volume("pvc-b", 32 * MIB, {"pool": "fast"}, block=True)
         assert pool.extent_of(b.volume_id) == a_extent, "B must get A's extent for the test to mean anything"
         st, tg = box.staging("b"), box.target("b")
@@ -228,6 +230,7 @@ async def test_a_deleted_tenants_bytes_never_reach_the_next(box: Sandbox, nvme: 
         await csi.unpublish(b.volume_id, str(tg))
         await csi.unstage(b.volume_id, str(st))
         await csi.delete_volume(b.volume_id)
+        await driver.volumes.freed()
 
         # Filesystem: A's file content must not appear anywhere under C's filesystem or its device.
         a = await csi.create_volume("pvc-fa", 32 * MIB, {"pool": "fast"})
@@ -239,6 +242,7 @@ async def test_a_deleted_tenants_bytes_never_reach_the_next(box: Sandbox, nvme: 
         await csi.unpublish(a.volume_id, str(tg))
         await csi.unstage(a.volume_id, str(st))
         await csi.delete_volume(a.volume_id)
+        await driver.volumes.freed()
         c = await csi.create_volume("pvc-fc", 32 * MIB, {"pool": "fast"})
         assert pool.extent_of(c.volume_id) == a_extent
         st, tg = box.staging("fc"), box.target("fc")
@@ -311,6 +315,7 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             vm = await csi.create_volume("pvc-vm", 16 * MIB, {"pool": "fast", "export": "vhost-user-blk"})
             for gap in (gap1, gap2):
                 await csi.delete_volume(gap.volume_id)
+            await driver.volumes.freed()
             starts = [pool.extent_of(v.volume_id) for v in (fs, blk, vm)]
             assert [(e.start, e.length) for e in starts if e is not None] == [
                 (MIB, 320 * MIB), (401 * MIB, 16 * MIB), (433 * MIB, 16 * MIB)], "the layout this test needs"
@@ -381,6 +386,7 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             await csi.unstage(blk.volume_id, str(bstaging))
             for vid in (fs.volume_id, blk.volume_id, vm.volume_id):
                 await csi.delete_volume(vid)
+            await driver.volumes.freed()
             assert pool_of(driver).images() == []
             assert (await capacity(csi, "fast"))[0] == pool_of(driver).layout.data_size
     finally:
@@ -413,6 +419,9 @@ async def test_a_device_pool_reports_its_capacity_beside_the_file_pool(box: Sand
         assert taken.value("csi_qsd_volume_allocated_bytes", volume_id=vid) == 64 * MIB  # an extent, allocated whole
 
         await csi.delete_volume(vid)
-        freed = await scrape(port)
-        assert freed.value("csi_qsd_pool_available_bytes", pool="fast") == data_area
+
+        async def scraped_free() -> Scrape | None:
+            got = await scrape(port)
+            return got if got.value("csi_qsd_pool_available_bytes", pool="fast") == data_area else None
+        freed = await until(scraped_free, "the deleted volume's extent to be free in /metrics", 10)
         assert not freed.matching("csi_qsd_volume_allocated_bytes", volume_id=vid)

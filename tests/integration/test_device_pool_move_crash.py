@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from csi_qsd.csi.client import CSIClient
-from tests.harness import DriverProcess, Sandbox
+from tests.harness import DriverProcess, Sandbox, until
 from tests.integration.test_device_pool import PATTERN, FakeNVMe, expand
 from tests.integration.test_device_pool_crash import extent_rows, free
 from tests.integration.test_expansion import Writer, fs_bytes
@@ -102,7 +102,8 @@ async def test_crash_while_a_filesystem_moves(box: Sandbox, big_nvme: FakeNVMe, 
             await csi.unstage(fs.volume_id, str(staging))
             for vid in (fs.volume_id, neighbour.volume_id):
                 await csi.delete_volume(vid)
-            assert extent_rows(box) == [] and await free(csi) == total
+            await until(lambda: extent_rows(box) == [], "the deleted volumes' storage to be freed", 10)
+            assert await free(csi) == total
     finally:
         await process.stop()
     os.sync()
@@ -139,7 +140,8 @@ async def test_crash_after_a_mirror_commits(box: Sandbox, big_nvme: FakeNVMe) ->
             await csi.unstage(vm.volume_id, str(staging))
             for vid in (vm.volume_id, neighbour.volume_id):
                 await csi.delete_volume(vid)
-            assert extent_rows(box) == [] and await free(csi) == total
+            await until(lambda: extent_rows(box) == [], "the deleted volumes' storage to be freed", 10)
+            assert await free(csi) == total
     finally:
         await process.stop()
 

@@ -61,6 +61,7 @@ async def test_a_filesystem_in_use_moves_to_grow(box: Sandbox) -> None:
             await csi.unstage(fs.volume_id, str(staging))
             for vid in (fs.volume_id, neighbour.volume_id):
                 await csi.delete_volume(vid)
+            await driver.volumes.freed()
             assert (await capacity(csi, "fast"))[0] == pool_of(driver).layout.data_size
     finally:
         nvme.close()
@@ -127,6 +128,7 @@ async def test_block_and_vm_volumes_move_to_grow(box: Sandbox) -> None:
                 await csi.unstage(vid, str(st))
             for vid in (blk.volume_id, vm.volume_id, last.volume_id):
                 await csi.delete_volume(vid)
+            await driver.volumes.freed()
             assert pool.images() == [] and pool.moves_under_way() == {}
             assert (await capacity(csi, "fast"))[0] == pool.layout.data_size
     finally:

@@ -265,14 +265,14 @@ async def test_unstage_while_published_is_failed_precondition(
 class HeldPool:
     """Holds the next image the driver's file pool makes until the test lets it go: a call in flight.
 
-    The pool the driver serves (found through `Volumes.pool_for`) gets its two image-making methods
+    The pool the driver serves (found through `Volumes.pool_for`) gets its image-making methods
     wrapped, so the held call keeps exactly the locks a slow CreateVolume or CreateSnapshot keeps.
     """
 
     def __init__(self, pool: Pool) -> None:
         self.armed = False
         self.reached, self.released = asyncio.Event(), asyncio.Event()
-        for name in ("create", "create_overlay"):
+        for name in ("create", "create_unsettled", "create_overlay"):
             setattr(pool, name, self._gated(getattr(pool, name)))
 
     def _gated(self, making: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:

@@ -9,7 +9,7 @@ import pytest
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox, write_synced
+from tests.harness import Sandbox, until, write_synced
 
 MIB = 1 << 20
 
@@ -50,7 +50,7 @@ async def test_filesystem_volume_lifecycle(box: Sandbox, driver: tuple[Driver, C
     await csi.unpublish(volume.volume_id, str(target2))
     await csi.unstage(volume.volume_id, str(staging))
     await csi.delete_volume(volume.volume_id)
-    assert not image.exists()
+    await until(lambda: not image.exists(), "the deleted volume's image to go", 10)
     assert await csi.list_volumes() == []
 
 

@@ -113,6 +113,7 @@ async def live_run(box: Sandbox, path: Path, name: str, kind: str, *, bs: str,
     await modify(csi, vid, **limit)
     limited_at = time.time()
     await asyncio.sleep(LIMITED)
+    lifting_at = time.time()
     await modify(csi, vid, **lift)
     lifted_at = time.time()
     got = samples(await run, kind)
@@ -121,7 +122,7 @@ async def live_run(box: Sandbox, path: Path, name: str, kind: str, *, bs: str,
     # starts as the change is answered, so it shows the limit holding within that second.
     return Phases(
         before=[v for t, v in got if t <= asked],
-        limited=[v for t, v in got if t - SETTLE >= limited_at and t <= lifted_at],
+        limited=[v for t, v in got if t - SETTLE >= limited_at and t <= lifting_at],
         after=[v for t, v in got if t - SETTLE >= lifted_at],
     )
 
@@ -170,10 +171,11 @@ async def test_block_volume_bandwidth_limit_from_creation_then_lifted(
     path = await staged(box, csi, vid, "bw", block=True)
     run = asyncio.create_task(fio(box, path, "bw", bs="64k", runtime=LIMITED + AFTER))
     await asyncio.sleep(LIMITED)
+    lifting_at = time.time()  # a second that ends after this may hold the lift already
     await modify(csi, vid, bpsTotal="0")
     lifted_at = time.time()
     got = samples(await run, "bw")
-    limited = [v * 1024 for t, v in got if t <= lifted_at]
+    limited = [v * 1024 for t, v in got if t <= lifting_at]
     after = [v * 1024 for t, v in got if t - SETTLE >= lifted_at]
     print(f"\nblock 64k randread QD16, bpsTotal: limit {limit} B/s; limited {statistics.mean(limited):.0f} "
           f"(per second {[round(v / MIB, 2) for v in limited]} MiB), lifted {statistics.mean(after):.0f} B/s")

@@ -130,6 +130,7 @@ async def test_iscsi_lun_carved_with_chap_and_a_target_that_goes_away(
                 assert read_at(tgt.lun, extent.start + MIB, len(AGAIN)) == AGAIN
                 assert read_at(tgt.lun, extent.start, len(PATTERN)) == PATTERN
                 await until(lambda: healthy(csi, vid), "the volume healthy again", 30)
+            await driver.volumes.freed()  # DeleteVolume answered; the extent is scrubbed right after
             assert read_at(tgt.lun, extent.start, len(PATTERN)) == bytes(len(PATTERN))  # scrubbed through QSD
         assert CHAP_PASSWORD not in caplog.text
         assert "password-secret" not in caplog.text or CHAP_PASSWORD not in caplog.text

@@ -95,7 +95,7 @@ async def test_source_deleted_before_its_snapshot(box: Sandbox, driver: tuple[Dr
         assert (copy / "keep").read_bytes() == b"outlives its volume"
     await csi.delete_volume(restored)
     await csi.delete_snapshot(snapshot.snapshot_id)
-    assert pool_files(box) == []
+    await until(lambda: pool_files(box) == [], "the deleted volumes' storage to be freed", 10)
 
 
 async def test_delete_snapshot_during_a_restore_from_it(
@@ -139,7 +139,7 @@ async def test_delete_snapshot_during_a_restore_from_it(
         await csi.delete_snapshot(snapshot.snapshot_id)  # the CO's retry: now hidden behind the restore
     assert await csi.list_snapshots() == []
     await csi.delete_volume(restored)
-    assert pool_files(box) == []
+    await until(lambda: pool_files(box) == [], "the deleted volumes' storage to be freed", 10)
 
 
 async def test_snapshot_deleted_before_its_clone(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
@@ -162,7 +162,7 @@ async def test_snapshot_deleted_before_its_clone(box: Sandbox, driver: tuple[Dri
     await csi.delete_volume(vid)
     assert hidden_image in pool_files(box), "the clone still reads through the hidden snapshot"
     await csi.delete_volume(restored)
-    assert pool_files(box) == [], "the last dependant took the hidden snapshot with it"
+    await until(lambda: pool_files(box) == [], "the last dependant to take the hidden snapshot with it", 10)
 
 
 async def snapshot_as_a_co_does(csi: CSIClient, name: str, volume_id: str) -> pb.Snapshot:
@@ -219,7 +219,7 @@ async def test_deep_chains_are_flattened_live(box: Sandbox, driver: tuple[Driver
             assert (mount / f"file{i}").read_bytes() == f"generation {i}".encode() * 1000
         assert (mount / "during").read_bytes() == b"the volume stayed writable"
     await csi.delete_volume(vid)
-    assert pool_files(box) == []
+    await until(lambda: pool_files(box) == [], "the deleted volumes' storage to be freed", 10)
 
 
 async def test_group_snapshot_cuts_all_members_at_one_instant(box: Sandbox, driver: tuple[Driver, CSIClient]) -> None:
@@ -335,7 +335,7 @@ async def test_crash_inside_snapshot_steps(box: Sandbox, process: DriverProcess,
         async with Mounted(box, csi, vid, "sc2") as mount:
             assert (mount / "after").read_bytes() == b"written after the crash"
         await csi.delete_volume(vid)
-        assert pool_files(box) == []
+        await until(lambda: pool_files(box) == [], "the deleted volumes' storage to be freed", 10)
 
 
 async def test_crash_inside_snapshot_delete(box: Sandbox, process: DriverProcess) -> None:
@@ -350,7 +350,7 @@ async def test_crash_inside_snapshot_delete(box: Sandbox, process: DriverProcess
         await process.wait_exit()
         await process.start()
         assert await csi.list_snapshots() == []
-        assert pool_files(box) == []
+        await until(lambda: pool_files(box) == [], "the deleted volumes' storage to be freed", 10)
         await csi.delete_snapshot(snapshot_id)  # the CO's retry
 
 
@@ -390,4 +390,4 @@ async def test_crash_inside_a_clone(box: Sandbox, process: DriverProcess, point:
             assert (mount / "f").read_bytes() == b"cloned bytes"
         await csi.delete_volume(clone)
         await csi.delete_volume(vid)
-        assert pool_files(box) == [], "the interrupted clone's cut must not leak an image"
+        await until(lambda: pool_files(box) == [], "the interrupted clone's cut to leak no image", 10)

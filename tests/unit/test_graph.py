@@ -91,13 +91,10 @@ NODES = graph.nodes_for("vol-" + "ab" * 12)
 
 def test_file_blockdev() -> None:
     spec = graph.file_blockdev(NODES, Path("/pool/vol-x.qcow2"), VolumeParameters(), read_only=False)
-    assert spec == {
-        "driver": "file", "node-name": NODES.file, "filename": "/pool/vol-x.qcow2", "aio": "threads",
-        "cache": {"direct": False, "no-flush": False}, "discard": "unmap", "read-only": False,
-    }
+    # QEMU's defaults are left out (aio=threads, cache.direct=off, cache.no-flush=off: flushes reach the disk).
+    assert spec == {"driver": "file", "node-name": NODES.file, "filename": "/pool/vol-x.qcow2", "discard": "unmap"}
     ro = graph.file_blockdev(NODES, Path("/p"), VolumeParameters(discard=Discard.IGNORE), read_only=True)
     assert ro["read-only"] is True and ro["discard"] == "ignore"
-    assert ro["cache"]["no-flush"] is False  # flushes must reach the disk
     json.dumps(spec)
 
 
@@ -105,7 +102,9 @@ def test_format_blockdev_qcow2_caps_the_metadata_cache() -> None:
     spec = graph.format_blockdev(NODES, VolumeParameters(detect_zeroes=DetectZeroes.UNMAP), read_only=False)
     assert spec["driver"] == "qcow2" and spec["file"] == NODES.file and spec["node-name"] == NODES.format
     assert spec["l2-cache-size"] == graph.L2_CACHE_BYTES == 1 << 20
-    assert spec["detect-zeroes"] == "unmap" and spec["read-only"] is False
+    assert spec["detect-zeroes"] == "unmap" and "read-only" not in spec  # QEMU's default: writable
+    default = graph.format_blockdev(NODES, VolumeParameters(), read_only=False)
+    assert "detect-zeroes" not in default  # off, QEMU's default
 
 
 def test_format_blockdev_raw_has_no_qcow2_options() -> None:
@@ -197,3 +196,6 @@ def test_throttle_limits_name_every_field_so_a_change_lifts_what_it_omits() -> N
     assert all(v == 0 for k, v in graph.throttle_limits(QoS()).items() if not k.endswith("-length"))
     obj = graph.throttle_group_object(NODES, QoS())
     assert obj["qom-type"] == "throttle-group" and obj["id"] == NODES.throttle_group
+    assert obj["limits"] == {}  # a new group starts at QEMU's defaults: only what differs is sent
+    limited = graph.throttle_group_object(NODES, QoS(iops_write=300, bps_read_max=1 << 20, burst_seconds=5))
+    assert limited["limits"] == {"iops-write": 300, "bps-read-max": 1 << 20, "bps-read-max-length": 5}

@@ -87,6 +87,7 @@ def test_mounted_at_returns_the_topmost_of_stacked_mounts(monkeypatch: pytest.Mo
         "52 22 7:3 / /k/t2 rw - xfs /dev/loop3 rw\n"
     )
     monkeypatch.setattr(mounts, "read_mountinfo", lambda: stacked)
+    monkeypatch.setattr(mounts.mount_calls, "is_mount_root", lambda path: None)  # the table alone decides
     top = mounts.mounted_at(Path("/k/t"))
     assert top is not None and top.source == "/dev/loop2" and top.readonly
     assert mounts.mounted_at(Path("/k")) is None
