@@ -36,7 +36,7 @@ from csi_qsd.node.qos import VolumeLimits
 from csi_qsd.controller.live import LiveImages
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.csi.metadata_listener import serving_metadata_listener
-from csi_qsd.pools.device import DevicePool
+from csi_qsd.pools.base import Pool
 from csi_qsd.pools.device_pools import open_device_pools
 from csi_qsd.pools.files import FilePool
 from csi_qsd.qsd.client import QSDClient
@@ -84,11 +84,13 @@ def node_features() -> dict[str, bool]:
     return {"fuse": Path("/dev/fuse").exists(), "vhost-user-blk": True}
 
 
-def attaching(pools: list[DevicePool], rebuild: Callable[[int], Rebuild],
+def attaching(pools: list[Pool], rebuild: Callable[[int], Rebuild],
               prepare: Callable[[QSDClient], Awaitable[None]] | None = None) -> Callable[[int], Rebuild]:
-    """Each shard's graph rebuild; shard 0 first opens what device pools' volumes stand on (a fresh QSD has none).
+    """Each shard's graph rebuild; in shard 0, each pool attaches first (a fresh QSD has nothing open).
 
-    One process owns a device, so device pools live in shard 0 only (`csi_qsd.node.placement`).
+    A device pool opens what its volumes stand on; one process owns a device, so device pools live
+    in shard 0 only (`csi_qsd.node.placement`). The file pool asks how QSD can read and write its
+    images: every shard runs the same QSD.
     `prepare` runs first in every shard (the TLS credentials of copies from other nodes).
     """
     def for_shard(shard: int) -> Rebuild:
@@ -150,7 +152,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         volumes.before_delete = copies.leases.refuse_volume_delete
         await copies.remote.reconcile()
         await copies.leases.reconcile()
-        await qsd.start(attaching(list(device_pools.values()), node.rebuild, streams.prepare))
+        await qsd.start(attaching([pool, *device_pools.values()], node.rebuild, streams.prepare))
         try:
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports),
                          VolumeLimits(catalog, qsd, locks), copies)

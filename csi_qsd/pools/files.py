@@ -20,6 +20,8 @@ from csi_qsd.qcow2.granularity import qcow2_options
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.qcow2 import blank
 from csi_qsd.pools.base import Pool, PoolUsage
+from csi_qsd.qsd import file_aio
+from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys import durable
 from csi_qsd.sys.durable import fsync_path
@@ -28,6 +30,7 @@ from csi_qsd.sys.run import run
 __all__ = ["FilePool", "PoolUsage"]
 
 TMP_SUFFIX = ".tmp"
+AIO_PROBE = ".aio-probe"  # an empty file QSD opens to show it can use io_uring (`csi_qsd.qsd.file_aio`)
 CHECK_TIMEOUT = 60.0
 CHECK_CACHE_MAX = 4096
 CHECKS_AT_ONCE = 2
@@ -45,6 +48,7 @@ class FilePool(Pool):
         self._qemu_img = qemu_img
         self._checked: dict[Path, tuple[tuple[int, int, int], str]] = {}
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
+        self._aio = file_aio.THREADS  # until `attach` has asked QSD
 
     def prepare(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -174,7 +178,11 @@ class FilePool(Pool):
             os.close(fd)
 
     def storage(self, image: Path) -> ImageFile:
-        return ImageFile(image)
+        return ImageFile(image, self._aio)
+
+    async def attach(self, client: QSDClient) -> None:
+        """Ask this QSD how it can read and write image files (io_uring or its thread pool)."""
+        self._aio = await file_aio.choose(client, self.directory / AIO_PROBE)
 
     async def check(self, image: Path, *, in_use: bool) -> str:
         """A missing image; for one QSD does not hold, also what `qemu-img check` finds (cached).

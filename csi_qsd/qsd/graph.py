@@ -166,10 +166,14 @@ def volume_of(node_or_export: str) -> str | None:
 # (file: aio=threads, cache.direct=off, cache.no-flush=off; any node: read-only=off, detect-zeroes=off).
 
 
-def file_blockdev(nodes: VolumeNodes, image: Path, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
-    """A file protocol node: QEMU's thread-pool I/O through the page cache, flushes reaching the disk."""
+def file_blockdev(
+    nodes: VolumeNodes, image: Path, params: VolumeParameters, *, read_only: bool, aio: str = "threads",
+) -> QMPArgs:
+    """A file protocol node: I/O through the page cache by `aio` (`csi_qsd.qsd.file_aio`), flushes reaching the disk."""
     spec: QMPArgs = {"driver": "file", "node-name": nodes.file, "filename": str(image),
                      "discard": params.discard.value}
+    if aio != "threads":
+        spec["aio"] = aio
     return _read_only(spec, read_only)
 
 

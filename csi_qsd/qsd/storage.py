@@ -36,9 +36,10 @@ class ImageFile:
     """An image file on a local filesystem (the file pool)."""
 
     path: Path
+    aio: str = "threads"  # how QSD reads and writes it (`csi_qsd.qsd.file_aio`)
 
     def protocol_blockdev(self, nodes: graph.VolumeNodes, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
-        return graph.file_blockdev(nodes, self.path, params, read_only=read_only)
+        return graph.file_blockdev(nodes, self.path, params, read_only=read_only, aio=self.aio)
 
     def max_size(self) -> int | None:
         return None

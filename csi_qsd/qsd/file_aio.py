@@ -1,0 +1,45 @@
+"""How QSD reads and writes a file pool's images: io_uring where QSD can, else its thread pool.
+
+With the thread pool every request is handed to a worker thread and back;
+with io_uring QSD's own loop submits it and reaps it, and a read the page
+cache holds completes at once. Measured on QSD 10.0.13 (a qcow2 image in
+the page cache, its FUSE export under a direct-I/O loop device, fio 4k
+QD32, two runs, alternating): random reads 34.6-37.2k IOPS with the thread
+pool against 58.3-60.4k with io_uring, random writes 29.3-34.5k against
+32.4-37.0k. io_uring can be missing (a QSD built without it, a kernel or a
+seccomp profile that refuses it), so QSD is asked: a throwaway read-only
+node opened with it. QSD before 10 keeps the thread pool, as it always had.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from csi_qsd.errors import QSDError
+from csi_qsd.qsd.client import QSDClient
+
+log = logging.getLogger(__name__)
+
+IO_URING_FROM = (10, 0, 0)
+THREADS = "threads"
+IO_URING = "io_uring"
+PROBE_NODE = "csi-qsd-aio-probe"
+
+
+async def choose(client: QSDClient, probe_file: Path) -> str:
+    """`io_uring` if this QSD opens `probe_file` (a regular file, created if missing) with it, else `threads`."""
+    if await client.version() < IO_URING_FROM:
+        return THREADS
+    probe_file.touch(mode=0o600, exist_ok=True)
+    if PROBE_NODE in await client.node_names():  # a probe a crash cut off
+        await client.blockdev_del(PROBE_NODE)
+    try:
+        await client.blockdev_add({"driver": "file", "node-name": PROBE_NODE, "filename": str(probe_file),
+                                   "aio": IO_URING, "read-only": True})
+    except QSDError as exc:
+        log.warning("event=file_aio engine=%s reason=%r", THREADS, str(exc))
+        return THREADS
+    await client.blockdev_del(PROBE_NODE)
+    log.info("event=file_aio engine=%s", IO_URING)
+    return IO_URING
