@@ -74,6 +74,20 @@ class Internal(DriverError):
     code = Code.INTERNAL
 
 
+class SourceUnreachable(Unavailable):
+    """A volume reads data not yet copied from another node whose copy server does not greet.
+
+    QSD must not open the volume's chain until it does (the open would hold
+    QSD's monitor). `node` names the source node ('' if no copy row names
+    it), `address` the server's host:port.
+    """
+
+    def __init__(self, message: str, *, node: str, address: str) -> None:
+        super().__init__(message)
+        self.node = node
+        self.address = address
+
+
 class QSDError(Internal):
     """qemu-storage-daemon refused a command or could not be reached.
 

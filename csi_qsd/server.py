@@ -154,9 +154,10 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         await copies.leases.reconcile()
         await qsd.start(attaching([pool, *device_pools.values()], node.rebuild, streams.prepare))
         try:
-            yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports),
+            yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports, node.stalled),
                          VolumeLimits(catalog, qsd, locks), copies)
         finally:
+            await node.close()
             await streams.close()
             await peers.close()
             await snapshots.close()

@@ -41,7 +41,7 @@ from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.controller.volumes import Capability, choose_size, unsupported_capability
 from csi_qsd.errors import (
     AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted,
-    Unavailable,
+    SourceUnreachable,
 )
 from csi_qsd.params import ImageFormat, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
@@ -163,7 +163,7 @@ class LinkCheck:
         self._timeout = timeout
 
     async def __call__(self, volume: VolumeRecord) -> None:
-        """Raises Unavailable if the volume's chain reads through a link that does not answer."""
+        """Raises SourceUnreachable (UNAVAILABLE) if the volume's chain reads through a link that does not answer."""
         copies = [r for r in await self._catalog.copies(CopyRole.TARGET) if r.state is not CopyState.RELEASING]
         if not copies or Path(volume.image).suffix != ".qcow2":
             return
@@ -172,10 +172,10 @@ class LinkCheck:
                 continue
             nodes = sorted({r.node for r in copies if r.address == address and r.node})
             source = f"node {', '.join(nodes)}" if nodes else "another node"
-            raise Unavailable(
+            raise SourceUnreachable(
                 f"volume {volume.id} reads data not yet copied from {source}, whose copy server at {address} "
                 f"does not answer; it can be opened once {source} serves it again (the copy retries and learns a "
-                "new address by itself)")
+                "new address by itself)", node=", ".join(nodes), address=address)
 
 
 def _write_image(path: Path, pieces: list[tuple[int, bytes]]) -> None:

@@ -11,6 +11,7 @@ waits for a volume's lock. No gRPC types here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from csi_qsd.catalog import Catalog, PublishState, StageState, VolumeRecord
 from csi_qsd.errors import QSDError
@@ -31,9 +32,11 @@ class VolumeHealth:
 class HealthView:
     """Answers for one volume or a page of them, with one QSD query for corrupt images per call."""
 
-    def __init__(self, catalog: Catalog, exports: ExportPaths) -> None:
+    def __init__(self, catalog: Catalog, exports: ExportPaths,
+                 stalled: Callable[[str], str | None] = lambda volume_id: None) -> None:
         self._catalog = catalog
         self._exports = exports
+        self._stalled = stalled  # why a staged volume is not served after a QSD restart (`NodeVolumes.stalled`)
 
     async def of(self, volumes: list[VolumeRecord]) -> dict[str, VolumeHealth]:
         published = {p.volume_id for p in await self._catalog.publishes() if p.state is PublishState.PUBLISHED}
@@ -59,6 +62,9 @@ class HealthView:
             return False, HEALTHY
         if not self._exports.host.daemon_of(volume.id).ready:
             return True, f"volume {volume.id}: qemu-storage-daemon is restarting; I/O will resume when it is back"
+        stalled = self._stalled(volume.id)
+        if stalled is not None:
+            return True, stalled
         if graph.nodes_for(volume.id, volume.generation).format in corrupt:
             return True, (f"volume {volume.id}: qemu-storage-daemon found its image {volume.image} corrupt "
                           "and stopped writing to it")

@@ -9,14 +9,29 @@ under its lock once a call still holding it is done; a call that holds it
 longer than REBUILD_LOCK_WAIT does not stop the repair, which then runs
 beside it without the lock (logged: `rebuild_lock_busy`). A move is settled
 only under the lock: one whose call still runs settles itself.
+
+A staged volume that reads data not yet copied from another node whose copy
+server does not greet cannot be opened (the open would hold QSD's monitor,
+`csi_qsd.controller.copies.LinkCheck`): the rebuild leaves it *stalled*,
+staged without its export, and retries it on its own with a bounded
+back-off (`Backoff`), since kubelet, believing it staged, sends no new
+NodeStageVolume. Each retry asks the source for its greeting without the
+volume's lock, then brings the volume back under the lock exactly as the
+rebuild does (export, loop device, mounts, publishes). It stops when the
+volume is back, unstaged or deleted, and on driver shutdown. Meanwhile the
+volume reports abnormal, naming the source node (`stalled`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
-from csi_qsd.catalog import Catalog, PublishState, StageState
+from csi_qsd.catalog import Catalog, PublishState, StageRecord, StageState, VolumeRecord
+from csi_qsd.errors import SourceUnreachable
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import moves
 from csi_qsd.qsd import attach
@@ -27,15 +42,48 @@ log = logging.getLogger(__name__)
 
 # How long the rebuild after a QSD restart waits for a call still holding a volume.
 REBUILD_LOCK_WAIT = 30.0
+# How long a retry of a stalled volume waits for a call holding it before trying again later.
+RETRY_LOCK_WAIT = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Seconds before each retry of a stalled volume: `first`, growing by `factor`, never above `cap`.
+
+    Bounded both ways: no busy loop while a source stays down, and a source
+    that comes back is noticed within `cap` seconds (plus one greeting).
+    """
+
+    first: float = 2.0
+    factor: float = 1.5
+    cap: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        """The wait before retry number `attempt` (0 for the first)."""
+        return min(self.cap, self.first * self.factor ** min(attempt, 64))
+
+
+@dataclasses.dataclass
+class _Stalled:
+    """A staged volume the rebuild could not bring back because its copy source did not greet."""
+
+    shard: int
+    node: str
+    address: str
+    task: asyncio.Task[None] | None = None
+    retries: int = 0  # retries so far
 
 
 class GraphRebuild:
     """The repair of one node's volumes from the catalog, run by the QSD supervisor on each connect."""
 
-    def __init__(self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks) -> None:
+    def __init__(self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, backoff: Backoff = Backoff()) -> None:
         self._catalog = catalog
         self._exports = exports
         self._locks = locks
+        self._backoff = backoff
+        self._stalled: dict[str, _Stalled] = {}
+        self._closed = False
 
     async def run(self, shard: int, client: QSDClient) -> Callable[[], Awaitable[None]] | None:
         """Make one shard's QSD and the host match the catalog; called after every (re)connect to it.
@@ -114,11 +162,113 @@ class GraphRebuild:
             self._exports.host.qsd.forget(volume_id)
             return False
         try:
-            publishes = await self._catalog.publishes(volume_id)
-            stage = await kind.bring_up(volume, stage, publishes, client)
-            await self._catalog.put_stage(stage)
-            for publish in publishes:
-                await self._catalog.put_publish(await kind.publish(volume, stage, publish, []))
+            await self._bring_back(client, volume, stage)
+        except SourceUnreachable as exc:
+            self._stall(volume_id, stage.shard, exc)
         except Exception:
             log.exception("event=rebuild_failed volume_id=%s", volume_id)
+        else:
+            self.forget(volume_id)
         return True
+
+    async def _bring_back(self, client: QSDClient, volume: VolumeRecord, stage: StageRecord) -> None:
+        """Export, loop device, mounts and publishes of a staged volume, as its stage and publishes made them.
+
+        Raises SourceUnreachable (its copy source does not greet), DriverError, OSError.
+        """
+        kind = self._exports.of(volume)
+        publishes = [p for p in await self._catalog.publishes(volume.id) if p.state is PublishState.PUBLISHED]
+        stage = await kind.bring_up(volume, stage, publishes, client)
+        await self._catalog.put_stage(stage)
+        for publish in publishes:
+            await self._catalog.put_publish(await kind.publish(volume, stage, publish, []))
+
+    def stalled(self, volume_id: str) -> str | None:
+        """Why a staged volume is not served (its copy source does not greet), or None if it is not stalled."""
+        entry = self._stalled.get(volume_id)
+        if entry is None:
+            return None
+        source = f"node {entry.node}" if entry.node else "another node"
+        return (f"volume {volume_id} is staged but not served: qemu-storage-daemon restarted and cannot open it "
+                f"while {source}, the source of its copy, does not answer at {entry.address}; the driver retries "
+                f"every {self._backoff.cap:g} s at most (retried {entry.retries} times so far) and serves it again "
+                f"once {source} answers")
+
+    def forget(self, volume_id: str) -> None:
+        """The volume is served again, unstaged or deleted: stop retrying it."""
+        entry = self._stalled.pop(volume_id, None)
+        if entry is not None and entry.task is not None and entry.task is not asyncio.current_task():
+            entry.task.cancel()
+
+    async def close(self) -> None:
+        """On driver shutdown: cancel every retry and wait for it (the next driver's rebuild takes them up)."""
+        self._closed = True
+        tasks = [e.task for e in self._stalled.values() if e.task is not None]
+        self._stalled.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _stall(self, volume_id: str, shard: int, exc: SourceUnreachable) -> None:
+        entry = self._stalled.get(volume_id)
+        if entry is None:
+            entry = self._stalled[volume_id] = _Stalled(shard, exc.node, exc.address)
+        else:
+            entry.shard, entry.node, entry.address = shard, exc.node, exc.address
+        log.warning("event=rebuild_stalled volume_id=%s node=%s address=%s; retrying", volume_id, exc.node,
+                    exc.address)
+        if not self._closed and (entry.task is None or entry.task.done()):
+            entry.task = asyncio.create_task(self._retry(volume_id, entry), name=f"rebuild-retry-{volume_id}")
+
+    async def _retry(self, volume_id: str, entry: _Stalled) -> None:
+        """Retry a stalled volume until it is back, unstaged or deleted; never raises but CancelledError."""
+        attempt = 0
+        while self._stalled.get(volume_id) is entry:
+            await asyncio.sleep(self._backoff.delay(attempt))
+            attempt += 1
+            try:
+                if await self._retry_once(volume_id, entry):
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event=rebuild_retry_failed volume_id=%s", volume_id)
+
+    async def _retry_once(self, volume_id: str, entry: _Stalled) -> bool:
+        """One attempt; True once there is nothing more to do for the volume."""
+        volume, stage = await self._catalog.volume(volume_id), await self._catalog.stage(volume_id)
+        if volume is None or stage is None or stage.state is not StageState.STAGED:
+            log.info("event=rebuild_retry_dropped volume_id=%s (unstaged or deleted)", volume_id)
+            self._forget_entry(volume_id, entry)
+            return True
+        daemon = self._exports.host.qsd.daemons[stage.shard]
+        if not daemon.ready:
+            return False  # QSD is restarting: its rebuild takes the volume up again
+        entry.retries += 1
+        try:
+            if self._exports.host.before_open is not None:
+                await self._exports.host.before_open(volume)  # without the lock: a source still down costs no call
+        except SourceUnreachable as exc:
+            entry.node, entry.address = exc.node, exc.address
+            return False
+        async with self._locks.wait_hold(volume_id, RETRY_LOCK_WAIT) as held:
+            if not held or self._stalled.get(volume_id) is not entry:
+                return self._stalled.get(volume_id) is not entry
+            volume, stage = await self._catalog.volume(volume_id), await self._catalog.stage(volume_id)
+            if volume is None or stage is None or stage.state is not StageState.STAGED:
+                self._forget_entry(volume_id, entry)
+                return True
+            try:
+                await self._bring_back(daemon.client, volume, stage)
+            except SourceUnreachable as exc:  # it went away again between the greeting and the open
+                entry.node, entry.address = exc.node, exc.address
+                return False
+            self._forget_entry(volume_id, entry)
+        log.warning("event=rebuild_retried volume_id=%s node=%s: served again", volume_id, entry.node)
+        return True
+
+    def _forget_entry(self, volume_id: str, entry: _Stalled) -> None:
+        if self._stalled.get(volume_id) is entry:
+            del self._stalled[volume_id]

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from csi_qsd.node import moves, placement
-from csi_qsd.node.rebuild import GraphRebuild
+from csi_qsd.node.rebuild import Backoff, GraphRebuild
 from csi_qsd.catalog import (
     AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord, VolumeState,
 )
@@ -70,6 +70,7 @@ class NodeVolumes:
     def __init__(
         self, catalog: Catalog, pool: Pool, exports: ExportPaths, locks: KeyedLocks,
         failpoints: Failpoints = NO_FAILPOINTS, on_unstaged: Callable[[str], None] = lambda volume_id: None,
+        retry: Backoff = Backoff(),
     ) -> None:
         self._catalog = catalog
         self._pool = pool
@@ -78,7 +79,7 @@ class NodeVolumes:
         self._locks = locks
         self._failpoints = failpoints
         self._on_unstaged = on_unstaged
-        self._rebuild = GraphRebuild(catalog, exports, locks)
+        self._rebuild = GraphRebuild(catalog, exports, locks, retry)
 
     async def stage(self, spec: StageSpec) -> None:
         """Raises NotFound, InvalidArgument, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
@@ -96,6 +97,7 @@ class NodeVolumes:
                 brought = await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id), client)
                 if brought != existing:  # a lost export came back on a new loop device: unstage must find it
                     await self._catalog.put_stage(brought)
+                self._rebuild.forget(volume.id)
                 return
             if existing is not None:
                 await kind.tear_down(volume, existing, self._client(existing), thorough=True)
@@ -136,6 +138,7 @@ class NodeVolumes:
             await self._exports.of(volume).tear_down(volume, record, client, thorough=False)
             await self._catalog.delete_stage(volume_id)
             self._qsd.forget(volume_id)
+            self._rebuild.forget(volume_id)
             log.info("event=unstaged volume_id=%s path=%s", volume_id, staging_path)
         self._on_unstaged(volume_id)
 
@@ -153,6 +156,9 @@ class NodeVolumes:
                     f"volume {spec.volume_id} is staged as {stage.access_type.value}; publish it the same way"
                 )
             self._client(stage)
+            stalled = self._rebuild.stalled(spec.volume_id)
+            if stalled is not None:
+                raise Unavailable(f"{stalled}; retry the publish then")
             kind = self._exports.of(volume)
             kind.check_publish(volume, stage, spec.mount_group)
             existing = await self._catalog.publish(spec.target_path)
@@ -232,7 +238,18 @@ class NodeVolumes:
         stage = await _stage_at(self._catalog, volume_id, path)
         if not self._qsd.daemons[stage.shard].ready:
             return VolumeStats.restarting(volume.capacity)
+        stalled = self._rebuild.stalled(volume_id)
+        if stalled is not None:  # not served: nothing to measure through it
+            return dataclasses.replace(VolumeStats.restarting(volume.capacity), message=stalled)
         return await self._exports.of(volume).stats(volume, stage, path)
+
+    def stalled(self, volume_id: str) -> str | None:
+        """Why a staged volume is not served after a QSD restart (its copy source does not answer), or None."""
+        return self._rebuild.stalled(volume_id)
+
+    async def close(self) -> None:
+        """On driver shutdown: stop retrying stalled volumes (the next driver's rebuild takes them up)."""
+        await self._rebuild.close()
 
     @property
     def exports(self) -> ExportPaths:

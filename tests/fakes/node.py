@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from csi_qsd.controller.live import LiveImages
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.exports.base import ExportHost
+from csi_qsd.node.rebuild import Backoff
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd.shards import QSDShards
@@ -60,9 +61,11 @@ class FakeNode:
 async def fake_node(
     root: Path, *, shards: int = 1, daemons: list[FakeDaemon] | None = None, state: FakeHostState | None = None,
     failpoints: Failpoints = NO_FAILPOINTS, commits_before_switch: bool = False,
+    before_open: Callable[[VolumeRecord], Awaitable[None]] | None = None, retry: Backoff = Backoff(),
 ) -> AsyncIterator[FakeNode]:
     """A node under `root`, assembled as `csi_qsd.server.running_driver` does; the same `root`, `daemons`
-    and `state` again are the same node after a driver restart (QSD and the host kept what they had)."""
+    and `state` again are the same node after a driver restart (QSD and the host kept what they had).
+    `before_open` stands for the check of copy sources (`LinkCheck`), `retry` paces stalled volumes' retries."""
     daemons = daemons if daemons is not None else [FakeDaemon() for _ in range(shards)]
     async with Catalog(root / "catalog.db") as catalog:
         pool = FakePool(root / "pool")
@@ -75,13 +78,15 @@ async def fake_node(
         await volumes.reconcile()
         qsd = fake_shards(root / "state", daemons)
         await placed(catalog, qsd)
-        host = ExportHost(qsd, root / "exports", volumes.pools, failpoints)
+        host = ExportHost(qsd, root / "exports", volumes.pools, failpoints, before_open=before_open)
         kind = FakeExport(host, state, commits_before_switch=commits_before_switch)
         exports = FakeExportPaths(host, kind)
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
-        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
+        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later,
+                           retry=retry)
         await snapshots.reconcile()
         try:
             yield FakeNode(catalog, pool, moving_pool, qsd, daemons, kind, volumes, node, snapshots)
         finally:
+            await node.close()
             await snapshots.close()

@@ -251,6 +251,27 @@ async def _deleted(node: Node, volume_id: str) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class _Restore:
+    data: bytes  # the snapshot's content
+    snapshot: str  # on node A
+    vid: str  # its restore on node B, not staged
+    other_vid: str  # another volume of node B, staged and published at `other`, holding `other_data`
+    other: Path
+    other_data: bytes
+
+
+async def _restore_beside_another(pair: Pair, seed: int, other_seed: int) -> _Restore:
+    """A snapshot on node A of a volume not staged there, its restore on node B, and another volume in use on B."""
+    data = _pattern(seed)
+    source_vid, _ = await _block_volume(pair.a, "source", data, keep_staged=False)
+    snapshot = (await pair.a.csi.create_snapshot("snap", source_vid)).snapshot_id
+    other_data = _pattern(other_seed)[:4 * MIB]
+    other_vid, other = await _block_volume(pair.b, "other", other_data)
+    vid = (await pair.b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)).volume_id
+    return _Restore(data, snapshot, vid, other_vid, other, other_data)
+
+
 def _served_port(pid: int) -> int:
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     return int(argv[argv.index(b"--port") + 1])
@@ -277,12 +298,8 @@ async def test_a_stage_while_the_source_is_down_answers_at_once_and_the_source_m
     UNAVAILABLE naming the source at once, QSD lives on serving the other volumes, and the source, back
     on another port, is found again by the copy without help."""
     a, b = pair.a, pair.b
-    data = _pattern(23)
-    source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
-    snapshot = (await a.csi.create_snapshot("snap", source_vid)).snapshot_id
-    other_data = _pattern(29)[:4 * MIB]
-    _, other = await _block_volume(b, "other", other_data)
-    vid = (await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)).volume_id
+    r = await _restore_beside_another(pair, 23, 29)
+    data, snapshot, vid, other, other_data = r.data, r.snapshot, r.vid, r.other, r.other_data
 
     # Node A goes down, and something else takes its copy port; B's QSD restarts, so nothing of the copy is open.
     (server,) = _copy_servers(a.box)
@@ -346,3 +363,71 @@ def _reads(device: Path, data: bytes) -> bool:
         return _read(device, 0, len(data)) == data
     except OSError:
         return False
+
+
+async def test_a_staged_copy_whose_source_is_down_when_qsd_restarts_is_served_again_once_the_source_is_back(
+        pair: Pair) -> None:
+    """B's QSD dies while node A, the source of a staged copy, is down: the rebuild cannot open the copy (and
+    must not wait for A with QSD's monitor), so the volume stays staged without its export. Kubelet sends no
+    new stage; the driver retries by itself, reports the volume abnormal meanwhile, keeps QSD and B's other
+    volume serving, and serves the copy again at its target once A is back, where the copy then finishes."""
+    a, b = pair.a, pair.b
+    r = await _restore_beside_another(pair, 31, 37)
+    data, snapshot, vid, other_vid, other, other_data = r.data, r.snapshot, r.vid, r.other_vid, r.other, r.other_data
+    staging, target = b.box.staging(vid), b.box.target(vid)
+    await _as_the_co(lambda: b.csi.stage(vid, str(staging), block=True))
+    await _as_the_co(lambda: b.csi.publish(vid, str(staging), str(target), block=True))
+    assert await asyncio.to_thread(_read, target, SIZE - MIB, MIB) == data[SIZE - MIB:]
+    await until(lambda: _progress(b, vid, 5), "the copy under way", 30, interval=0.2)
+
+    # Node A goes down (driver, QSD, NBD server), then B's QSD is SIGKILLed and replaced.
+    a_pids = qsd_pids(a.box.state_dir) + _copy_servers(a.box)
+    await a.process.kill9()
+    _kill(a_pids)
+    b_qsd = qsd_pids(b.box.state_dir)
+    _kill(b_qsd)
+    await until(lambda: qsd_pids(b.box.state_dir) not in ([], b_qsd), "node-b's QSD back", 30, interval=0.2)
+    await until(lambda: _reads(other, other_data), "node-b's other volume served again", 30, interval=0.2)
+    qsd = qsd_pids(b.box.state_dir)
+
+    async def stalled() -> pb.VolumeCondition | None:
+        condition = await _condition(b, vid)
+        return condition if condition.abnormal and "not served" in condition.message else None
+
+    condition = await until(stalled, lambda: f"node-b reporting the copy stalled; log:\n{b.process.log()[-3000:]}",
+                            30, interval=0.3)
+    assert condition is not None and "node node-a" in condition.message and "retries" in condition.message, condition
+    listed = {e.volume.volume_id: e.status.volume_condition for e in await b.csi.list_volume_entries()}
+    assert listed[vid].abnormal and "node node-a" in listed[vid].message, listed[vid]
+    assert not listed[other_vid].abnormal, listed[other_vid]
+    stats = await b.csi.stats(vid, str(target))
+    assert stats.volume_condition.abnormal and "node node-a" in stats.volume_condition.message, stats
+    # Retried without wedging QSD: several rounds later it is the same process, serving the other volume.
+    assert "event=rebuild_stalled" in b.process.log()
+    await until(lambda: _retried(b, vid, 2), "two retries while node-a is down", 30, interval=0.3)
+    assert qsd_pids(b.box.state_dir) == qsd
+    assert "qsd_wedged" not in b.process.log()
+    assert await asyncio.to_thread(_read, other, 0, 4 * MIB) == other_data
+
+    # A comes back: B's copy is served again at its target without any call, healthy, and finishes.
+    await a.process.start(timeout=60)
+    await until(lambda: _reads(target, data[:MIB]), lambda: f"the copy served again at {target}; node-b log:\n"
+                f"{b.process.log()[-4000:]}", 60, interval=0.5)
+    assert "event=rebuild_retried" in b.process.log()
+    assert await asyncio.to_thread(_read, target, 0, SIZE) == data
+    condition = await _condition(b, vid)
+    assert "not served" not in condition.message, condition
+    stats = await b.csi.stats(vid, str(target))
+    assert not stats.volume_condition.abnormal, stats
+    await until(lambda: _local(b, vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
+                interval=0.5)
+    assert await asyncio.to_thread(_read, target, 0, SIZE) == data
+    assert qsd_pids(b.box.state_dir) == qsd
+    assert "qsd_wedged" not in b.process.log()
+    await until(lambda: _lease_gone(a, snapshot), "node-a's lease released", 30, interval=0.5)
+
+
+async def _retried(node: Node, volume_id: str, count: int) -> bool:
+    """The driver retried the stalled volume at least `count` times (its condition counts them)."""
+    message = (await _condition(node, volume_id)).message
+    return "retried " in message and int(message.split("retried ", 1)[1].split()[0]) >= count

@@ -6,17 +6,21 @@ daemons and host state; a QSD restart is a fake QSD with an empty graph.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from csi_qsd.catalog import StageState, VolumeRecord
+from csi_qsd.errors import SourceUnreachable, Unavailable
+from csi_qsd.node.rebuild import Backoff
 from csi_qsd.node.staging import PublishSpec, StageSpec
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.storage import ImageFile
 from tests.fakes import Crash, CrashAt, FakeDaemon, FakeHostState, FakeNode, fake_node
+from tests.harness import until
 
 STRAY = "vol-0000000000000000000000ff"  # a volume the catalog does not know
 
@@ -118,3 +122,109 @@ async def test_a_shards_rebuild_touches_only_the_volumes_staged_on_it(tmp_path: 
         assert [(c.volume_id, c.client) for c in f.kind.called("bring_up")] == [(on_1.id, f.client(restarted))]
         assert untouched.nodes == before
         assert {volume_id: f.qsd.shard_of(volume_id) for volume_id in shards} == shards
+
+
+# Volumes whose copy source is down when QSD restarts: stalled, reported, retried ----------------------------
+
+SOURCE = "127.0.0.1:10809"
+
+
+class Source:
+    """Stands for `LinkCheck`: the copy source of the volumes in `copies` greets only while `up`."""
+
+    def __init__(self, copies: set[str]) -> None:
+        self.copies = copies
+        self.up = True
+        self.asked = 0
+
+    async def __call__(self, volume: VolumeRecord) -> None:
+        if volume.id not in self.copies:
+            return
+        self.asked += 1
+        if not self.up:
+            raise SourceUnreachable(f"volume {volume.id}: node node-a does not answer at {SOURCE}",
+                                    node="node-a", address=SOURCE)
+
+
+FAST = Backoff(first=0.01, factor=2.0, cap=0.05)
+
+
+def test_the_retry_back_off_grows_from_its_first_delay_to_its_cap_and_stays_there() -> None:
+    backoff = Backoff()
+    delays = [backoff.delay(attempt) for attempt in range(1000)]
+    assert delays[0] == 2.0 and delays == sorted(delays)
+    assert all(2.0 <= d <= 5.0 for d in delays) and delays[-1] == 5.0
+    assert FAST.delay(0) == 0.01 and FAST.delay(10**6) == 0.05  # no overflow however long a source stays down
+
+
+def _retries() -> set[str]:
+    return {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("rebuild-retry-") and not t.done()}
+
+
+async def test_a_volume_whose_copy_source_is_down_at_a_qsd_restart_is_retried_until_it_is_served(
+    tmp_path: Path,
+) -> None:
+    daemons, host = [FakeDaemon()], FakeHostState()
+    async with fake_node(tmp_path, daemons=daemons, state=host) as f:
+        copy, other = await f.new_volume("copy"), await f.new_volume("other")
+        for volume in (copy, other):
+            await f.node.stage(stage_of(volume))
+            await f.node.publish(publish_of(volume, f"/pod/{volume.name}"))
+    source = Source({copy.id})
+    daemons[0].stop()
+    daemons[0].restart()
+    source.up = False
+
+    async with fake_node(tmp_path, daemons=daemons, state=host, before_open=source, retry=FAST) as f:
+        await f.rebuild()
+
+        # The other volume is back; the copy is staged but not served, says why, and is being retried.
+        assert f.client().reads(other.id) == graph.nodes_for(other.id).format
+        assert host.binds.get(Path("/pod/other")) == other.id
+        assert f.client().volume_nodes(copy.id) == set()
+        assert {s.volume_id for s in await f.catalog.stages()} == {copy.id, other.id}
+        message = f.node.stalled(copy.id)
+        assert message is not None and "node node-a" in message and SOURCE in message and "retries" in message
+        assert f.node.stalled(other.id) is None
+        stats = await f.node.stats(copy.id, Path("/pod/copy"))
+        assert stats.abnormal and stats.message == message
+        with pytest.raises(Unavailable, match="node node-a"):
+            await f.node.publish(publish_of(copy, "/pod/second"))
+        asked = source.asked
+        await until(lambda: source.asked >= asked + 3, "the source asked again, with back-off", 5, interval=0.01)
+        assert f.client().volume_nodes(copy.id) == set()
+
+        source.up = True
+        await until(lambda: f.node.stalled(copy.id) is None, "the stalled volume served again", 5, interval=0.01)
+        assert f.client().reads(copy.id) == graph.nodes_for(copy.id).format
+        assert host.binds.get(Path("/pod/copy")) == copy.id
+        assert (await f.catalog.stage(copy.id)) is not None
+        await until(lambda: not _retries(), "the retry task ended", 5, interval=0.01)
+        asked = source.asked
+        await asyncio.sleep(0.2)  # long past the back-off's cap: nothing more is asked once served
+        assert source.asked == asked
+
+
+async def test_a_stalled_volume_is_no_longer_retried_once_unstaged_nor_after_shutdown(tmp_path: Path) -> None:
+    daemons, host = [FakeDaemon()], FakeHostState()
+    async with fake_node(tmp_path, daemons=daemons, state=host) as f:
+        gone, kept = await f.new_volume("gone"), await f.new_volume("kept")
+        for volume in (gone, kept):
+            await f.node.stage(stage_of(volume))
+    source = Source({gone.id, kept.id})
+    daemons[0].restart()
+    source.up = False
+
+    async with fake_node(tmp_path, daemons=daemons, state=host, before_open=source, retry=FAST) as f:
+        await f.rebuild()
+        assert f.node.stalled(gone.id) and f.node.stalled(kept.id)
+        assert len(_retries()) == 2
+
+        await f.node.unstage(gone.id, Path("/staging/gone"))
+
+        assert f.node.stalled(gone.id) is None and await f.catalog.stage(gone.id) is None
+        await until(lambda: len(_retries()) == 1, "the unstaged volume's retry ended", 5, interval=0.01)
+    # Driver shutdown: the remaining retry is cancelled, not left running; the volume stays staged for the next driver.
+    assert not _retries()
+    async with fake_node(tmp_path, daemons=daemons, state=host) as f:
+        assert (await f.catalog.stage(kept.id)) is not None
