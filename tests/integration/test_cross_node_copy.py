@@ -302,20 +302,8 @@ async def test_a_stage_while_the_source_is_down_answers_at_once_and_the_source_m
     data, snapshot, vid, other, other_data = r.data, r.snapshot, r.vid, r.other, r.other_data
 
     # Node A goes down, and something else takes its copy port; B's QSD restarts, so nothing of the copy is open.
-    (server,) = _copy_servers(a.box)
-    port = _served_port(server)
-    await a.process.kill9()
-    _kill(qsd_pids(a.box.state_dir) + [server])
-    squatter = socket.socket()
-    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    await until(lambda: _bound(squatter, port), f"port {port} free", 10, interval=0.1)
-    squatter.listen(8)
-    try:
-        b_qsd = qsd_pids(b.box.state_dir)
-        _kill(b_qsd)
-        await until(lambda: qsd_pids(b.box.state_dir) not in ([], b_qsd), "node-b's QSD back", 30, interval=0.2)
-        await until(lambda: _reads(other, other_data), "node-b's other volume served again", 30, interval=0.2)
-        qsd = qsd_pids(b.box.state_dir)
+    async with _down_with_its_port_taken(a) as port:
+        qsd = await _qsd_replaced(b, other, other_data)
 
         loop = asyncio.get_running_loop()
         staging, target = b.box.staging(vid), b.box.target(vid)
@@ -346,8 +334,30 @@ async def test_a_stage_while_the_source_is_down_answers_at_once_and_the_source_m
         assert await asyncio.to_thread(_read, target, 0, SIZE) == data
         assert qsd_pids(b.box.state_dir) == qsd
         await until(lambda: _lease_gone(a, snapshot), "node-a's lease released", 30, interval=0.5)
-    finally:
-        squatter.close()
+
+
+@contextlib.asynccontextmanager
+async def _down_with_its_port_taken(node: Node) -> AsyncIterator[int]:
+    """The node's driver, QSD and (only) copy server killed, and the server's port held by a listener that
+    accepts but never speaks; yields the port."""
+    (server,) = _copy_servers(node.box)
+    port = _served_port(server)
+    await node.process.kill9()
+    _kill(qsd_pids(node.box.state_dir) + [server])
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await until(lambda: _bound(squatter, port), f"port {port} free", 10, interval=0.1)
+        squatter.listen(8)
+        yield port
+
+
+async def _qsd_replaced(node: Node, other: Path, other_data: bytes) -> list[int]:
+    """SIGKILL the node's QSD; once its successor serves the volume at `other` again, its pids."""
+    old = qsd_pids(node.box.state_dir)
+    _kill(old)
+    await until(lambda: qsd_pids(node.box.state_dir) not in ([], old), f"{node.name}'s QSD back", 30, interval=0.2)
+    await until(lambda: _reads(other, other_data), f"{node.name}'s other volume served again", 30, interval=0.2)
+    return qsd_pids(node.box.state_dir)
 
 
 def _bound(sock: socket.socket, port: int) -> bool:
@@ -384,11 +394,7 @@ async def test_a_staged_copy_whose_source_is_down_when_qsd_restarts_is_served_ag
     a_pids = qsd_pids(a.box.state_dir) + _copy_servers(a.box)
     await a.process.kill9()
     _kill(a_pids)
-    b_qsd = qsd_pids(b.box.state_dir)
-    _kill(b_qsd)
-    await until(lambda: qsd_pids(b.box.state_dir) not in ([], b_qsd), "node-b's QSD back", 30, interval=0.2)
-    await until(lambda: _reads(other, other_data), "node-b's other volume served again", 30, interval=0.2)
-    qsd = qsd_pids(b.box.state_dir)
+    qsd = await _qsd_replaced(b, other, other_data)
 
     async def stalled() -> pb.VolumeCondition | None:
         condition = await _condition(b, vid)
@@ -431,3 +437,25 @@ async def _retried(node: Node, volume_id: str, count: int) -> bool:
     """The driver retried the stalled volume at least `count` times (its condition counts them)."""
     message = (await _condition(node, volume_id)).message
     return "retried " in message and int(message.split("retried ", 1)[1].split()[0]) >= count
+
+
+async def test_a_staged_copy_whose_source_came_back_on_another_port_follows_it_once_qsd_restarts(
+        pair: Pair) -> None:
+    """A staged copy reads through the address its link was opened with; once B's QSD restarts, the rebuild
+    stalls on the old address (something else holds it), the copy learns the new one, and the volume is
+    served again from there without any call."""
+    a, b = pair.a, pair.b
+    r = await _restore_beside_another(pair, 41, 43)
+    staging, target = b.box.staging(r.vid), b.box.target(r.vid)
+    await _as_the_co(lambda: b.csi.stage(r.vid, str(staging), block=True))
+    await _as_the_co(lambda: b.csi.publish(r.vid, str(staging), str(target), block=True))
+    async with _down_with_its_port_taken(a):
+        await a.process.start(timeout=60)
+        await _qsd_replaced(b, r.other, r.other_data)
+        await until(lambda: _reads(target, r.data[:MIB]), lambda: f"the copy served again at {target}; node-b log:\n"
+                    f"{b.process.log()[-4000:]}", 60, interval=0.5)
+        assert "event=copy_source_moved" in b.process.log()
+        assert await asyncio.to_thread(_read, target, 0, SIZE) == r.data
+        await until(lambda: _local(b, r.vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
+                    interval=0.5)
+        assert "qsd_wedged" not in b.process.log()
