@@ -188,9 +188,11 @@ async def test_vm_volume_lifecycle_and_a_qsd_restart(
         await csi.unpublish(vm.volume_id, str(target))
         await csi.unstage(vm.volume_id, str(staging))
         await csi.delete_volume(vm.volume_id)
+        await driver.volumes.freed()  # DeleteVolume answered; the extent is scrubbed right after
         assert direct_read(nvme, extent.start, len(PATTERN)) == bytes(len(PATTERN))  # scrubbed through QSD
         assert (await capacity(csi, "fast"))[0] == total - 32 * MIB
         await csi.unpublish(other.volume_id, str(otarget))
         await csi.unstage(other.volume_id, str(ostaging))
         await csi.delete_volume(other.volume_id)
+        await driver.volumes.freed()
         assert (await capacity(csi, "fast"))[0] == total

@@ -63,7 +63,8 @@ async def test_vm_volume_lifecycle_on_a_vfio_namespace(box: Sandbox) -> None:
         assert nodes[pool.namespace.node_name]["drv"] == "nvme"
         await csi.unpublish(vm.volume_id, str(target))
         await csi.unstage(vm.volume_id, str(staging))
-        await csi.delete_volume(vm.volume_id)  # scrubbed through QSD before the extent is free
+        await csi.delete_volume(vm.volume_id)
+        await driver.volumes.freed()  # scrubbed through QSD before the extent is free
         assert await capacity(csi) == free
 
 
