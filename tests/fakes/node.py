@@ -90,3 +90,4 @@ async def fake_node(
         finally:
             await node.close()
             await snapshots.close()
+            await volumes.close()  # background deletes end before the catalog closes, as in the driver
