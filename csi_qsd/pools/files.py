@@ -30,7 +30,6 @@ from csi_qsd.sys.run import run
 __all__ = ["FilePool", "PoolUsage"]
 
 TMP_SUFFIX = ".tmp"
-AIO_PROBE = ".aio-probe"  # an empty file QSD opens to show it can use io_uring (`csi_qsd.qsd.file_aio`)
 CHECK_TIMEOUT = 60.0
 CHECK_CACHE_MAX = 4096
 CHECKS_AT_ONCE = 2
@@ -42,9 +41,13 @@ _CHECK_FINE = (0, 3, 63)
 class FilePool(Pool):
     """Image files in `directory`, one per volume."""
 
-    def __init__(self, directory: Path, qemu_img: str = "qemu-img", pool_id: str = DEFAULT_POOL) -> None:
+    def __init__(self, directory: Path, qemu_img: str = "qemu-img", pool_id: str = DEFAULT_POOL,
+                 aio_probe: Path | None = None) -> None:
+        """`aio_probe`: an empty file of the driver's own (not in the pool) that QSD opens to show it can use
+        io_uring (`csi_qsd.qsd.file_aio`); without one, QSD's thread pool serves the images."""
         self.id = pool_id
         self.directory = directory
+        self._aio_probe = aio_probe
         self._qemu_img = qemu_img
         self._checked: dict[Path, tuple[tuple[int, int, int], str]] = {}
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
@@ -182,7 +185,8 @@ class FilePool(Pool):
 
     async def attach(self, client: QSDClient) -> None:
         """Ask this QSD how it can read and write image files (io_uring or its thread pool)."""
-        self._aio = await file_aio.choose(client, self.directory / AIO_PROBE)
+        if self._aio_probe is not None:
+            self._aio = await file_aio.choose(client, self._aio_probe)
 
     async def check(self, image: Path, *, in_use: bool) -> str:
         """A missing image; for one QSD does not hold, also what `qemu-img check` finds (cached).
