@@ -350,14 +350,20 @@ class Catalog:
 
     # volumes ------------------------------------------------------------
 
-    async def add_volume(self, record: VolumeRecord, *, durable: bool = True) -> None:
+    async def add_volume(
+        self, record: VolumeRecord, *, durable: bool = True, first: Callable[[], None] | None = None,
+    ) -> None:
         """`record.image_pending`: its image is written but not yet on disk for sure (`settle_images` says it is).
 
         Such a volume has never held data: it is not staged before its image
         is settled. So a power loss that takes the image with it loses
         nothing; the reconcile writes it again (`pending_images`).
+
+        `first`, a blocking step that must precede the row (writing its
+        image), runs in the same worker thread right before the transaction:
+        if it raises, nothing is committed.
         """
-        await self._run(lambda db: _insert_volume(db, record), durable=durable)
+        await self._run(lambda db: _insert_volume(db, record), durable=durable, first=first)
 
     async def settle_images(self, volume_ids: list[str]) -> None:
         """Record, durably and in one commit, that these volumes' images are durable.
@@ -689,7 +695,10 @@ class Catalog:
                 raise Unavailable(_CLOSED)
             return fn(self._db)
 
-    async def _run(self, fn: Callable[[sqlite3.Connection], object], *, durable: bool = True) -> None:
+    async def _run(
+        self, fn: Callable[[sqlite3.Connection], object], *, durable: bool = True,
+        first: Callable[[], None] | None = None,
+    ) -> None:
         """`fn` in one transaction; `durable=False` commits an intent without waiting for its fsync.
 
         An intent writes the WAL without syncing it and never checkpoints
@@ -715,6 +724,12 @@ class Catalog:
             if durable and self._commits >= CHECKPOINT_EVERY:
                 db.execute("PRAGMA wal_checkpoint(PASSIVE)")
                 self._commits = 0
+        if first is not None:
+            def first_then_transaction() -> None:
+                first()
+                self._call(transaction)
+            await asyncio.to_thread(first_then_transaction)
+            return
         if not durable and self._lock.acquire(blocking=False):
             try:
                 if self._db is None:

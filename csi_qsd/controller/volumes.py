@@ -202,32 +202,29 @@ class Volumes:
     async def _create_blank(self, pool: Pool, record: VolumeRecord) -> VolumeRecord:
         """A volume with no source, answered once its row is durable; its image is settled right after.
 
-        The image is written while the row commits ready, recording that the
-        image may not be on disk yet; neither waits for the other. A crash
-        leaves either no row (the image is nameless and empty: the reconcile
-        removes it) or a pending one. Until `settled`, the volume holds no
-        data, so whatever a crash or a power loss left of its image, the
-        reconcile writes it again and loses nothing.
+        The image is written, not waited onto the disk, and the row commits
+        ready right after in the same worker thread, recording that the image
+        may not be on disk yet. A crash leaves either no row (the image is
+        nameless and empty: the reconcile removes it) or a pending one. Until
+        `settled`, the volume holds no data, so whatever a crash or a power
+        loss left of its image, the reconcile writes it again and loses
+        nothing.
         """
         record = dataclasses.replace(record, state=VolumeState.READY, image_pending=True)
 
-        async def make_image() -> None:
-            await self._with_room(pool, lambda: pool.create_unsettled(record.image, record.capacity, record.params))
+        def make_image() -> None:
+            pool.write_unsettled(record.image, record.capacity, record.params)
             self._failpoints.hit("create.after_image")
 
         async with self._volume_locks.hold(record.id):
-            made, committed = await asyncio.gather(make_image(), self._catalog.add_volume(record),
-                                                   return_exceptions=True)
-            if isinstance(committed, BaseException):
-                await pool.delete(record.image)
-                raise committed
-            if isinstance(made, BaseException):
-                await self._catalog.delete_volume(record.id)
-                await pool.delete(record.image)
-                if isinstance(made, ResourceExhausted):
-                    raise ResourceExhausted(
-                        f"cannot create volume {record.name!r} of {record.capacity} bytes: {made}") from made
-                raise made
+            try:
+                await self._with_room(pool, lambda: self._catalog.add_volume(record, first=make_image))
+            except ResourceExhausted as exc:
+                raise ResourceExhausted(
+                    f"cannot create volume {record.name!r} of {record.capacity} bytes: {exc}") from exc
+            except BaseException:
+                await pool.delete(record.image)  # written, but the row did not commit: never anyone's
+                raise
             self._failpoints.hit("create.before_settle")
             self._settle_later(record)
         log.info("event=volume_created volume_id=%s name=%s bytes=%d", record.id, record.name, record.capacity)

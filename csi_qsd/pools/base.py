@@ -65,21 +65,22 @@ class Pool(abc.ABC):
         """Raises ResourceExhausted when the pool cannot hold `size` bytes."""
 
     def settles_later(self, params: VolumeParameters) -> bool:
-        """Whether `create_unsettled` makes a volume of `params` without waiting for the disk (default: never)."""
+        """Whether `write_unsettled` makes a volume of `params` without waiting for the disk (default: never)."""
         return False
 
-    async def create_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
-        """Create `image` as `create` does, without waiting for the disk where `settles_later` says so.
+    def write_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
+        """Create `image` as `create` does, without waiting for the disk, where `settles_later` says so.
 
-        A CreateVolume need not wait for the disk to hold an image that holds
-        no data yet: `settle` makes it durable before it can hold any (a
-        stage) or back another image (a snapshot). The default is `create`.
+        Blocking: the caller runs it in a worker thread (beside the catalog
+        commit it must precede). A CreateVolume need not wait for the disk to
+        hold an image that holds no data yet: `settle` makes it durable
+        before it can hold any (a stage) or back another image (a snapshot).
         Raises ResourceExhausted.
         """
-        await self.create(image, size, params)
+        raise NotImplementedError(f"pool {self.id} makes every image durably (`create`)")
 
     async def settle(self, images: list[Path]) -> None:
-        """Make images `create_unsettled` wrote durable; idempotent, and one deleted since is skipped.
+        """Make images `write_unsettled` wrote durable; idempotent, and one deleted since is skipped.
 
         The default has nothing to wait for.
         """

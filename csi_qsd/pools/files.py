@@ -98,14 +98,11 @@ class FilePool(Pool):
         """An image made in-process (not preallocated) is written at once and made durable by `settle`."""
         return params.preallocation is Preallocation.OFF
 
-    async def create_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
-        if not self.settles_later(params):
-            await self.create(image, size, params)
-            return
+    def write_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
         self._check_room(size)
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
-        await asyncio.to_thread(_write_image, tmp, image, _blank_pieces(size, params), size, durable=False)
+        _write_image(tmp, image, _blank_pieces(size, params), size, durable=False)
 
     async def settle(self, images: list[Path]) -> None:
         """fsync each image, then the pool's directory (which holds their names) once."""

@@ -215,8 +215,7 @@ def fuse_export(
         "id": nodes.fuse_export,
         "node-name": nodes.throttle,
         "mountpoint": str(mountpoint),
-        "writable": writable,
-        "growable": False,
+        "writable": writable,  # not growable: QEMU's default
         "allow-other": "off",
     }
     if iothreads:
@@ -246,7 +245,10 @@ def throttle_group_object(nodes: VolumeNodes, qos: QoS) -> QMPArgs:
     """
     limits = {key: value for key, value in throttle_limits(qos).items()
               if value != (1 if key.endswith("-max-length") else 0)}
-    return {"qom-type": "throttle-group", "id": nodes.throttle_group, "limits": limits}
+    spec: QMPArgs = {"qom-type": "throttle-group", "id": nodes.throttle_group}
+    if limits:
+        spec["limits"] = limits
+    return spec
 
 
 def throttle_blockdev(nodes: VolumeNodes) -> QMPArgs:

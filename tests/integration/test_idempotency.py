@@ -21,6 +21,7 @@ The cases (CSI spec and DESIGN.md, decision 5):
 from __future__ import annotations
 
 import asyncio
+import threading
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -271,23 +272,38 @@ class HeldPool:
 
     def __init__(self, pool: Pool) -> None:
         self.armed = False
-        self.reached, self.released = asyncio.Event(), asyncio.Event()
-        for name in ("create", "create_unsettled", "create_overlay"):
+        self.reached, self.released = threading.Event(), threading.Event()
+        for name in ("create", "create_overlay"):
             setattr(pool, name, self._gated(getattr(pool, name)))
+        pool.write_unsettled = self._gated_in_thread(pool.write_unsettled)  # type: ignore[method-assign]
+
+    def _hold(self) -> bool:
+        """Whether this call is the one to hold (the first after `holding` armed the gate)."""
+        if not self.armed:
+            return False
+        self.armed = False
+        self.reached.set()
+        return True
 
     def _gated(self, making: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
         async def gated(*args: Any) -> None:
-            if self.armed:
-                self.armed = False
-                self.reached.set()
-                await asyncio.wait_for(self.released.wait(), 60)
+            if self._hold():
+                await asyncio.to_thread(self.released.wait, 60)
             await making(*args)
+        return gated
+
+    def _gated_in_thread(self, making: Callable[..., None]) -> Callable[..., None]:
+        """The same gate for a blocking step the driver runs in a worker thread."""
+        def gated(*args: Any) -> None:
+            if self._hold():
+                self.released.wait(60)
+            making(*args)
         return gated
 
     @contextlib.asynccontextmanager
     async def holding(self, call: Coroutine[Any, Any, T]) -> AsyncIterator[asyncio.Task[T]]:
         """Run `call` until it is making its image; release it on the way out and wait for the call."""
-        self.armed, self.reached, self.released = True, asyncio.Event(), asyncio.Event()
+        self.armed, self.reached, self.released = True, threading.Event(), threading.Event()
         task = asyncio.create_task(call)
         try:
             await until(lambda: self.reached.is_set() or task.done(), "the call to reach the pool")
