@@ -70,6 +70,7 @@ async def test_csi_sanity_passes_every_spec(box: Sandbox, mode: str) -> None:
         left = host_leftovers(box.root)
     # QSD outlives the driver by design; its monitor takes one client, free once the driver is gone.
     exports, nodes = await qsd_leftovers(box.state_dir, quit_after=True)
+    print(f"csi-sanity {mode}: " + " | ".join(m.group(0) for m in (RAN.search(text), TALLY.search(text)) if m))
     failures = [line.strip() for line in text.splitlines() if "[FAIL]" in line]
     assert failed == 0, f"csi-sanity {mode}: {failed} failed:\n" + "\n".join(failures) + f"\n{text[-6000:]}"
     assert ran + skipped >= MIN_SPECS and passed == ran, f"csi-sanity {mode}: ran {ran}, passed {passed}"
