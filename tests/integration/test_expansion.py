@@ -35,7 +35,13 @@ async def test_plugin_advertises_online_expansion(driver: tuple[Driver, CSIClien
 
 
 class Writer:
-    """A thread appending synced 64 KiB blocks to a file until stopped: the volume is in use throughout."""
+    """A thread appending synced 64 KiB blocks to a file until stopped: the volume is in use throughout.
+
+    Paced (`PACE` seconds between blocks, at most ~6 MiB/s), so a fast data path cannot fill a
+    small filesystem before the growth a test waits for.
+    """
+
+    PACE = 0.01
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -52,6 +58,7 @@ class Writer:
                     f.flush()
                     os.fsync(f.fileno())
                     self.blocks += 1
+                    self._stop.wait(self.PACE)
         except BaseException as exc:  # reported by stop()
             self.error = exc
 
