@@ -98,8 +98,7 @@ async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> No
     Called before the volume may hold data (a stage) or back another image
     (a snapshot); harmless beside the settling CreateVolume started.
     """
-    if volume.image_pending:
-        await pool.settle([volume.image])
+    if volume.image_pending and await pool.settle([volume.image]):
         await catalog.settle_images([volume.id])
 
 
@@ -254,9 +253,10 @@ class Volumes:
         by_pool: dict[str, list[VolumeRecord]] = {}
         for record in records:
             by_pool.setdefault(record.pool, []).append(record)
+        settled: set[Path] = set()
         for pool_id, group in by_pool.items():
-            await self._pools[pool_id].settle([r.image for r in group])
-        await self._catalog.settle_images([r.id for r in records])
+            settled.update(await self._pools[pool_id].settle([r.image for r in group]))
+        await self._catalog.settle_images([r.id for r in records if r.image in settled])
 
     async def settled(self, volume: VolumeRecord) -> None:
         """Return once `volume`'s image is durable (`settle_image`). Raises OSError if it cannot be made so."""

@@ -79,11 +79,12 @@ class Pool(abc.ABC):
         """
         raise NotImplementedError(f"pool {self.id} makes every image durably (`create`)")
 
-    async def settle(self, images: list[Path]) -> None:
-        """Make images `write_unsettled` wrote durable; idempotent, and one deleted since is skipped.
+    async def settle(self, images: list[Path]) -> list[Path]:
+        """Make images `write_unsettled` wrote durable; idempotent. The ones it did: a missing one is not.
 
         The default has nothing to wait for.
         """
+        return images
 
     async def grow(self, image: Path, size: int) -> bool:
         """Make room where `image` lives for it to hold `size` bytes, before QSD grows it; idempotent.

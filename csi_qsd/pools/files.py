@@ -104,9 +104,9 @@ class FilePool(Pool):
         tmp.unlink(missing_ok=True)
         _write_image(tmp, image, _blank_pieces(size, params), size, durable=False)
 
-    async def settle(self, images: list[Path]) -> None:
+    async def settle(self, images: list[Path]) -> list[Path]:
         """fsync each image, then the pool's directory (which holds their names) once."""
-        await asyncio.to_thread(_settle, images, self.directory)
+        return await asyncio.to_thread(_settle, images, self.directory)
 
     def _check_room(self, size: int) -> None:
         available = self.usage().available
@@ -273,10 +273,13 @@ def _write_image(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size: 
         fsync_path(image.parent)
 
 
-def _settle(images: list[Path], directory: Path) -> None:
+def _settle(images: list[Path], directory: Path) -> list[Path]:
+    settled = []
     for image in images:
         try:
             fsync_path(image)
         except FileNotFoundError:
-            continue  # deleted meanwhile: nothing to keep
+            continue  # deleted meanwhile: nothing to keep (a row still naming it stays pending)
+        settled.append(image)
     fsync_path(directory)
+    return settled

@@ -6,6 +6,7 @@ database from its file instead of trusting the open connection.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import sqlite3
@@ -23,7 +24,7 @@ from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
 from csi_qsd.pools.files import FilePool
-from csi_qsd.controller.volumes import Volumes
+from csi_qsd.controller.volumes import SETTLE_DELAY, Volumes
 
 MIB = 1 << 20
 
@@ -248,3 +249,55 @@ async def test_get_and_page_show_only_ready_volumes(tmp_path: Path) -> None:
         assert await volumes.get(creating.id) is None and await volumes.get(deleting.id) is None
         assert await volumes.get(ready.id) == ready
         assert await volumes.page("", 0) == ([ready], "")
+
+
+# CreateVolume's image settled after the answer, DeleteVolume's storage freed after it -----------
+
+
+async def test_a_created_volume_is_settled_right_after_and_a_pending_one_is_written_again(tmp_path: Path) -> None:
+    pool = FilePool(tmp_path / "pool")
+    pool.prepare()
+    async with Catalog(tmp_path / "catalog.db") as catalog:
+        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
+        created = [await volumes.create(f"pvc-{n}", 64 << 20, 0, VolumeParameters(), []) for n in range(3)]
+        assert all(r.image_pending for r in created)  # answered before the images are known durable
+        assert [r.image_pending for r in await catalog.pending_images()] == [True] * 3
+        for _ in range(100):
+            if not await catalog.pending_images():
+                break
+            await asyncio.sleep(SETTLE_DELAY / 4)
+        assert await catalog.pending_images() == []  # one batch settled them all
+
+        # An image gone before its batch: the row stays pending, never recorded durable.
+        gone = await volumes.create("pvc-gone", 64 << 20, 0, VolumeParameters(), [])
+        gone.image.unlink()
+        await volumes.close()
+        assert [r.id for r in await catalog.pending_images()] == [gone.id]
+
+        # A power loss that took pending images (one missing, one torn): the reconcile writes them again.
+        torn = dataclasses.replace(volume(9), image=pool.image_path(f"vol-{9:024x}", ImageFormat.QCOW2),
+                                   image_pending=True)
+        torn.image.write_bytes(b"QFI\xfb")
+        await catalog.add_volume(torn)
+        await Volumes(catalog, pool, KeyedLocks("volume")).reconcile()
+        assert await catalog.pending_images() == []
+        for record in (gone, torn):
+            assert pool.reads_as_zeros(record.image) and (await catalog.volume(record.id)) is not None
+
+
+async def test_delete_answers_before_the_storage_goes_and_a_repeat_is_ok(tmp_path: Path) -> None:
+    pool = FilePool(tmp_path / "pool")
+    pool.prepare()
+    async with Catalog(tmp_path / "catalog.db") as catalog:
+        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
+        record = await volumes.create("pvc-gone", 64 << 20, 0, VolumeParameters(), [])
+        await volumes.delete(record.id)
+        row = await catalog.volume(record.id)
+        assert row is None or row.state is VolumeState.DELETING  # gone for the CO at once
+        assert await volumes.get(record.id) is None
+        await volumes.delete(record.id)  # the CO's retry while the storage is being freed
+        await volumes.freed()
+        assert await catalog.volume(record.id) is None and not record.image.exists()
+        again = await volumes.create("pvc-gone", 64 << 20, 0, VolumeParameters(), [])  # the name is free again
+        assert again.id != record.id
+        await volumes.close()
