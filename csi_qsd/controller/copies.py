@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -176,17 +175,6 @@ class LinkCheck:
                 f"volume {volume.id} reads data not yet copied from {source}, whose copy server at {address} "
                 f"does not answer; it can be opened once {source} serves it again (the copy retries and learns a "
                 "new address by itself)", node=", ".join(nodes), address=address)
-
-
-def _write_image(path: Path, pieces: list[tuple[int, bytes]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        blank.write(fd, pieces)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    durable.replace(tmp, path)
 
 
 class SourceLeases:
@@ -426,7 +414,7 @@ class RemoteCopies:
         pieces = blank.image_bytes(lease.size, params.granularity, layer_bitmaps.OWN,
                                    backing=nbd_backing(lease.address, lease.export, self._settings.server_name),
                                    backing_format="raw")
-        await asyncio.to_thread(_write_image, local, pieces)
+        await asyncio.to_thread(durable.create, local, lambda fd: blank.write(fd, pieces))
         await self._pool.create_overlay(top, local, size, params.granularity)
         created = now()
         volume = VolumeRecord(

@@ -11,6 +11,7 @@ import asyncio
 import errno
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.qcow2 import image_bitmaps, layer_bitmaps
@@ -29,7 +30,7 @@ from csi_qsd.sys.run import run
 
 __all__ = ["FilePool", "PoolUsage"]
 
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = durable.TMP_SUFFIX
 CHECK_TIMEOUT = 60.0
 CHECK_CACHE_MAX = 4096
 CHECKS_AT_ONCE = 2
@@ -77,11 +78,11 @@ class FilePool(Pool):
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         """Create `image` of `size` bytes; RESOURCE_EXHAUSTED if the pool cannot hold it."""
         self._check_room(size)
+        if params.preallocation is Preallocation.OFF:
+            await asyncio.to_thread(durable.create, image, _blank(size, params))
+            return
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
-        if params.preallocation is Preallocation.OFF:
-            await asyncio.to_thread(_write_image, tmp, image, _blank_pieces(size, params), size, durable=True)
-            return
         argv = [self._qemu_img, "create", "-q", "-f", params.format.value,
                 "-o", f"preallocation={params.preallocation.value}"]
         if params.format is ImageFormat.QCOW2:
@@ -100,9 +101,7 @@ class FilePool(Pool):
 
     def write_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
         self._check_room(size)
-        tmp = image.with_name(image.name + TMP_SUFFIX)
-        tmp.unlink(missing_ok=True)
-        _write_image(tmp, image, _blank_pieces(size, params), size, durable=False)
+        durable.create(image, _blank(size, params), sync=False)
 
     async def settle(self, images: list[Path]) -> list[Path]:
         """fsync each image, then the pool's directory (which holds their names) once."""
@@ -122,12 +121,10 @@ class FilePool(Pool):
         a delta reports is what the overlay holds. The backing is named
         relatively and not opened (the size is given), so it costs no process.
         """
-        tmp = image.with_name(image.name + TMP_SUFFIX)
-        tmp.unlink(missing_ok=True)
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
         pieces = blank.image_bytes(
             size, granularity, layer_bitmaps.OWN, backing=backing.name, backing_format=backing_format)
-        await asyncio.to_thread(_write_image, tmp, image, pieces, size, durable=True)
+        await asyncio.to_thread(durable.create, image, lambda fd: blank.write(fd, pieces))
 
     async def backing_of(self, image: Path) -> str:
         """The absolute backing file an image's header names, or ''."""
@@ -242,35 +239,12 @@ def _allocated_blocks(images: list[Path]) -> dict[Path, int]:
     return found
 
 
-def _blank_pieces(size: int, params: VolumeParameters) -> list[tuple[int, bytes]]:
-    """An empty image's bytes: a few qcow2 tables (`csi_qsd.qcow2.blank`), or none for a raw file."""
+def _blank(size: int, params: VolumeParameters) -> Callable[[int], object]:
+    """What writes an empty image to a descriptor: a few qcow2 tables (`csi_qsd.qcow2.blank`), or a raw file's size."""
     if params.format is ImageFormat.QCOW2:
-        return blank.image_bytes(size, params.granularity, layer_bitmaps.OWN)
-    return []
-
-
-def _write_image(tmp: Path, image: Path, pieces: list[tuple[int, bytes]], size: int, *, durable: bool) -> None:
-    """A new image at `image`: qcow2 `pieces` (or, with none, a raw file of `size` bytes) via `tmp`.
-
-    Whole under its name or not there at all; with `durable`, also on disk
-    before this returns (else `_settle` makes it so).
-    """
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        if pieces:
-            blank.write(fd, pieces)
-        else:
-            os.ftruncate(fd, size)
-        if durable:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.rename(tmp, image)
-    if durable:
-        fsync_path(image.parent)
+        pieces = blank.image_bytes(size, params.granularity, layer_bitmaps.OWN)
+        return lambda fd: blank.write(fd, pieces)
+    return lambda fd: os.ftruncate(fd, size)
 
 
 def _settle(images: list[Path], directory: Path) -> list[Path]:

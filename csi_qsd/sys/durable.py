@@ -8,7 +8,10 @@ is. Every step here blocks: callers run it in a worker thread.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+TMP_SUFFIX = ".tmp"  # where `create` writes a file before it has its name
 
 
 def fsync_path(path: Path) -> None:
@@ -31,3 +34,25 @@ def unlink(path: Path) -> None:
     """Remove `path` (a missing one is fine), durably."""
     path.unlink(missing_ok=True)
     fsync_path(path.parent)
+
+
+def create(path: Path, fill: Callable[[int], object], *, sync: bool = True) -> None:
+    """A new file at `path`, written by `fill` through a descriptor: whole under its name or not there at all.
+
+    Written at `path` + TMP_SUFFIX, then renamed; with `sync`, its data and
+    its name are on disk before this returns.
+    """
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        fill(fd)
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+    if sync:
+        fsync_path(path.parent)

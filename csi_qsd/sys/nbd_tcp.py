@@ -47,14 +47,7 @@ def tls_dir(directory: Path, cert: Path, key: Path, ca: Path, *, endpoint: str) 
         with contextlib.suppress(FileNotFoundError):
             if target.read_bytes() == data:
                 continue
-        tmp = target.with_name(name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, target)
+        durable.create(target, lambda fd: os.write(fd, data))
     durable.fsync_path(directory)
     return directory
 
