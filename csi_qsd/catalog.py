@@ -150,7 +150,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "CREATE INDEX IF NOT EXISTS copies_by_snapshot ON copies(snapshot_id)",
     ),
     7: (
-        # A blank image written but not yet fsynced (made durable after CreateVolume answers); before, none was.
+        # A blank image not yet written or fsynced (made durable after CreateVolume answers); before, none was.
         "ALTER TABLE volumes ADD COLUMN image_pending INTEGER NOT NULL DEFAULT 0",
     ),
 }
@@ -215,7 +215,7 @@ class VolumeRecord:
     source: str = ""  # "snapshot:<id>" or "volume:<id>" it was made from
     pool: str = DEFAULT_POOL  # the pool the volume's images live in
     qos: QoS = QoS()  # I/O limits, the mutable parameters (ControllerModifyVolume changes them)
-    image_pending: bool = False  # the image is written but maybe not on disk yet (`Catalog.add_volume`)
+    image_pending: bool = False  # the image may not be written or on disk yet (`Catalog.add_volume`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,20 +350,14 @@ class Catalog:
 
     # volumes ------------------------------------------------------------
 
-    async def add_volume(
-        self, record: VolumeRecord, *, durable: bool = True, first: Callable[[], None] | None = None,
-    ) -> None:
-        """`record.image_pending`: its image is written but not yet on disk for sure (`settle_images` says it is).
+    async def add_volume(self, record: VolumeRecord, *, durable: bool = True) -> None:
+        """`record.image_pending`: its image may not be written or on disk yet (`settle_images` says it is).
 
         Such a volume has never held data: it is not staged before its image
         is settled. So a power loss that takes the image with it loses
         nothing; the reconcile writes it again (`pending_images`).
-
-        `first`, a blocking step that must precede the row (writing its
-        image), runs in the same worker thread right before the transaction:
-        if it raises, nothing is committed.
         """
-        await self._run(lambda db: _insert_volume(db, record), durable=durable, first=first)
+        await self._run(lambda db: _insert_volume(db, record), durable=durable)
 
     async def settle_images(self, volume_ids: list[str]) -> None:
         """Record, durably and in one commit, that these volumes' images are durable.
@@ -375,7 +369,7 @@ class Catalog:
             "UPDATE volumes SET image_pending=0 WHERE id=?", [(volume_id,) for volume_id in volume_ids]))
 
     async def pending_images(self) -> list[VolumeRecord]:
-        """Volumes whose image was written but not recorded durable: a crash cut off their settling."""
+        """Volumes whose image is not recorded durable: not written yet, or a crash cut off their settling."""
         return [_volume(row) for row in await self._query("SELECT * FROM volumes WHERE image_pending=1", ())]
 
     async def update_volume(self, record: VolumeRecord) -> None:
@@ -695,10 +689,7 @@ class Catalog:
                 raise Unavailable(_CLOSED)
             return fn(self._db)
 
-    async def _run(
-        self, fn: Callable[[sqlite3.Connection], object], *, durable: bool = True,
-        first: Callable[[], None] | None = None,
-    ) -> None:
+    async def _run(self, fn: Callable[[sqlite3.Connection], object], *, durable: bool = True) -> None:
         """`fn` in one transaction; `durable=False` commits an intent without waiting for its fsync.
 
         An intent writes the WAL without syncing it and never checkpoints
@@ -724,12 +715,6 @@ class Catalog:
             if durable and self._commits >= CHECKPOINT_EVERY:
                 db.execute("PRAGMA wal_checkpoint(PASSIVE)")
                 self._commits = 0
-        if first is not None:
-            def first_then_transaction() -> None:
-                first()
-                self._call(transaction)
-            await asyncio.to_thread(first_then_transaction)
-            return
         if not durable and self._lock.acquire(blocking=False):
             try:
                 if self._db is None:

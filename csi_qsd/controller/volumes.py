@@ -20,7 +20,7 @@ from csi_qsd.errors import (
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ExportKind, QoS, VolumeParameters
-from csi_qsd.pools.base import Pool
+from csi_qsd.pools.base import NewImage, Pool
 from csi_qsd.controller import chains
 from csi_qsd import validate
 
@@ -93,13 +93,17 @@ def choose_size(required: int, limit: int) -> int:
 
 
 async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> None:
-    """Make `volume`'s image durable if CreateVolume answered before it was; idempotent.
+    """Write and make durable `volume`'s image if CreateVolume answered before it was; idempotent.
 
     Called before the volume may hold data (a stage) or back another image
     (a snapshot); harmless beside the settling CreateVolume started.
     """
-    if volume.image_pending and await pool.settle([volume.image]):
+    if volume.image_pending and await pool.settle([_new_image(volume)]):
         await catalog.settle_images([volume.id])
+
+
+def _new_image(volume: VolumeRecord) -> NewImage:
+    return NewImage(volume.image, volume.capacity, volume.params)
 
 
 def _fits(record: VolumeRecord, required: int, limit: int) -> bool:
@@ -127,7 +131,9 @@ class Volumes:
         # Asked under the volume's lock before a delete: raises while something outside this catalog's
         # chains reads the volume (a clone on another node: `csi_qsd.controller.copies.SourceLeases`).
         self.before_delete: Callable[[str], Awaitable[None]] | None = None
-        self._unsettled: dict[str, VolumeRecord] = {}  # created, image not yet known durable
+        self._unsettled: dict[str, VolumeRecord] = {}  # created, image not yet written or not known durable
+        self._settling: dict[str, VolumeRecord] = {}  # the batch being written and synced now
+        self._batch_done = asyncio.Event()
         self._settler: asyncio.Task[None] | None = None
         self._deleting: dict[str, asyncio.Task[None]] = {}
 
@@ -199,31 +205,25 @@ class Volumes:
             return dataclasses.replace(record, state=VolumeState.READY)
 
     async def _create_blank(self, pool: Pool, record: VolumeRecord) -> VolumeRecord:
-        """A volume with no source, answered once its row is durable; its image is settled right after.
+        """A volume with no source, answered once its row is durable; its image is written and settled after.
 
-        The image is written, not waited onto the disk, and the row commits
-        ready right after in the same worker thread, recording that the image
-        may not be on disk yet. A crash leaves either no row (the image is
-        nameless and empty: the reconcile removes it) or a pending one. Until
+        The row records that the image may not be on the disk yet. Until
         `settled`, the volume holds no data, so whatever a crash or a power
-        loss left of its image, the reconcile writes it again and loses
-        nothing.
+        loss left of its image (nothing, or a file not synced), the reconcile
+        writes it again and loses nothing.
         """
         record = dataclasses.replace(record, state=VolumeState.READY, image_pending=True)
 
-        def make_image() -> None:
-            pool.write_unsettled(record.image, record.capacity, record.params)
-            self._failpoints.hit("create.after_image")
+        async def add() -> None:
+            await pool.check_room(record.capacity)
+            await self._catalog.add_volume(record)
 
         async with self._volume_locks.hold(record.id):
             try:
-                await self._with_room(pool, lambda: self._catalog.add_volume(record, first=make_image))
+                await self._with_room(pool, add)
             except ResourceExhausted as exc:
                 raise ResourceExhausted(
                     f"cannot create volume {record.name!r} of {record.capacity} bytes: {exc}") from exc
-            except BaseException:
-                await pool.delete(record.image)  # written, but the row did not commit: never anyone's
-                raise
             self._failpoints.hit("create.before_settle")
             self._settle_later(record)
         log.info("event=volume_created volume_id=%s name=%s bytes=%d", record.id, record.name, record.capacity)
@@ -244,10 +244,15 @@ class Volumes:
         while self._unsettled:
             await asyncio.sleep(SETTLE_DELAY)
             batch, self._unsettled = self._unsettled, {}
+            self._settling = batch
             try:
                 await self._settle_all(list(batch.values()))
             except Exception:
                 log.exception("event=settle_failed volumes=%d (each is settled before it is used)", len(batch))
+            finally:
+                self._settling = {}
+                self._batch_done.set()
+                self._batch_done = asyncio.Event()
 
     async def _settle_all(self, records: list[VolumeRecord]) -> None:
         by_pool: dict[str, list[VolumeRecord]] = {}
@@ -255,8 +260,15 @@ class Volumes:
             by_pool.setdefault(record.pool, []).append(record)
         settled: set[Path] = set()
         for pool_id, group in by_pool.items():
-            settled.update(await self._pools[pool_id].settle([r.image for r in group]))
+            settled.update(await self._pools[pool_id].settle([_new_image(r) for r in group]))
+        self._failpoints.hit("create.after_images_settled")
         await self._catalog.settle_images([r.id for r in records if r.image in settled])
+
+    async def _out_of_batches(self, volume_id: str) -> None:
+        """Return once no settling batch may still write `volume_id`'s image (deleted: it must stay gone)."""
+        self._unsettled.pop(volume_id, None)
+        while volume_id in self._settling:
+            await self._batch_done.wait()
 
     async def settled(self, volume: VolumeRecord) -> None:
         """Return once `volume`'s image is durable (`settle_image`). Raises OSError if it cannot be made so."""
@@ -279,7 +291,7 @@ class Volumes:
                 raise FailedPrecondition(f"volume {volume_id} is still staged on node; unstage it first")
             if self.before_delete is not None:
                 await self.before_delete(volume_id)
-            self._unsettled.pop(volume_id, None)  # gone with the volume (a batch under way skips a missing image)
+            self._unsettled.pop(volume_id, None)  # gone with the volume: never written
             await self._catalog.set_volume_state(volume_id, VolumeState.DELETING)
             self._failpoints.hit("delete.after_intent")
             self._deleting[volume_id] = asyncio.create_task(self._free_later(record))
@@ -295,6 +307,7 @@ class Volumes:
     async def _free(self, record: VolumeRecord) -> None:
         """Remove a volume marked DELETING: its storage, then its row, then what only it kept alive."""
         pool = self._pool_of(record)
+        await self._out_of_batches(record.id)
         await pool.delete(record.image)
         self._failpoints.hit("delete.after_image")
         await self._catalog.delete_volume(record.id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 from csi_qsd.errors import FailedPrecondition
 from csi_qsd.params import ImageFormat, VolumeParameters
@@ -26,6 +27,14 @@ from csi_qsd.qsd.storage import Storage
 class PoolUsage:
     total: int
     available: int
+
+
+class NewImage(NamedTuple):
+    """A blank image a CreateVolume answered for before it was written: what `Pool.settle` writes."""
+
+    path: Path
+    size: int
+    params: VolumeParameters
 
 
 class Pool(abc.ABC):
@@ -65,26 +74,26 @@ class Pool(abc.ABC):
         """Raises ResourceExhausted when the pool cannot hold `size` bytes."""
 
     def settles_later(self, params: VolumeParameters) -> bool:
-        """Whether `write_unsettled` makes a volume of `params` without waiting for the disk (default: never)."""
+        """Whether CreateVolume may answer for a volume of `params` before its image exists (default: never).
+
+        Such a volume holds no data until it is staged, so its image need not
+        be on the disk when the CO learns of it: `check_room` is asked before
+        its row commits and `settle` writes the image afterwards, in batches,
+        and before the volume is staged or snapshotted.
+        """
         return False
 
-    def write_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
-        """Create `image` as `create` does, without waiting for the disk, where `settles_later` says so.
-
-        Blocking: the caller runs it in a worker thread (beside the catalog
-        commit it must precede). A CreateVolume need not wait for the disk to
-        hold an image that holds no data yet: `settle` makes it durable
-        before it can hold any (a stage) or back another image (a snapshot).
-        Raises ResourceExhausted.
-        """
+    async def check_room(self, size: int) -> None:
+        """Raises ResourceExhausted when the pool cannot hold an image of `size` bytes now (`settles_later`)."""
         raise NotImplementedError(f"pool {self.id} makes every image durably (`create`)")
 
-    async def settle(self, images: list[Path]) -> list[Path]:
-        """Make images `write_unsettled` wrote durable; idempotent. The ones it did: a missing one is not.
+    async def settle(self, images: list[NewImage]) -> list[Path]:
+        """Write the blank images not written yet and make all of them durable; idempotent.
 
-        The default has nothing to wait for.
+        Returns the images now durable. Raises ResourceExhausted when the pool
+        has no room left to write one. The default has nothing to write.
         """
-        return images
+        return [image.path for image in images]
 
     async def grow(self, image: Path, size: int) -> bool:
         """Make room where `image` lives for it to hold `size` bytes, before QSD grows it; idempotent.

@@ -11,6 +11,7 @@ import asyncio
 import errno
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from csi_qsd.errors import ResourceExhausted
 from csi_qsd.qcow2.granularity import qcow2_options
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.qcow2 import blank
-from csi_qsd.pools.base import Pool, PoolUsage
+from csi_qsd.pools.base import NewImage, Pool, PoolUsage
 from csi_qsd.qsd import file_aio
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import ImageFile
@@ -53,6 +54,7 @@ class FilePool(Pool):
         self._checked: dict[Path, tuple[tuple[int, int, int], str]] = {}
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
         self._aio = file_aio.THREADS  # until `attach` has asked QSD
+        self._settling = threading.Lock()
 
     def prepare(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -96,16 +98,32 @@ class FilePool(Pool):
             tmp.unlink(missing_ok=True)
 
     def settles_later(self, params: VolumeParameters) -> bool:
-        """An image made in-process (not preallocated) is written at once and made durable by `settle`."""
+        """An image made in-process (not preallocated): a few KiB that `settle` writes in a batch."""
         return params.preallocation is Preallocation.OFF
 
-    def write_unsettled(self, image: Path, size: int, params: VolumeParameters) -> None:
+    async def check_room(self, size: int) -> None:
         self._check_room(size)
-        durable.create(image, _blank(size, params), sync=False)
 
-    async def settle(self, images: list[Path]) -> list[Path]:
-        """fsync each image, then the pool's directory (which holds their names) once."""
-        return await asyncio.to_thread(_settle, images, self.directory)
+    async def settle(self, images: list[NewImage]) -> list[Path]:
+        """Write each image not there yet, fsync each, then the pool's directory (which holds their names) once."""
+        return await asyncio.to_thread(self._settle, images)
+
+    def _settle(self, images: list[NewImage]) -> list[Path]:
+        # One at a time: a stage settling its own image beside a batch must not write the same file twice at once.
+        with self._settling:
+            try:
+                for image in images:
+                    if not image.path.exists():  # names appear only whole (durable.create's rename)
+                        durable.create(image.path, _blank(image.size, image.params), sync=False)
+                for image in images:
+                    fsync_path(image.path)
+                fsync_path(self.directory)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise ResourceExhausted(f"pool {self.directory} is full: cannot write the empty image "
+                                            f"of a created volume ({exc.strerror})") from exc
+                raise
+        return [image.path for image in images]
 
     def _check_room(self, size: int) -> None:
         available = self.usage().available
@@ -247,13 +265,3 @@ def _blank(size: int, params: VolumeParameters) -> Callable[[int], object]:
     return lambda fd: os.ftruncate(fd, size)
 
 
-def _settle(images: list[Path], directory: Path) -> list[Path]:
-    settled = []
-    for image in images:
-        try:
-            fsync_path(image)
-        except FileNotFoundError:
-            continue  # deleted meanwhile: nothing to keep (a row still naming it stays pending)
-        settled.append(image)
-    fsync_path(directory)
-    return settled

@@ -62,15 +62,16 @@ class Flow:
 
 
 STEPS = {
-    "create": ["create.after_image", "create.before_settle"],
+    "create": ["create.before_settle", "create.after_images_settled"],
     "stage": ["stage.after_intent", "stage.after_export", "stage.after_loop", "stage.after_mount"],
     "publish": ["publish.after_intent", "publish.after_bind"],
     "unpublish": ["unpublish.after_intent", "unpublish.after_unmount"],
     "unstage": ["unstage.after_intent", "unstage.after_unmount", "unstage.after_detach"],
     "delete": ["delete.after_intent", "delete.after_image"],
 }
-# Points reached after the call has answered (freeing a deleted volume's storage runs in the background).
-AFTER_ANSWER = {"delete.after_image"}
+# Points reached after the call has answered (a created volume's image is written, and a deleted one's
+# storage freed, in the background).
+AFTER_ANSWER = {"create.after_images_settled", "delete.after_image"}
 ORDER = list(STEPS)
 CASES = [(step, point) for step, points in STEPS.items() for point in points]
 
@@ -110,8 +111,8 @@ async def test_crash_inside_step(box: Sandbox, process: DriverProcess, step: str
             assert mounts.mounted_at(flow.target) is None
         listed = [v.volume_id for v in await csi.list_volumes()]
         if step == "create" and (listed or point == "create.before_settle"):
-            # The row committed before the kill (image and row are made side by side): the volume
-            # exists, its image written again by the reconcile, and it holds data like any other.
+            # The row committed before the kill (its image is written after it): the volume exists,
+            # its image written again by the reconcile, and it holds data like any other.
             assert "event=reconcile_settle_image" in process.log()
             await flow.create()  # the provisioner's retry finds it
             assert listed == [flow.vid]

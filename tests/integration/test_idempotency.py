@@ -273,9 +273,8 @@ class HeldPool:
     def __init__(self, pool: Pool) -> None:
         self.armed = False
         self.reached, self.released = threading.Event(), threading.Event()
-        for name in ("create", "create_overlay"):
+        for name in ("create", "create_overlay", "check_room"):  # check_room: a blank image's CreateVolume
             setattr(pool, name, self._gated(getattr(pool, name)))
-        pool.write_unsettled = self._gated_in_thread(pool.write_unsettled)  # type: ignore[method-assign]
 
     def _hold(self) -> bool:
         """Whether this call is the one to hold (the first after `holding` armed the gate)."""
@@ -290,14 +289,6 @@ class HeldPool:
             if self._hold():
                 await asyncio.to_thread(self.released.wait, 60)
             await making(*args)
-        return gated
-
-    def _gated_in_thread(self, making: Callable[..., None]) -> Callable[..., None]:
-        """The same gate for a blocking step the driver runs in a worker thread."""
-        def gated(*args: Any) -> None:
-            if self._hold():
-                self.released.wait(60)
-            making(*args)
         return gated
 
     @contextlib.asynccontextmanager

@@ -23,6 +23,7 @@ from csi_qsd.catalog import (
 from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
+from csi_qsd.pools.base import NewImage
 from csi_qsd.pools.files import FilePool
 from csi_qsd.controller.volumes import SETTLE_DELAY, Volumes
 
@@ -261,28 +262,60 @@ async def test_a_created_volume_is_settled_right_after_and_a_pending_one_is_writ
         volumes = Volumes(catalog, pool, KeyedLocks("volume"))
         created = [await volumes.create(f"pvc-{n}", 64 << 20, 0, VolumeParameters(), []) for n in range(3)]
         assert all(r.image_pending for r in created)  # answered before the images are known durable
+        assert not any(r.image.exists() for r in created)  # nor even written: the batch writes them
         assert [r.image_pending for r in await catalog.pending_images()] == [True] * 3
         for _ in range(100):
             if not await catalog.pending_images():
                 break
             await asyncio.sleep(SETTLE_DELAY / 4)
         assert await catalog.pending_images() == []  # one batch settled them all
+        assert all(pool.reads_as_zeros(r.image) for r in created)
 
-        # An image gone before its batch: the row stays pending, never recorded durable.
-        gone = await volumes.create("pvc-gone", 64 << 20, 0, VolumeParameters(), [])
-        gone.image.unlink()
+        # A stage (or snapshot) settles its own image at once, and the batch after it finds it whole.
+        staged = await volumes.create("pvc-staged", 64 << 20, 0, VolumeParameters(), [])
+        await volumes.settled(staged)
+        assert pool.reads_as_zeros(staged.image) and await catalog.pending_images() == []
         await volumes.close()
-        assert [r.id for r in await catalog.pending_images()] == [gone.id]
 
-        # A power loss that took pending images (one missing, one torn): the reconcile writes them again.
+        # A power loss that took pending images (one never written, one torn): the reconcile writes them again.
+        never = dataclasses.replace(volume(8), image=pool.image_path(f"vol-{8:024x}", ImageFormat.QCOW2),
+                                    image_pending=True)
         torn = dataclasses.replace(volume(9), image=pool.image_path(f"vol-{9:024x}", ImageFormat.QCOW2),
                                    image_pending=True)
         torn.image.write_bytes(b"QFI\xfb")
+        await catalog.add_volume(never)
         await catalog.add_volume(torn)
         await Volumes(catalog, pool, KeyedLocks("volume")).reconcile()
         assert await catalog.pending_images() == []
-        for record in (gone, torn):
+        for record in (never, torn):
             assert pool.reads_as_zeros(record.image) and (await catalog.volume(record.id)) is not None
+
+
+async def test_a_volume_deleted_while_its_batch_writes_leaves_no_image(tmp_path: Path) -> None:
+    pool = FilePool(tmp_path / "pool")
+    pool.prepare()
+    entered, release = asyncio.Event(), asyncio.Event()
+    settle = pool.settle
+
+    async def held_settle(images: list[NewImage]) -> list[Path]:
+        entered.set()
+        await release.wait()
+        return await settle(images)
+
+    pool.settle = held_settle  # type: ignore[method-assign]
+    async with Catalog(tmp_path / "catalog.db") as catalog:
+        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
+        record = await volumes.create("pvc-short", 64 << 20, 0, VolumeParameters(), [])
+        await asyncio.wait_for(entered.wait(), 5)
+        await volumes.delete(record.id)  # answered while the batch holding its image is under way
+        freeing = asyncio.create_task(volumes.freed())
+        await asyncio.sleep(SETTLE_DELAY)
+        assert not freeing.done()  # the storage is freed only once no batch can write it any more
+        release.set()
+        await asyncio.wait_for(freeing, 5)
+        assert await catalog.volume(record.id) is None and not record.image.exists()
+        assert list(pool.images()) == []
+        await volumes.close()
 
 
 async def test_delete_answers_before_the_storage_goes_and_a_repeat_is_ok(tmp_path: Path) -> None:
