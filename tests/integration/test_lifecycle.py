@@ -22,7 +22,7 @@ async def test_filesystem_volume_lifecycle(box: Sandbox, driver: tuple[Driver, C
     volume = await csi.create_volume("pvc-fs", 320 * MIB, fs_type=fs_type)
     assert volume.capacity_bytes == 320 * MIB
     image = box.state_dir / "pool" / f"{volume.volume_id}.qcow2"
-    assert image.exists()
+    await until(image.exists, "the created volume's image to be written (right after the answer)", 10)
     staging, target = box.staging("fs"), box.target("pod-1")
 
     await csi.stage(volume.volume_id, str(staging), fs_type=fs_type)
