@@ -55,6 +55,8 @@ class HealthView:
         pool = self._exports.host.pools.get(volume.pool)
         if pool is None:
             return True, f"volume {volume.id} is in pool {volume.pool!r}, which this driver does not serve"
+        if volume.image_pending and not staged:
+            return False, HEALTHY  # created, its image not written yet: it holds no data, a stage writes it first
         problem = await pool.check(volume.image, in_use=staged)
         if problem:
             return True, f"volume {volume.id}: {problem}"

@@ -110,20 +110,25 @@ class FilePool(Pool):
 
     def _settle(self, images: list[NewImage]) -> list[Path]:
         # One at a time: a stage settling its own image beside a batch must not write the same file twice at once.
+        settled = []
         with self._settling:
             try:
                 for image in images:
                     if not image.path.exists():  # names appear only whole (durable.create's rename)
                         durable.create(image.path, _blank(image.size, image.params), sync=False)
                 for image in images:
-                    fsync_path(image.path)
+                    try:
+                        fsync_path(image.path)
+                    except FileNotFoundError:
+                        continue  # removed from outside meanwhile: its row stays pending, the reconcile rewrites it
+                    settled.append(image.path)
                 fsync_path(self.directory)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise ResourceExhausted(f"pool {self.directory} is full: cannot write the empty image "
                                             f"of a created volume ({exc.strerror})") from exc
                 raise
-        return [image.path for image in images]
+        return settled
 
     def _check_room(self, size: int) -> None:
         available = self.usage().available

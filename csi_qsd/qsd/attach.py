@@ -275,15 +275,18 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     if own_iothread in await client.iothreads():
         await client.execute("object-del", {"id": own_iothread})
     present = await client.node_names()
+    # Sent together, top first (each frees what the next one deletes): one round trip instead of four.
+    steps: list[tuple[str, graph.QMPArgs]] = []
     if nodes.throttle in present:
-        await client.blockdev_del(nodes.throttle)
+        steps.append(("blockdev-del", {"node-name": nodes.throttle}))
     if nodes.throttle_group in await client.throttle_groups():
-        await client.execute("object-del", {"id": nodes.throttle_group})
+        steps.append(("object-del", {"id": nodes.throttle_group}))
     for generation in graph.format_generations(present, volume_id):
         layer = graph.nodes_for(volume_id, generation)
-        for node in (layer.format, layer.file):
-            if node in present:
-                await client.blockdev_del(node)
+        steps += [("blockdev-del", {"node-name": node}) for node in (layer.format, layer.file) if node in present]
+    refused = [answer for answer in await client.execute_in_turn(steps) if isinstance(answer, QSDError)]
+    if refused:
+        raise refused[0]
     for name in await client.node_names():  # a file node whose format node never came up
         if graph.volume_of(name) == volume_id:
             await client.blockdev_del(name)

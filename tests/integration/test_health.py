@@ -17,7 +17,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
 from csi_qsd.sys import loop
-from tests.harness import Sandbox
+from tests.harness import Sandbox, until
 
 MIB = 1 << 20
 RPC = pb.ControllerServiceCapability.RPC
@@ -85,9 +85,16 @@ async def test_image_deleted_idle_and_while_staged(box: Sandbox, csi: CSIClient)
     staged = (await csi.create_volume("pvc-gone-staged", 32 * MIB, block=True)).volume_id
     staging = box.staging("gone")
     await csi.stage(staged, str(staging), block=True)
+    assert not (await get(csi, idle)).volume_condition.abnormal  # its image may not be written yet: no data
+    await until(image_of(box, idle).exists, "the idle volume's image to be written", 10)
     for vid in (idle, staged):
         assert not (await get(csi, vid)).volume_condition.abnormal
         image_of(box, vid).unlink()  # QSD keeps the staged one open: its I/O still works, the data is doomed
+
+        async def reported() -> bool:  # once the image is recorded durable (right after it is written)
+            return bool((await get(csi, vid)).volume_condition.abnormal)
+
+        await until(reported, "the deleted image to be reported", 10)
         for status in (await get(csi, vid), await listed(csi, vid)):
             condition = status.volume_condition
             assert condition.abnormal and "missing" in condition.message, condition

@@ -10,11 +10,13 @@ import asyncio
 import dataclasses
 import os
 import sqlite3
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from csi_qsd import catalog as catalog_module
 from csi_qsd import validate
 from csi_qsd.catalog import (
     SCHEMA_VERSION, AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord,
@@ -134,6 +136,31 @@ async def test_transitions_are_committed_one_by_one(tmp_path: Path) -> None:
         assert (await catalog.volume(record.id)).capacity == 99 * MIB  # type: ignore[union-attr]
     finally:
         await catalog.close()
+
+
+async def test_durable_commits_leave_the_event_loop_while_the_disk_is_slow(
+    catalog: Catalog, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    on_loop: list[bool] = []
+
+    def commit(db: sqlite3.Connection) -> None:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+
+    async def commits(n: int) -> list[bool]:
+        on_loop.clear()
+        for _ in range(n):
+            await catalog._run(commit)
+        return list(on_loop)
+
+    monkeypatch.setattr(catalog_module, "LOOP_COMMIT_MAX", 10.0)  # every commit is fast
+    assert (await commits(3))[1:] == [True, True]
+    monkeypatch.setattr(catalog_module, "LOOP_COMMIT_MAX", 0.0)  # every commit is slow
+    assert await commits(3) == [True, False, False]  # the slow one on the loop sends the next ones away
+    monkeypatch.setattr(catalog_module, "LOOP_COMMIT_MAX", 10.0)
+    assert await commits(2) == [False, True]  # back once one in a worker thread was fast
+    on_loop.clear()
+    await catalog._run(commit, durable=False)
+    assert on_loop == [True]  # an intent never waits for the disk
 
 
 async def test_listing_is_ordered_paged_and_filtered(catalog: Catalog) -> None:
