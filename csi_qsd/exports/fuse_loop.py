@@ -31,6 +31,10 @@ from csi_qsd.sys import caps, filesystems, fusectl, loop, mounts
 log = logging.getLogger(__name__)
 
 
+async def _nothing() -> bool:
+    return False
+
+
 def export_file(exports_dir: Path, volume_id: str) -> Path:
     """The regular file QSD's FUSE export of a volume is mounted on."""
     return exports_dir / volume_id / "disk"
@@ -68,10 +72,12 @@ class FuseLoopExport(ExportPath):
                 if fresh_export else None)
         if not await attach.ensure_top(client, top, export=spec) and spec is not None:
             await client.export_add(spec)
-        if fresh_export:
-            await fusectl.raise_background(export)
         self.host.failpoints.hit("stage.after_export")
-        device = await self._loop_for(export, stage.loop_device, fresh_export)
+        # Both wait for QSD to answer the FUSE file (a stat, an open): asked together. A crash before the
+        # limit is raised leaves the stage row STAGING, and the kubelet's retry exports afresh.
+        device, _raised = await asyncio.gather(
+            self._loop_for(export, stage.loop_device, fresh_export),
+            fusectl.raise_background(export) if fresh_export else _nothing())
         self.host.failpoints.hit("stage.after_loop")
         stage = dataclasses.replace(stage, loop_device=str(device))
         if stage.access_type is AccessType.MOUNT:

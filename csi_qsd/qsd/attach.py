@@ -71,19 +71,28 @@ async def ensure_top(
 
 
 async def _open_fresh(client: QSDClient, top: TopImage, read_only: bool, export: graph.QMPArgs | None) -> None:
-    """A volume QSD holds nothing of: its group and three nodes in one go, or none of them, then `export`.
+    """A volume QSD holds nothing of: its group and nodes in one go, or none of them, then `export`.
 
     Sent together (each names only what an earlier one made), so the stage
-    pays one QMP round trip for them instead of four or five. An export
+    pays one QMP round trip for them instead of four or five. An image
+    file's protocol node is defined inside its format node, unnamed (it
+    closes with it); a device window stays a node of its own. An export
     refused alone leaves the nodes, as a separate export-add would.
     """
     nodes = top.nodes
+    image_format = graph.format_blockdev(nodes, top.params, read_only=read_only)
+    inline = top.storage.inline_child(top.params, read_only=read_only)
     steps: list[tuple[str, graph.QMPArgs, tuple[str, graph.QMPArgs]]] = [
         ("object-add", graph.throttle_group_object(nodes, top.qos), ("object-del", {"id": nodes.throttle_group})),
-        ("blockdev-add", top.storage.protocol_blockdev(nodes, top.params, read_only=read_only),
-         ("blockdev-del", {"node-name": nodes.file})),
-        ("blockdev-add", graph.format_blockdev(nodes, top.params, read_only=read_only),
-         ("blockdev-del", {"node-name": nodes.format})),
+    ]
+    if inline is not None:
+        # One command fewer, and ~110 bytes: QSD reads its monitor a byte per system call (3 us a byte).
+        image_format["file"] = inline
+    else:
+        steps.append(("blockdev-add", top.storage.protocol_blockdev(nodes, top.params, read_only=read_only),
+                      ("blockdev-del", {"node-name": nodes.file})))
+    steps += [
+        ("blockdev-add", image_format, ("blockdev-del", {"node-name": nodes.format})),
         ("blockdev-add", graph.throttle_blockdev(nodes), ("blockdev-del", {"node-name": nodes.throttle})),
     ]
     commands = [(command, args) for command, args, _ in steps]

@@ -167,11 +167,15 @@ def volume_of(node_or_export: str) -> str | None:
 
 
 def file_blockdev(
-    nodes: VolumeNodes, image: Path, params: VolumeParameters, *, read_only: bool, aio: str = "threads",
+    nodes: VolumeNodes | None, image: Path, params: VolumeParameters, *, read_only: bool, aio: str = "threads",
 ) -> QMPArgs:
-    """A file protocol node: I/O through the page cache by `aio` (`csi_qsd.qsd.file_aio`), flushes reaching the disk."""
-    spec: QMPArgs = {"driver": "file", "node-name": nodes.file, "filename": str(image),
-                     "discard": params.discard.value}
+    """A file protocol node: I/O through the page cache by `aio` (`csi_qsd.qsd.file_aio`), flushes reaching the disk.
+
+    Without `nodes`, an unnamed one, to be defined inside its format node's arguments.
+    """
+    spec: QMPArgs = {"driver": "file", "filename": str(image), "discard": params.discard.value}
+    if nodes is not None:
+        spec = {"driver": "file", "node-name": nodes.file, **spec}
     if aio != "threads":
         spec["aio"] = aio
     return _read_only(spec, read_only)

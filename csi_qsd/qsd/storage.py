@@ -30,6 +30,11 @@ class Storage(Protocol):
         """The most bytes the volume can grow to where it is (None: as much as the pool has)."""
         ...
 
+    def inline_child(self, params: VolumeParameters, *, read_only: bool) -> QMPArgs | None:
+        """The protocol node as an unnamed child of a fresh format node (closed with it), or None if it must be
+        a node of its own, addressed by name later."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class ImageFile:
@@ -43,6 +48,10 @@ class ImageFile:
 
     def max_size(self) -> int | None:
         return None
+
+    def inline_child(self, params: VolumeParameters, *, read_only: bool) -> QMPArgs | None:
+        """Nothing addresses an image file's node by name (it grows through its format node)."""
+        return graph.file_blockdev(None, self.path, params, read_only=read_only, aio=self.aio)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +205,10 @@ class ExtentOnDevice:
 
     def max_size(self) -> int | None:
         return self.size
+
+    def inline_child(self, params: VolumeParameters, *, read_only: bool) -> QMPArgs | None:
+        """None: the window is reopened by name with another size when the volume grows (`attach.reopen_window`)."""
+        return None
 
     def protocol_blockdev(self, nodes: graph.VolumeNodes, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
         # QEMU's raw driver bounds every request to [offset, offset+size): a consumer cannot reach a neighbour.

@@ -11,6 +11,7 @@ from csi_qsd.catalog import Catalog, ExtentRecord, ExtentState
 from csi_qsd.errors import FailedPrecondition, ResourceExhausted
 from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.pools.base import Pool, PoolUsage
+from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.qsd.storage import ImageFile
 
 
@@ -150,7 +151,7 @@ class FakeMovingPool(FakePool):
         return self._storage_at(volume_id, self._home(volume_id, ExtentState.USED))
 
     def _storage_at(self, volume_id: str, home: ExtentRecord) -> ImageFile:
-        return ImageFile(self.directory / f"{volume_id}@{home.start // SLOT}")
+        return WindowFile(self.directory / f"{volume_id}@{home.start // SLOT}")
 
     def _home(self, volume_id: str, state: ExtentState) -> ExtentRecord:
         found = [row for row in self._rows if row.volume_id == volume_id and row.state is state]
@@ -170,3 +171,10 @@ class FakeMovingPool(FakePool):
 
 def _volume_of(image: Path) -> str:
     return image.name.split(".")[0]
+
+
+class WindowFile(ImageFile):
+    """A home of the moving pool: a node of its own, addressed by name, as a device pool's window is."""
+
+    def inline_child(self, params: VolumeParameters, *, read_only: bool) -> QMPArgs | None:
+        return None
