@@ -102,7 +102,7 @@ class _ShortIds(QMPClient):
     """qemu.qmp's client, naming each command with a few characters instead of eleven (`__qmp#00042`).
 
     QSD's monitor reads its input one byte per system call (about 3 us a
-    byte, measured on QSD 10.0.13 and 11.1.3), so a stage's five commands
+    byte, measured on QSD 10.0.13 and 11.1.3), so a stage's four commands
     wait about 0.1 ms for their IDs alone. Replies are matched by ID however
     it is spelt; a qemu.qmp that stops asking this method keeps its own IDs.
     """
