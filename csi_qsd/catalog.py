@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import json
 import sqlite3
 import threading
@@ -791,12 +792,18 @@ def _update_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     )
 
 
+# Parsed once per distinct text (both are frozen): most volumes share a StorageClass's few parameter sets, and a
+# node call reads its volume's row two or three times.
+_parsed_params = functools.lru_cache(maxsize=1024)(VolumeParameters.from_json)
+_parsed_qos = functools.lru_cache(maxsize=1024)(QoS.from_json)
+
+
 def _volume(row: sqlite3.Row) -> VolumeRecord:
     return VolumeRecord(
         id=row["id"], name=row["name"], capacity=row["capacity"],
-        params=VolumeParameters.from_json(row["params"]), image=Path(row["image"]),
+        params=_parsed_params(row["params"]), image=Path(row["image"]),
         state=VolumeState(row["state"]), created_at=row["created_at"], backing=row["backing"],
-        generation=row["generation"], source=row["source"], pool=row["pool"], qos=QoS.from_json(row["qos"]),
+        generation=row["generation"], source=row["source"], pool=row["pool"], qos=_parsed_qos(row["qos"]),
         image_pending=bool(row["image_pending"]),
     )
 

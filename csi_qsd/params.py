@@ -103,10 +103,11 @@ class VolumeParameters:
     def from_json(cls, text: str) -> "VolumeParameters":
         raw = json.loads(text)
         kwargs: dict[str, Any] = {}
+        defaults = cls()
         for field in dataclasses.fields(cls):
             if field.name not in raw:
                 continue
-            default = getattr(cls(), field.name)
+            default = getattr(defaults, field.name)
             value = raw[field.name]
             kwargs[field.name] = type(default)(value) if isinstance(default, enum.Enum) else value
         return cls(**kwargs)
