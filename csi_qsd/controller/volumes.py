@@ -266,7 +266,6 @@ class Volumes:
 
     async def _out_of_batches(self, volume_id: str) -> None:
         """Return once no settling batch may still write `volume_id`'s image (deleted: it must stay gone)."""
-        self._unsettled.pop(volume_id, None)
         while volume_id in self._settling:
             await self._batch_done.wait()
 

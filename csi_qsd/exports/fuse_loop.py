@@ -31,10 +31,6 @@ from csi_qsd.sys import caps, filesystems, fusectl, loop, mounts
 log = logging.getLogger(__name__)
 
 
-async def _nothing() -> bool:
-    return False
-
-
 def export_file(exports_dir: Path, volume_id: str) -> Path:
     """The regular file QSD's FUSE export of a volume is mounted on."""
     return exports_dir / volume_id / "disk"
@@ -75,9 +71,11 @@ class FuseLoopExport(ExportPath):
         self.host.failpoints.hit("stage.after_export")
         # Both wait for QSD to answer the FUSE file (a stat, an open): asked together. A crash before the
         # limit is raised leaves the stage row STAGING, and the kubelet's retry exports afresh.
-        device, _raised = await asyncio.gather(
-            self._loop_for(export, stage.loop_device, fresh_export),
-            fusectl.raise_background(export) if fresh_export else _nothing())
+        attaching = self._loop_for(export, stage.loop_device, fresh_export)
+        if fresh_export:
+            device, _raised = await asyncio.gather(attaching, fusectl.raise_background(export))
+        else:
+            device = await attaching
         self.host.failpoints.hit("stage.after_loop")
         stage = dataclasses.replace(stage, loop_device=str(device))
         if stage.access_type is AccessType.MOUNT:

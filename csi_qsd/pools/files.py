@@ -79,7 +79,7 @@ class FilePool(Pool):
 
     async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
         """Create `image` of `size` bytes; RESOURCE_EXHAUSTED if the pool cannot hold it."""
-        self._check_room(size)
+        await self.check_room(size)
         if params.preallocation is Preallocation.OFF:
             await asyncio.to_thread(durable.create, image, _blank(size, params))
             return
@@ -102,7 +102,11 @@ class FilePool(Pool):
         return params.preallocation is Preallocation.OFF
 
     async def check_room(self, size: int) -> None:
-        self._check_room(size)
+        available = self.usage().available
+        if size > available:
+            raise ResourceExhausted(
+                f"pool {self.directory} has {available} bytes free, volume needs {size}"
+            )
 
     async def settle(self, images: list[NewImage]) -> list[Path]:
         """Write each image not there yet, fsync each, then the pool's directory (which holds their names) once."""
@@ -129,13 +133,6 @@ class FilePool(Pool):
                                             f"of a created volume ({exc.strerror})") from exc
                 raise
         return settled
-
-    def _check_room(self, size: int) -> None:
-        available = self.usage().available
-        if size > available:
-            raise ResourceExhausted(
-                f"pool {self.directory} has {available} bytes free, volume needs {size}"
-            )
 
     async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
         """Create a thin qcow2 `image` over `backing` (same directory, named relatively): O(1).

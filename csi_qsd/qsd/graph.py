@@ -173,9 +173,8 @@ def file_blockdev(
 
     Without `nodes`, an unnamed one, to be defined inside its format node's arguments.
     """
-    spec: QMPArgs = {"driver": "file", "filename": str(image), "discard": params.discard.value}
-    if nodes is not None:
-        spec = {"driver": "file", "node-name": nodes.file, **spec}
+    name = {"node-name": nodes.file} if nodes is not None else {}
+    spec: QMPArgs = {"driver": "file", **name, "filename": str(image), "discard": params.discard.value}
     if aio != "threads":
         spec["aio"] = aio
     return _read_only(spec, read_only)

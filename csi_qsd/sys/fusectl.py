@@ -20,7 +20,7 @@ import logging
 import os
 from pathlib import Path
 
-from csi_qsd.sys import mount_calls
+from csi_qsd.sys import mounts
 from csi_qsd.sys.run import run
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ MAX_BACKGROUND = 128
 
 async def raise_background(export_file: Path, limit: int = MAX_BACKGROUND) -> bool:
     """Let the FUSE connection serving `export_file` have `limit` background requests; False if it cannot."""
-    if not _mounted(CONNECTIONS):
+    if not mounts.is_mounted(CONNECTIONS):
         code, _ = await run("mount", "-t", "fusectl", "fusectl", str(CONNECTIONS), check=False)
         if code != 0:
             log.warning("event=fusectl_unavailable path=%s effect=fuse_max_background_kept", CONNECTIONS)
@@ -45,12 +45,6 @@ async def raise_background(export_file: Path, limit: int = MAX_BACKGROUND) -> bo
         log.warning("event=fuse_max_background_failed export=%s error=%r", export_file, exc.strerror)
         return False
     return True
-
-
-def _mounted(path: Path) -> bool:
-    """One statx where the kernel tells mount roots apart (os.path.ismount stats the path and its parent)."""
-    root = mount_calls.is_mount_root(path)
-    return os.path.ismount(path) if root is None else root
 
 
 def _write_limits(connection: Path, limit: int) -> None:

@@ -83,7 +83,7 @@ def mounted_at(path: Path) -> MountEntry | None:
     return found
 
 
-def _mounted(path: Path) -> bool:
+def is_mounted(path: Path) -> bool:
     """Whether anything is mounted at `path`: one statx where the kernel says, else the mount table."""
     root = mount_calls.is_mount_root(path)
     return mounted_at(path) is not None if root is None else root
@@ -106,5 +106,5 @@ async def bind(source: Path, target: Path, *, readonly: bool, options: list[str]
 
 async def unmount(target: Path, *, lazy: bool = False) -> None:
     """Unmount every mount stacked at `target`; a path with nothing mounted is fine."""
-    while _mounted(target):
+    while is_mounted(target):
         await asyncio.to_thread(mount_calls.unmount, target, lazy=lazy)
