@@ -201,6 +201,7 @@ class FilePool(Pool):
         """Ask this QSD how it can read and write image files (io_uring or its thread pool)."""
         if self._aio_probe is not None:
             self._aio = await file_aio.choose(client, self._aio_probe)
+            file_aio.note_filesystem(self.id, self.directory, self._aio)
 
     async def check(self, image: Path, *, in_use: bool) -> str:
         """A missing image; for one QSD does not hold, also what `qemu-img check` finds (cached).

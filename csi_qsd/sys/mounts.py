@@ -83,6 +83,17 @@ def mounted_at(path: Path) -> MountEntry | None:
     return found
 
 
+def filesystem_of(path: Path, table: list[MountEntry] | None = None) -> str:
+    """The type of the filesystem holding `path` (the deepest mount above it); "" if none is listed."""
+    resolved = path.resolve()
+    best: MountEntry | None = None
+    for entry in mount_table() if table is None else table:
+        if resolved.is_relative_to(entry.mount_point) and (
+                best is None or len(entry.mount_point.parts) >= len(best.mount_point.parts)):
+            best = entry
+    return best.fs_type if best is not None else ""
+
+
 def is_mounted(path: Path) -> bool:
     """Whether anything is mounted at `path`: one statx where the kernel says, else the mount table."""
     root = mount_calls.is_mount_root(path)

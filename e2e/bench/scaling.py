@@ -20,12 +20,28 @@ of each kind:
        request through a bounce buffer in one thread and understates the export.
 
 Volume and baseline alternate which goes first (ABBA) over ``--rounds``; a
-figure is the mean. Beside each it prints the aggregate's scaling over one
+figure is the mean. Pod rows also print how many FUSE requests the kernel had
+in flight to QSD (fusectl's ``waiting``, sampled every 10 ms during the
+volumes' runs, max and mean per volume): QSD 10.0 takes a loop device's
+queue as a stack of nested requests, while QSD 11.1.3 answers FUSE_INIT
+without FUSE_ASYNC_DIO, so the kernel sends each direct-I/O request of a
+loop device synchronously, one at a time, whatever its iothreads. Beside each it prints the aggregate's scaling over one
 volume and QSD's CPU per thread (/proc/PID/task/*/stat) during the volumes'
 runs: a single saturated thread (QSD 10.0's main loop serving every export)
 shows there. On QEMU 11 the driver spreads VM exports over its iothreads
 (one per core by default) and gives each FUSE export all of them, so on a
 machine with more cores the same command shows how far that carries.
+
+``--pool-dir DIR`` puts the file pool, and the baseline's raw files beside
+it, in a fresh directory under DIR (default: the sandbox's state dir);
+``--pool-fs xfs`` (or ext4) on a fresh filesystem of that type, made on a
+direct-I/O loop device over a file in the sandbox (a machine with one disk has
+no other way to try one; the baseline's direct writes pay that extra layer,
+while QSD's buffered ones reach it only at writeback). The pool's filesystem
+decides how QSD's buffered writes go. io_uring completes a
+buffered write to XFS in QSD's own thread; ext4 (in this kernel) has no
+asynchronous buffered writes, so io_uring hands each one to a worker thread
+(the ``iou-wrk`` in the CPU column) and QSD waits for its wake-up.
 
 ``--shards 1,2`` repeats each runtime with the driver's ``--qsd-shards``: the
 volumes are given claim namespaces that place volume i on shard i mod S, so
@@ -46,21 +62,28 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
+from csi_qsd.exports.fuse_loop import export_file
+from csi_qsd.qsd.shards import place
+from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
-from csi_qsd.qsd.shards import place
 from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
 SIZE = 256 * MIB
+POOL_FS_BYTES = 8 * 4 * SIZE  # --pool-fs: 4 volumes and 4 baseline files of each kind, with room to spare
+# ext4's inode tables and journal written at once, not by a background thread during the runs
+MKFS_OPTIONS = {"xfs": ["-q", "-f"], "ext4": ["-q", "-E", "lazy_itable_init=0,lazy_journal_init=0"]}
 PARAMS = {"format": "raw", "preallocation": "full"}
 
 
@@ -106,6 +129,25 @@ class Row:
     baseline: list[float] = dataclasses.field(default_factory=list)
     threads: list[str] = dataclasses.field(default_factory=list)
     busiest: list[float] = dataclasses.field(default_factory=list)  # CPU share of the busiest QSD thread
+    in_flight: str = "-"  # FUSE requests in flight per volume (pods), "max M, mean A"
+
+
+class InFlight:
+    """Samples fusectl's `waiting` (FUSE requests queued or being served) of some FUSE connections."""
+
+    def __init__(self, export_files: list[Path]) -> None:
+        self.files = [fusectl.CONNECTIONS / str(os.minor(os.stat(f).st_dev)) / "waiting" for f in export_files]
+        self.samples: list[int] = []
+
+    async def sample(self, until: asyncio.Event) -> None:
+        while not until.is_set():
+            self.samples += [int(f.read_text()) for f in self.files]
+            await asyncio.sleep(0.01)
+
+    def summary(self) -> str:
+        if not self.samples:
+            return "-"
+        return f"max {max(self.samples)}, mean {statistics.mean(self.samples):.1f}"
 
 
 async def run(*argv: str) -> str:
@@ -137,14 +179,15 @@ async def blkio_iops(driver: str, paths: list[Path], write: bool, seconds: int) 
 
 class Bench:
     def __init__(self, box: Sandbox, runtime: Runtime, counts: list[int], kinds: list[str], seconds: int,
-                 rounds: int) -> None:
+                 rounds: int, pool: Path) -> None:
         self.box, self.runtime, self.counts, self.kinds = box, runtime, counts, kinds
-        self.seconds, self.rounds = seconds, rounds
-        self.driver = DriverProcess(box, "--log-level", "info", *runtime.flags())
+        self.seconds, self.rounds, self.pool = seconds, rounds, pool
+        self.driver = DriverProcess(box, "--log-level", "info", "--pool-dir", str(pool), *runtime.flags())
         self.rows: list[Row] = []
         self.version = "?"
         self.placement = "?"
         self.staged: dict[str, tuple[Path, Path]] = {}
+        self.pod_volumes: list[str] = []
         self.loops: list[Path] = []
         self.raws: list[Path] = []
 
@@ -170,9 +213,8 @@ class Bench:
             await stop_driver_and_qsd(self.driver)
 
     async def _raw_files(self, count: int) -> list[Path]:
-        pool = self.box.state_dir / "pool"
         for index in range(count):
-            raw = pool / f"baseline-{index}.raw"
+            raw = self.pool / f"baseline-{index}.raw"
             await run("fallocate", "-l", str(SIZE), str(raw))
             await run("dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={SIZE // MIB}", "oflag=direct",
                       "conv=notrunc", "status=none")
@@ -184,6 +226,8 @@ class Bench:
         vid = (await csi.create_volume(name, SIZE, params, block=block)).volume_id
         staging, target = self.box.staging(name), self.box.target(name)
         self.staged[vid] = (staging, target)
+        if block:
+            self.pod_volumes.append(vid)
         await csi.stage(vid, str(staging), block=block)
         await csi.publish(vid, str(staging), str(target), block=block)
         return target
@@ -194,9 +238,11 @@ class Bench:
             self.loops.append(Path((await run("losetup", "--find", "--show", "--direct-io=on", str(raw))).strip()))
         for rw in ("randwrite", "randread"):
             for n in self.counts:
+                exports = [export_file(self.box.state_dir / "exports", vid) for vid in self.pod_volumes[:n]]
                 await self._compare(Row("pod", f"4k {rw} QD32", n),
                                     lambda n=n, rw=rw: fio_iops(volumes[:n], rw, self.seconds),  # type: ignore[misc]
-                                    lambda n=n, rw=rw: fio_iops(self.loops[:n], rw, self.seconds))  # type: ignore[misc]
+                                    lambda n=n, rw=rw: fio_iops(self.loops[:n], rw, self.seconds),  # type: ignore[misc]
+                                    exports)
 
     async def _vms(self, csi: CSIClient, raws: list[Path]) -> None:
         # writeback: a VM that flushes (the default writethrough adds a flush to every write, measured apart
@@ -213,15 +259,25 @@ class Bench:
                     lambda n=n, w=write: blkio_iops("io_uring", raws[:n], w, self.seconds))  # type: ignore[misc]
 
     async def _compare(self, row: Row, volume: Callable[[], Awaitable[float]],
-                       baseline: Callable[[], Awaitable[float]]) -> None:
+                       baseline: Callable[[], Awaitable[float]], fuse_exports: list[Path] | None = None) -> None:
         pids = [qsd_pid(self.box, shard) for shard in range(self.runtime.shards)]
         assert None not in pids
         print(f"[{time.strftime('%H:%M:%S')}] {row.kind} {row.job} x{row.count}", file=sys.stderr, flush=True)
         for turn in range(self.rounds):
             async def on_volume() -> None:
+                sampler = InFlight(fuse_exports) if fuse_exports else None
+                done = asyncio.Event()
+                sampling = asyncio.create_task(sampler.sample(done)) if sampler else None
                 before = [ThreadCPU.take(pid or 0) for pid in pids]
-                row.volume.append(await volume())
+                try:
+                    row.volume.append(await volume())
+                finally:
+                    done.set()
+                    if sampling is not None:
+                        await sampling
                 after = [ThreadCPU.take(pid or 0) for pid in pids]
+                if sampler is not None:
+                    row.in_flight = sampler.summary()
                 shares = [a.since(b) for a, b in zip(after, before)]
                 row.threads.append(shares[0] if len(shares) == 1 else
                                    "; ".join(f"s{i}: {share}" for i, share in enumerate(shares)))
@@ -256,12 +312,12 @@ class Bench:
             spread = f"{min(row.volume) / 1000:.1f}-{max(row.volume) / 1000:.1f}k"
             rows.append([f"{row.kind} {row.job}", str(row.count), f"{vol / 1000:.1f}k", spread,
                          f"{base / 1000:.1f}k", ratio(vol, base), ratio(vol, one_vol), ratio(base, one_base),
-                         row.threads[-1] if row.threads else "-"])
+                         row.in_flight, row.threads[-1] if row.threads else "-"])
         head = [f"{self.version} ({self.placement}); {self.runtime.shards} QSD shard(s); {os.cpu_count()} cores; "
-                f"{self.rounds} rounds, mean"]
+                f"pool on {filesystem_of(self.pool)}; {self.rounds} rounds, mean"]
         return "\n".join(head) + "\n" + table(
             ["job", "N", "volumes", "spread", "regions", "ratio", "vol xN/x1", "reg xN/x1",
-             "QSD CPU per thread (volumes' last run)"], rows) + "\n" + self._projection()
+             "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)"], rows) + "\n" + self._projection()
 
     def _projection(self) -> str:
         """VM rows on a node with a core per shard: one volume's IOPS per busiest-thread CPU, times shards used."""
@@ -280,6 +336,22 @@ class Bench:
                 + table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], lines))
 
 
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem `path` is on, as the mount table names it."""
+    return run_sync("findmnt", "--noheadings", "--output", "FSTYPE", "--target", str(path)).strip() or "?"
+
+
+def run_sync(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
+
+def run_checked(*argv: str) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--qsd", type=lambda t: [Runtime.parse(p) for p in t.split(",")],
@@ -292,7 +364,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kinds", type=lambda t: t.split(","), default=["pod", "vm"])
     parser.add_argument("--runtime", type=int, default=5, help="seconds per run")
     parser.add_argument("--rounds", type=int, default=2)
-    return parser.parse_args(argv)
+    parser.add_argument("--pool-dir", type=Path, default=None,
+                        help="make the file pool and the baseline's files in a new directory under this one "
+                             "(default: the sandbox's state dir)")
+    parser.add_argument("--pool-fs", choices=["xfs", "ext4"], default=None,
+                        help="make the file pool and the baseline's files on a new filesystem of this type, "
+                             "on a direct-I/O loop device over a file in the sandbox")
+    args = parser.parse_args(argv)
+    if args.pool_dir is not None and args.pool_fs is not None:
+        parser.error("--pool-dir and --pool-fs exclude each other")
+    return args
+
+
+@contextlib.contextmanager
+def pool_dir(box: Sandbox, under: Path | None, fs_type: str | None) -> Iterator[Path]:
+    """The pool directory for one runtime's run: the sandbox's, a new one under `under` or on a new `fs_type`."""
+    if fs_type is not None:
+        with new_filesystem(box.root, fs_type) as mountpoint:
+            yield mountpoint
+        return
+    if under is None:
+        yield box.state_dir / "pool"
+        return
+    made = Path(tempfile.mkdtemp(prefix="csi-qsd-bench-pool-", dir=under))
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def new_filesystem(root: Path, fs_type: str) -> Iterator[Path]:
+    """A fresh `fs_type` filesystem, mounted under `root`, on a direct-I/O loop device over a file in `root`."""
+    image, mountpoint = root / f"pool-{fs_type}.img", root / f"pool-{fs_type}"
+    image.touch()
+    os.truncate(image, POOL_FS_BYTES)
+    mountpoint.mkdir()
+    device = run_checked("losetup", "--find", "--show", "--direct-io=on", str(image)).strip()
+    try:
+        run_checked(f"mkfs.{fs_type}", *MKFS_OPTIONS[fs_type], device)
+        run_checked("mount", device, str(mountpoint))
+        try:
+            yield mountpoint
+        finally:
+            run_checked("umount", str(mountpoint))
+    finally:
+        run_checked("losetup", "--detach", device)
+        image.unlink(missing_ok=True)
 
 
 def main() -> int:
@@ -301,8 +419,8 @@ def main() -> int:
         return 1
     args = parse_args()
     for runtime in (dataclasses.replace(r, shards=n) for r in args.qsd for n in args.shards):
-        with sandbox() as box:
-            bench = Bench(box, runtime, args.counts, args.kinds, args.runtime, args.rounds)
+        with sandbox() as box, pool_dir(box, args.pool_dir, args.pool_fs) as pool:
+            bench = Bench(box, runtime, args.counts, args.kinds, args.runtime, args.rounds, pool)
             code = run_to_end(bench.run(), bench.driver, what=f"scaling on QSD {runtime.version}")
             if code:
                 return code

@@ -92,3 +92,19 @@ def test_mounted_at_returns_the_topmost_of_stacked_mounts(monkeypatch: pytest.Mo
     assert top is not None and top.source == "/dev/loop2" and top.readonly
     assert mounts.mounted_at(Path("/k")) is None
     assert mounts.mounted_at(Path("/k/t/sub")) is None
+
+
+def test_filesystem_of_is_the_deepest_mount_above_the_path() -> None:
+    table = mounts.parse_mountinfo(SAMPLE)
+    assert mounts.filesystem_of(Path("/var/lib/kubelet/plugins/staging/pv1/images"), table) == "xfs"
+    assert mounts.filesystem_of(Path("/var/lib/kubelet/plugins/staging/pv10"), table) == "ext4"  # a sibling, not under it
+    assert mounts.filesystem_of(Path("/mnt2/pool"), table) == "ext3"
+
+
+def test_filesystem_of_takes_the_last_of_stacked_mounts() -> None:
+    stacked = SAMPLE + "140 36 0:52 / /mnt2 rw - tmpfs tmpfs rw\n"
+    assert mounts.filesystem_of(Path("/mnt2/pool"), mounts.parse_mountinfo(stacked)) == "tmpfs"
+
+
+def test_filesystem_of_is_empty_outside_every_listed_mount() -> None:
+    assert mounts.filesystem_of(Path("/srv/pool"), mounts.parse_mountinfo(SAMPLE.splitlines()[0])) == ""
