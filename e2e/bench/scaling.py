@@ -25,10 +25,10 @@ in flight to QSD (fusectl's ``waiting``, sampled every 10 ms during the
 volumes' runs, max and mean per volume): QSD 10.0 takes a loop device's
 queue as a stack of nested requests, while QSD 11.1.3 answers FUSE_INIT
 without FUSE_ASYNC_DIO, so the kernel sends each direct-I/O request of a
-loop device synchronously, one at a time, whatever its iothreads. Beside each it prints the aggregate's scaling over one
-volume and QSD's CPU per thread (/proc/PID/task/*/stat) during the volumes'
-runs: a single saturated thread (QSD 10.0's main loop serving every export)
-shows there. On QEMU 11 the driver spreads VM exports over its iothreads
+loop device synchronously, one at a time, whatever its iothreads. Beside
+each it prints the aggregate's scaling over one volume and QSD's CPU per
+thread (/proc/PID/task/*/stat) during the volumes' runs: a single saturated
+thread (QSD 10.0's main loop serving every export) shows there. On QEMU 11 the driver spreads VM exports over its iothreads
 (one per core by default) and gives each FUSE export all of them, so on a
 machine with more cores the same command shows how far that carries.
 
@@ -38,10 +38,10 @@ it, in a fresh directory under DIR (default: the sandbox's state dir);
 direct-I/O loop device over a file in the sandbox (a machine with one disk has
 no other way to try one; the baseline's direct writes pay that extra layer,
 while QSD's buffered ones reach it only at writeback). The pool's filesystem
-decides how QSD's buffered writes go. io_uring completes a
-buffered write to XFS in QSD's own thread; ext4 (in this kernel) has no
-asynchronous buffered writes, so io_uring hands each one to a worker thread
-(the ``iou-wrk`` in the CPU column) and QSD waits for its wake-up.
+decides how QSD's buffered writes go: io_uring completes one to XFS in QSD's
+own thread; ext4 (in this kernel) has no asynchronous buffered writes, so
+io_uring hands each to a worker thread (the ``iou-wrk`` in the CPU column)
+and QSD waits for its wake-up.
 
 ``--shards 1,2`` repeats each runtime with the driver's ``--qsd-shards``: the
 volumes are given claim namespaces that place volume i on shard i mod S, so
