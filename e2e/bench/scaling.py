@@ -74,7 +74,7 @@ from pathlib import Path
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.qsd.shards import place
-from csi_qsd.sys import fusectl
+from csi_qsd.sys import fusectl, mounts
 from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
 from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
@@ -314,7 +314,7 @@ class Bench:
                          f"{base / 1000:.1f}k", ratio(vol, base), ratio(vol, one_vol), ratio(base, one_base),
                          row.in_flight, row.threads[-1] if row.threads else "-"])
         head = [f"{self.version} ({self.placement}); {self.runtime.shards} QSD shard(s); {os.cpu_count()} cores; "
-                f"pool on {filesystem_of(self.pool)}; {self.rounds} rounds, mean"]
+                f"pool on {mounts.filesystem_of(self.pool) or '?'}; {self.rounds} rounds, mean"]
         return "\n".join(head) + "\n" + table(
             ["job", "N", "volumes", "spread", "regions", "ratio", "vol xN/x1", "reg xN/x1",
              "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)"], rows) + "\n" + self._projection()
@@ -334,15 +334,6 @@ class Bench:
         return ("projection (an estimate, not measured here): a core per QSD shard; one volume's IOPS per CPU-second "
                 "of the busiest QSD thread, times the shards N volumes use\n"
                 + table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], lines))
-
-
-def filesystem_of(path: Path) -> str:
-    """The type of the filesystem `path` is on, as the mount table names it."""
-    return run_sync("findmnt", "--noheadings", "--output", "FSTYPE", "--target", str(path)).strip() or "?"
-
-
-def run_sync(*argv: str) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
 
 
 def run_checked(*argv: str) -> str:
