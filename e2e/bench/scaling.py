@@ -74,16 +74,14 @@ from pathlib import Path
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.qsd.shards import place
-from csi_qsd.sys import fusectl, mounts
+from csi_qsd.sys import filesystems, fusectl, mounts
 from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
-from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
+from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, sh, stop_driver_and_qsd, table
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
 
 SIZE = 256 * MIB
 POOL_FS_BYTES = 8 * 4 * SIZE  # --pool-fs: 4 volumes and 4 baseline files of each kind, with room to spare
-# ext4's inode tables and journal written at once, not by a background thread during the runs
-MKFS_OPTIONS = {"xfs": ["-q", "-f"], "ext4": ["-q", "-E", "lazy_itable_init=0,lazy_journal_init=0"]}
 PARAMS = {"format": "raw", "preallocation": "full"}
 
 
@@ -336,13 +334,6 @@ class Bench:
                 + table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], lines))
 
 
-def run_checked(*argv: str) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()}")
-    return done.stdout
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--qsd", type=lambda t: [Runtime.parse(p) for p in t.split(",")],
@@ -391,16 +382,16 @@ def new_filesystem(root: Path, fs_type: str) -> Iterator[Path]:
     image.touch()
     os.truncate(image, POOL_FS_BYTES)
     mountpoint.mkdir()
-    device = run_checked("losetup", "--find", "--show", "--direct-io=on", str(image)).strip()
+    device = sh("losetup", "--find", "--show", "--direct-io=on", str(image)).strip()
     try:
-        run_checked(f"mkfs.{fs_type}", *MKFS_OPTIONS[fs_type], device)
-        run_checked("mount", device, str(mountpoint))
+        asyncio.run(filesystems.make(Path(device), fs_type))  # as the driver makes them: no lazy init left running
+        sh("mount", device, str(mountpoint))
         try:
             yield mountpoint
         finally:
-            run_checked("umount", str(mountpoint))
+            sh("umount", str(mountpoint))
     finally:
-        run_checked("losetup", "--detach", device)
+        sh("losetup", "--detach", device)
         image.unlink(missing_ok=True)
 
 
