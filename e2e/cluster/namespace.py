@@ -1,0 +1,248 @@
+"""A node's own mount, network and UTS namespaces, its cgroup, and the processes started in them.
+
+Everything a node runs (etcd, the control plane, containerd, kubelet, and so
+every pod) is started with `nsenter` into the namespaces of one holder
+process, inside one cgroup nested under the test's own. So every mount
+kubelet and the driver make lives in the node's mount namespace (shared
+propagation there, private towards the host), and teardown finds every
+process by its cgroup: when they are gone the namespace goes with them, and
+no mount, process or address is left on the host.
+
+Inside, the node sees a tmpfs on /run and /var/lib (nothing of the host's),
+the run's own directories bound on /var/lib/kubelet, /var/lib/csi-qsd and
+/var/log, and fixed values for the kernel settings kubelet would otherwise
+write host-wide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+# Kernel settings kubelet sets at start when they differ (cm.setupKernelTunables). They are not
+# per namespace: kubelet would change the host's. The node sees files holding the values kubelet
+# wants, bound over the real ones in its own mount namespace.
+KUBELET_SYSCTLS = {
+    "vm/overcommit_memory": "1",
+    "vm/panic_on_oom": "0",
+    "kernel/panic": "10",
+    "kernel/panic_on_oops": "1",
+    "kernel/keys/root_maxkeys": "1000000",
+    "kernel/keys/root_maxbytes": "25000000",
+}
+
+
+def _self_cgroup_parent() -> str:
+    """The memory cgroup this test runs in: the node's cgroup nests under it in every hierarchy."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return path.rstrip("/")
+    return ""
+
+
+def cgroup_hierarchies() -> list[Path]:
+    """The cgroup v1 hierarchies mounted under /sys/fs/cgroup (cgroup2's `unified` left out)."""
+    found = []
+    for entry in sorted(Path("/sys/fs/cgroup").iterdir()):
+        if entry.name != "unified" and (entry / "cgroup.procs").exists():
+            found.append(entry)
+    return found
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """The node's link to the host: a veth pair, the host end and the node end of one /24."""
+
+    host_if: str
+    host_ip: str
+    node_ip: str
+    prefix: int = 24
+
+
+class NodeNamespace:
+    """One node's namespaces and cgroup; `start` makes them, `stop` removes everything in them."""
+
+    def __init__(self, name: str, base: Path, address: NodeAddress) -> None:
+        self.name = name
+        self.base = base
+        self.address = address
+        self.cgroup = f"{_self_cgroup_parent()}/csi-qsd-{name}"
+        self.holder: subprocess.Popen[bytes] | None = None
+        self._made_cgroups: list[Path] = []
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    @property
+    def pid(self) -> int:
+        assert self.holder is not None, "the node namespace is not started"
+        return self.holder.pid
+
+    def _make_cgroup(self) -> None:
+        for hierarchy in cgroup_hierarchies():
+            path = hierarchy / self.cgroup.lstrip("/")
+            missing = [p for p in [path, *path.parents] if hierarchy in p.parents and not p.exists()]
+            for directory in reversed(missing):
+                directory.mkdir()
+                self._made_cgroups.append(directory)
+                if hierarchy.name == "cpuset":  # a new cpuset takes no task before it has cpus and mems
+                    for knob in ("cpuset.cpus", "cpuset.mems"):
+                        (directory / knob).write_text((directory.parent / knob).read_text())
+
+    def _join_cgroup(self, pid: int) -> None:
+        for hierarchy in cgroup_hierarchies():
+            (hierarchy / self.cgroup.lstrip("/") / "cgroup.procs").write_text(str(pid))
+
+    def start(self) -> None:
+        """Make the namespaces, the cgroup, the veth link and the node's view of /run, /var/lib and /var/log."""
+        for sub in ("kubelet", "csi-qsd", "log", "sysctl"):
+            (self.base / sub).mkdir(parents=True, exist_ok=True)
+        self._make_cgroup()
+        self.holder = subprocess.Popen(
+            ["unshare", "--mount", "--net", "--uts", "--propagation", "private", "sleep", "infinity"],
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        self._join_cgroup(self.holder.pid)
+        wait_for(lambda: os.readlink(f"/proc/{self.pid}/ns/net") != os.readlink("/proc/self/ns/net"),
+                  10, "the node's network namespace")
+        a = self.address
+        subprocess.run(["ip", "link", "add", a.host_if, "type", "veth", "peer", "name", "eth0",
+                        "netns", f"/proc/{self.pid}/ns/net"], check=True)
+        subprocess.run(["ip", "addr", "add", f"{a.host_ip}/{a.prefix}", "dev", a.host_if], check=True)
+        subprocess.run(["ip", "link", "set", a.host_if, "up"], check=True)
+        binds = []
+        for key, value in KUBELET_SYSCTLS.items():
+            fake = self.base / "sysctl" / key.replace("/", "_")
+            fake.write_text(value + "\n")
+            binds.append(f"mount --bind {fake} /proc/sys/{key}")
+        script = "\n".join([
+            "set -e",
+            f"hostname {self.name}",
+            "mount --make-rshared /",
+            "mount -t tmpfs -o mode=755 node-run /run",
+            "mount -t tmpfs -o mode=755 node-var-lib /var/lib",
+            "mkdir -p /var/lib/kubelet /var/lib/csi-qsd",
+            f"mount --bind {self.base / 'kubelet'} /var/lib/kubelet",
+            f"mount --bind {self.base / 'csi-qsd'} /var/lib/csi-qsd",
+            f"mount --bind {self.base / 'log'} /var/log",
+            *binds,
+            "ip link set lo up",
+            f"ip addr add {a.node_ip}/{a.prefix} dev eth0",
+            "ip link set eth0 up",
+        ])
+        self.run(["sh", "-c", script])
+
+    def command(self, argv: list[str]) -> list[str]:
+        """`argv` run inside the node's namespaces."""
+        return ["nsenter", "-t", str(self.pid), "-m", "-n", "-u", "--", *argv]
+
+    def run(self, argv: list[str], *, check: bool = True, timeout: float = 120,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run `argv` in the node and wait; its output is returned (and in the error if it fails)."""
+        result = subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout,
+                                input=input, env={**os.environ, "LC_ALL": "C"})
+        if check and result.returncode != 0:
+            raise RuntimeError(f"{self.name}: {' '.join(argv)} exited {result.returncode}: "
+                               f"{result.stderr.strip() or result.stdout.strip()}")
+        return result
+
+    def spawn(self, label: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start a long-running node process, its output in `log`."""
+        out: IO[bytes] = open(log, "ab")
+        try:
+            proc = subprocess.Popen(self.command(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "LC_ALL": "C", **(env or {})}, start_new_session=True)
+        finally:
+            out.close()
+        self.processes.append((label, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        """Raise naming any node process that exited."""
+        dead = [f"{label} (exit {p.returncode})" for label, p in self.processes if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{self.name}: exited: {', '.join(dead)}")
+
+    def cgroup_pids(self) -> set[int]:
+        """Every process in the node's cgroup and below (pods included)."""
+        pids: set[int] = set()
+        for hierarchy in cgroup_hierarchies():
+            if hierarchy.name != "pids":
+                continue
+            root = hierarchy / self.cgroup.lstrip("/")
+            if root.exists():
+                for procs in root.rglob("cgroup.procs"):
+                    with contextlib.suppress(OSError):
+                        pids.update(int(p) for p in procs.read_text().split())
+        return pids
+
+    def stop_process(self, label: str, timeout: float = 15) -> None:
+        """SIGTERM the named node processes, SIGKILL after `timeout`."""
+        for name, proc in self.processes:
+            if name == label and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+
+    def stop(self) -> list[str]:
+        """Kill everything in the node, remove its cgroup and link; return what could not be removed."""
+        problems: list[str] = []
+        for label, proc in reversed(self.processes):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for label, proc in reversed(self.processes):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+        for _ in range(50):
+            pids = self.cgroup_pids()
+            if self.holder is not None and self.holder.poll() is None:
+                pids.add(self.holder.pid)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        else:
+            problems.append(f"processes still in the node's cgroup: {sorted(self.cgroup_pids())}")
+        for _, proc in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        if self.holder is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.holder.wait(5)
+        subprocess.run(["ip", "link", "del", self.address.host_if], capture_output=True)
+        for directory in reversed(self._made_cgroups):
+            children = sorted((d for d in directory.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))
+            for child in [*children, directory]:
+                for _ in range(50):
+                    try:
+                        child.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.1)
+                else:
+                    problems.append(f"cgroup {child} not removed")
+        return problems
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `condition` until true; raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if condition():
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")

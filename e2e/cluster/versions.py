@@ -1,0 +1,43 @@
+"""Which versions the cluster tier builds and runs: the one place to change them.
+
+Kubernetes 1.34 is the newest line that runs on a cgroup v1 host with
+containerd 1.6 without opting out of anything (1.35 kubelets refuse cgroup
+v1 unless `failCgroupV1: false`, and 1.35 is the last line for containerd
+1.x). etcd is built at the version kube-apiserver's own module requires.
+The sidecars are the releases deploy/node.yaml names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KUBERNETES = "v1.34.4"
+KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd")
+
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+BUSYBOX_IMAGE = "localhost/csi-qsd-test/busybox:1"
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """A CSI sidecar built from its Go module: the image deploy/ names and the main package."""
+
+    image: str
+    module: str
+    version: str
+    package: str
+
+
+SIDECARS = (
+    Sidecar("registry.k8s.io/sig-storage/csi-provisioner:v6.4.0",
+            "github.com/kubernetes-csi/external-provisioner/v6", "v6.4.0", "cmd/csi-provisioner"),
+    Sidecar("registry.k8s.io/sig-storage/csi-snapshotter:v8.7.0",
+            "github.com/kubernetes-csi/external-snapshotter/v8", "v8.7.0", "cmd/csi-snapshotter"),
+    Sidecar("registry.k8s.io/sig-storage/snapshot-controller:v8.7.0",
+            "github.com/kubernetes-csi/external-snapshotter/v8", "v8.7.0", "cmd/snapshot-controller"),
+    Sidecar("registry.k8s.io/sig-storage/csi-resizer:v2.3.0",
+            "github.com/kubernetes-csi/external-resizer/v2", "v2.3.0", "cmd/csi-resizer"),
+)
+
+# The snapshot CRDs ship in the snapshotter's client module (config/crd/).
+SNAPSHOT_CLIENT_MODULE = ("github.com/kubernetes-csi/external-snapshotter/client/v8", "v8.7.0")
