@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ from csi_qsd.errors import QSDError, StartupError
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd import stats as qsd_stats
 from csi_qsd.qsd.daemon import QSDState
+from csi_qsd.sys import text_http
 
 if TYPE_CHECKING:
     from csi_qsd.server import Driver
@@ -379,31 +381,21 @@ class Metrics:
             return generate_latest(self.registry)
 
 
-async def _handle(metrics: Metrics, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        parts = request.split(b"\r\n", 1)[0].split(b" ")
-        method, path = (parts[0], parts[1].split(b"?")[0]) if len(parts) >= 2 else (b"", b"")
-        if method not in (b"GET", b"HEAD"):
-            body, status = b"method not allowed\n", b"405 Method Not Allowed"
-        elif path in (b"/metrics", b"/"):
-            try:
-                body, status = await metrics.render(), b"200 OK"
-            except Exception:
-                log.exception("event=metrics_render_failed")
-                body, status = b"metrics unavailable, see the driver log\n", b"500 Internal Server Error"
-        elif path == b"/healthz":
-            body, status = b"ok\n", b"200 OK"
-        else:
-            body, status = b"not found\n", b"404 Not Found"
-        head = (b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
-        writer.write(head if method == b"HEAD" else head + body)
-        await writer.drain()
-    except (asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.LimitOverrunError, ConnectionError):
-        pass
-    finally:
-        writer.close()
+EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
+
+
+def _routes(metrics: Metrics) -> dict[str, text_http.Route]:
+    async def scrape() -> tuple[HTTPStatus, bytes]:
+        try:
+            return HTTPStatus.OK, await metrics.render()
+        except Exception:
+            log.exception("event=metrics_render_failed")
+            return HTTPStatus.INTERNAL_SERVER_ERROR, b"metrics unavailable, see the driver log\n"
+
+    async def healthz() -> tuple[HTTPStatus, bytes]:
+        return HTTPStatus.OK, b"ok\n"
+
+    return {"/metrics": scrape, "/": scrape, "/healthz": healthz}
 
 
 @contextlib.asynccontextmanager
@@ -418,9 +410,8 @@ async def serving_metrics(
         yield None
         return
     metrics = Metrics(driver)
-    host, _, port = config.metrics_address.rpartition(":")
     try:
-        server = await asyncio.start_server(lambda r, w: _handle(metrics, r, w), host.strip("[]") or None, int(port))
+        server = await text_http.start(config.metrics_address, _routes(metrics), EXPOSITION)
     except (OSError, ValueError) as exc:
         raise StartupError(f"cannot serve metrics on {config.metrics_address!r}: {exc}") from exc
     observers.add(metrics.observe)

@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Regenerate the CSI gRPC bindings in csi_qsd/csi_pb/ from proto/csi.proto.
+"""Regenerate the gRPC bindings in csi_qsd/csi_pb/ from proto/*.proto.
+
+Two protocols: CSI (proto/csi.proto, what the driver serves) and kubelet's
+plugin registration (proto/pluginregistration.proto, what `csi-qsd
+kubelet-registrar` serves to kubelet).
 
 Why this script exists: the generated modules are committed, so that the
 driver installs and imports with nothing but the grpcio/protobuf runtimes
-(no protoc at deploy time). They must therefore be reproducible from
-proto/csi.proto with one command, and tests/unit/test_proto.py calls
+(no protoc at deploy time). They must therefore be reproducible from the
+.proto files with one command, and tests/unit/test_proto.py calls
 ``generate`` into a temporary directory to prove that the committed files
-never drift from the .proto.
+never drift from them.
 
-protoc's Python plugin emits ``import csi_pb2 as csi__pb2`` in the gRPC
+protoc's Python plugin emits ``import csi_pb2 as csi__pb2`` in a gRPC
 module, which only works if csi_qsd/csi_pb/ is itself on sys.path; we
 rewrite it into a package-relative import so ``import
 csi_qsd.csi_pb.csi_pb2_grpc`` works without PYTHONPATH tricks.
@@ -28,12 +32,8 @@ from grpc_tools import protoc
 
 REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 PROTO_DIR: Path = REPO_ROOT / "proto"
-PROTO_FILE: str = "csi.proto"
+PROTO_FILES: tuple[str, ...] = ("csi.proto", "pluginregistration.proto")
 DEFAULT_OUT_DIR: Path = REPO_ROOT / "csi_qsd" / "csi_pb"
-
-GRPC_MODULE: str = "csi_pb2_grpc.py"
-ABSOLUTE_IMPORT: str = "import csi_pb2 as csi__pb2"
-RELATIVE_IMPORT: str = "from . import csi_pb2 as csi__pb2"
 
 
 def _well_known_include() -> Path:
@@ -41,21 +41,29 @@ def _well_known_include() -> Path:
     return Path(str(resources.files("grpc_tools") / "_proto"))
 
 
-def _make_import_relative(grpc_module: Path) -> None:
-    """Turn the generated top-level import of csi_pb2 into a relative one."""
+def modules_of(proto_file: str) -> tuple[str, str, str]:
+    """The message module, its type stubs and the gRPC module protoc writes for `proto_file`."""
+    stem = proto_file.removesuffix(".proto")
+    return f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py"
+
+
+def _make_import_relative(grpc_module: Path, stem: str) -> None:
+    """Turn the generated top-level import of `stem`_pb2 into a relative one."""
+    absolute = f"import {stem}_pb2 as {stem.replace('_', '__')}__pb2"
+    relative = f"from . {absolute}"
     lines = grpc_module.read_text(encoding="utf-8").splitlines(keepends=True)
-    hits = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == ABSOLUTE_IMPORT]
+    hits = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == absolute]
     if len(hits) != 1:
         raise RuntimeError(
-            f"expected exactly one line {ABSOLUTE_IMPORT!r} in {grpc_module}, "
+            f"expected exactly one line {absolute!r} in {grpc_module}, "
             f"found {len(hits)}: protoc's output format changed"
         )
-    lines[hits[0]] = RELATIVE_IMPORT + "\n"
+    lines[hits[0]] = relative + "\n"
     grpc_module.write_text("".join(lines), encoding="utf-8")
 
 
 def generate(out_dir: Path) -> None:
-    """Compile proto/csi.proto into csi_pb2.py, csi_pb2.pyi and csi_pb2_grpc.py in out_dir."""
+    """Compile each of PROTO_FILES into its _pb2.py, _pb2.pyi and _pb2_grpc.py in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
         "grpc_tools.protoc",
@@ -64,12 +72,13 @@ def generate(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        PROTO_FILE,
+        *PROTO_FILES,
     ]
     status = protoc.main(args)
     if status != 0:
         raise RuntimeError(f"protoc failed with exit status {status}: {' '.join(args)}")
-    _make_import_relative(out_dir / GRPC_MODULE)
+    for proto_file in PROTO_FILES:
+        _make_import_relative(out_dir / modules_of(proto_file)[2], proto_file.removesuffix(".proto"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = Path(args[0]) if args else DEFAULT_OUT_DIR
     generate(out_dir)
-    print(f"generated CSI bindings in {out_dir}")
+    print(f"generated {', '.join(PROTO_FILES)} bindings in {out_dir}")
     return 0
 
 

@@ -84,6 +84,23 @@ def free_port() -> int:
         return port
 
 
+async def http_get(port: int, path: str, timeout: float = 30.0) -> tuple[int, bytes] | None:
+    """GET http://127.0.0.1:`port``path`: (status, body), or None while nothing listens there."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
 @dataclass
 class Sandbox:
     """Directories of one driver under test."""

@@ -184,8 +184,9 @@ class CSIClient:
         return response  # type: ignore[no-any-return]
 
     async def probe(self) -> bool:
+        """Whether the plugin says it is ready; a Probe answer without `ready` means ready, as the spec says."""
         response = await self.identity.Probe(pb.ProbeRequest(), timeout=self.timeout)
-        return bool(response.ready.value)
+        return not response.HasField("ready") or bool(response.ready.value)
 
 
 

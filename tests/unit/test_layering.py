@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
     {"node"},
     {"config"},
     {"csi", "csi_pb"},
-    {"backup", "router"},
+    {"backup", "router", "kubelet"},
     {"server"},
     {"metrics"},
     {"cli"},

@@ -1,10 +1,11 @@
-"""The committed CSI bindings match proto/csi.proto, and that matches CSI v1.12.
+"""The committed bindings match proto/*.proto, and those match CSI v1.12 and kubelet's plugin registration.
 
 Regenerating with scripts/gen_proto.py into a temporary directory must give
 the same descriptor and the same gRPC module as the files committed under
 csi_qsd/csi_pb/; spot checks then pin the wire contract to facts of the
-CSI v1.12 spec, so an edit of the .proto that drifts from the spec fails
-even when the bindings were regenerated with it.
+CSI v1.12 spec and of kubelet's pluginregistration/v1 API, so an edit of a
+.proto that drifts from them fails even when the bindings were regenerated
+with it.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from csi_qsd.csi_pb import csi_pb2, csi_pb2_grpc
+from csi_qsd.csi_pb import csi_pb2, csi_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GEN_SCRIPT = REPO_ROOT / "scripts" / "gen_proto.py"
 COMMITTED_DIR = REPO_ROOT / "csi_qsd" / "csi_pb"
+# Each .proto and the message module committed for it.
+PROTOS: dict[str, ModuleType] = {"csi": csi_pb2, "pluginregistration": pluginregistration_pb2}
 
 
 def _load_gen_script() -> ModuleType:
@@ -52,47 +55,50 @@ def _serialized_file_descriptor(pb2_source: str) -> bytes:
             (arg,) = node.args
             assert isinstance(arg, ast.Constant) and isinstance(arg.value, bytes)
             return arg.value
-    raise AssertionError("no AddSerializedFile(...) call in generated csi_pb2.py")
+    raise AssertionError("no AddSerializedFile(...) call in generated *_pb2.py")
 
 
 def _file_descriptor(data: bytes) -> descriptor_pb2.FileDescriptorProto:
     return descriptor_pb2.FileDescriptorProto.FromString(data)
 
 
-# --- the committed generated code is what proto/csi.proto compiles to -------
+# --- the committed generated code is what proto/*.proto compile to -----------
 
 
-def test_generate_writes_the_three_modules(fresh_dir: Path) -> None:
+def test_generate_writes_three_modules_per_proto(fresh_dir: Path) -> None:
     names = sorted(p.name for p in fresh_dir.iterdir() if p.is_file())
-    assert names == ["csi_pb2.py", "csi_pb2.pyi", "csi_pb2_grpc.py"]
+    assert names == sorted(f"{stem}{suffix}" for stem in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
-def test_descriptor_matches_fresh_compile(fresh_dir: Path) -> None:
+@pytest.mark.parametrize("stem", sorted(PROTOS))
+def test_descriptor_matches_fresh_compile(fresh_dir: Path, stem: str) -> None:
     fresh = _file_descriptor(
-        _serialized_file_descriptor((fresh_dir / "csi_pb2.py").read_text(encoding="utf-8"))
+        _serialized_file_descriptor((fresh_dir / f"{stem}_pb2.py").read_text(encoding="utf-8"))
     )
-    committed = _file_descriptor(csi_pb2.DESCRIPTOR.serialized_pb)
-    assert fresh.name == "csi.proto"
+    committed = _file_descriptor(PROTOS[stem].DESCRIPTOR.serialized_pb)
+    assert fresh.name == f"{stem}.proto"
     assert fresh == committed, (
-        "csi_qsd/csi_pb/csi_pb2.py is stale: run `python scripts/gen_proto.py`"
-    )
-
-
-def test_grpc_module_matches_fresh_compile(fresh_dir: Path) -> None:
-    fresh = (fresh_dir / "csi_pb2_grpc.py").read_text(encoding="utf-8")
-    committed = (COMMITTED_DIR / "csi_pb2_grpc.py").read_text(encoding="utf-8")
-    assert "from . import csi_pb2 as csi__pb2\n" in fresh
-    assert "\nimport csi_pb2" not in fresh
-    assert fresh == committed, (
-        "csi_qsd/csi_pb/csi_pb2_grpc.py is stale: run `python scripts/gen_proto.py`"
+        f"csi_qsd/csi_pb/{stem}_pb2.py is stale: run `python scripts/gen_proto.py`"
     )
 
 
-def test_type_stubs_match_fresh_compile(fresh_dir: Path) -> None:
-    fresh = (fresh_dir / "csi_pb2.pyi").read_text(encoding="utf-8")
-    committed = (COMMITTED_DIR / "csi_pb2.pyi").read_text(encoding="utf-8")
+@pytest.mark.parametrize("stem", sorted(PROTOS))
+def test_grpc_module_matches_fresh_compile(fresh_dir: Path, stem: str) -> None:
+    fresh = (fresh_dir / f"{stem}_pb2_grpc.py").read_text(encoding="utf-8")
+    committed = (COMMITTED_DIR / f"{stem}_pb2_grpc.py").read_text(encoding="utf-8")
+    assert f"from . import {stem}_pb2 as {stem}__pb2\n" in fresh
+    assert f"\nimport {stem}_pb2" not in fresh
     assert fresh == committed, (
-        "csi_qsd/csi_pb/csi_pb2.pyi is stale: run `python scripts/gen_proto.py`"
+        f"csi_qsd/csi_pb/{stem}_pb2_grpc.py is stale: run `python scripts/gen_proto.py`"
+    )
+
+
+@pytest.mark.parametrize("stem", sorted(PROTOS))
+def test_type_stubs_match_fresh_compile(fresh_dir: Path, stem: str) -> None:
+    fresh = (fresh_dir / f"{stem}_pb2.pyi").read_text(encoding="utf-8")
+    committed = (COMMITTED_DIR / f"{stem}_pb2.pyi").read_text(encoding="utf-8")
+    assert fresh == committed, (
+        f"csi_qsd/csi_pb/{stem}_pb2.pyi is stale: run `python scripts/gen_proto.py`"
     )
 
 
@@ -326,3 +332,39 @@ def test_wire_encoding() -> None:
     decoded = csi_pb2.CreateVolumeRequest.FromString(b"\x0a\x01v\x42\x06\x0a\x01k\x12\x01x")
     assert decoded.name == "v"
     assert dict(decoded.mutable_parameters) == {"k": "x"}
+
+
+# --- spot checks of kubelet's plugin registration wire contract --------------
+
+
+def test_registration_service_and_methods() -> None:
+    fd = pluginregistration_pb2.DESCRIPTOR
+    assert fd.package == "pluginregistration"
+    assert not list(fd.dependencies)
+    (service,) = fd.services_by_name.values()
+    assert service.full_name == "pluginregistration.Registration"
+    assert [(m.name, m.input_type.name, m.output_type.name) for m in service.methods] == [
+        ("GetInfo", "InfoRequest", "PluginInfo"),
+        ("NotifyRegistrationStatus", "RegistrationStatus", "RegistrationStatusResponse"),
+    ]
+    fdp = _file_descriptor(fd.serialized_pb)
+    assert not any(m.client_streaming or m.server_streaming for s in fdp.service for m in s.method)
+    source = (COMMITTED_DIR / "pluginregistration_pb2_grpc.py").read_text(encoding="utf-8")
+    for method in ("GetInfo", "NotifyRegistrationStatus"):
+        assert f"'/pluginregistration.Registration/{method}'" in source
+    assert hasattr(pluginregistration_pb2_grpc, "add_RegistrationServicer_to_server")
+
+
+def test_registration_messages() -> None:
+    pb = pluginregistration_pb2
+    assert _field_numbers(pb.PluginInfo) == {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4}
+    versions = pb.PluginInfo.DESCRIPTOR.fields_by_name["supported_versions"]
+    assert versions.is_repeated and versions.type == FieldDescriptor.TYPE_STRING
+    assert _field_numbers(pb.RegistrationStatus) == {"plugin_registered": 1, "error": 2}
+    registered = pb.RegistrationStatus.DESCRIPTOR.fields_by_name["plugin_registered"]
+    assert registered.type == FieldDescriptor.TYPE_BOOL
+    assert _field_numbers(pb.RegistrationStatusResponse) == {}
+    assert _field_numbers(pb.InfoRequest) == {}
+    info = pb.PluginInfo(type="CSIPlugin", name="n", endpoint="/e", supported_versions=["1.0.0"])
+    assert info.SerializeToString() == b"\x0a\x09CSIPlugin\x12\x01n\x1a\x02/e\x22\x051.0.0"
+    assert pb.RegistrationStatus(plugin_registered=True, error="x").SerializeToString() == b"\x08\x01\x12\x01x"
