@@ -87,12 +87,25 @@ class CopyStreams:
     def tls_dir(self) -> Path:
         return self._settings.copies_dir / "tls-client"
 
-    async def prepare(self, client: QSDClient) -> None:
-        """Give a (re)started QSD the TLS client credentials copies' backing files name, before any volume opens."""
+    async def prepare(self, client: QSDClient, *, required: bool = False) -> None:
+        """Give a (re)started QSD the TLS client credentials copies' backing files name, before any volume opens.
+
+        The files come from an optional Secret that may appear after the driver starts (deploy/node.yaml):
+        while they are missing, a QSD start goes on without them (logged), and a copy that needs them
+        (`required`) raises Unavailable naming the missing file.
+        """
         if self._settings.tls is None:
             return
         cert, key, ca = self._settings.tls
-        directory = await asyncio.to_thread(nbd_tcp.tls_dir, self.tls_dir, cert, key, ca, endpoint="client")
+        try:
+            directory = await asyncio.to_thread(nbd_tcp.tls_dir, self.tls_dir, cert, key, ca, endpoint="client")
+        except FileNotFoundError as error:
+            if required:
+                raise Unavailable(f"copies between nodes need this node's TLS files, missing: {error.filename}") \
+                    from error
+            log.warning("event=copy_tls_missing file=%s hint=copies from other nodes wait for the node's "
+                        "metadata TLS Secret", error.filename)
+            return
         await attach.ensure_tls_client(client, PEER_TLS_OBJECT, directory)
 
     def start(self, volume_id: str) -> None:
@@ -197,7 +210,7 @@ class CopyStreams:
         job = job_id(volume.id)
         if await client.job(job) is None:
             async with self._locks.hold(volume.id):
-                await self.prepare(client)
+                await self.prepare(client, required=True)
                 current = await self._catalog.volume(volume.id)
                 if current is None:
                     return

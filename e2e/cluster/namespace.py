@@ -48,11 +48,11 @@ def _self_cgroup_parent() -> str:
     return ""
 
 
-def cgroup_hierarchies() -> list[Path]:
-    """The cgroup v1 hierarchies mounted under /sys/fs/cgroup (cgroup2's `unified` left out)."""
+def cgroup_hierarchies(*, unified: bool = False) -> list[Path]:
+    """The cgroup v1 hierarchies mounted under /sys/fs/cgroup, and cgroup2's `unified` if asked."""
     found = []
     for entry in sorted(Path("/sys/fs/cgroup").iterdir()):
-        if entry.name != "unified" and (entry / "cgroup.procs").exists():
+        if (unified or entry.name != "unified") and (entry / "cgroup.procs").exists():
             found.append(entry)
     return found
 
@@ -74,7 +74,7 @@ class NodeNamespace:
         self.name = name
         self.base = base
         self.address = address
-        self.cgroup = f"{_self_cgroup_parent()}/csi-qsd-{name}"
+        self.cgroup = f"{_self_cgroup_parent()}/{name}"
         self.holder: subprocess.Popen[bytes] | None = None
         self._made_cgroups: list[Path] = []
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
@@ -95,7 +95,8 @@ class NodeNamespace:
                     for knob in ("cpuset.cpus", "cpuset.mems"):
                         (directory / knob).write_text((directory.parent / knob).read_text())
 
-    def _join_cgroup(self, pid: int) -> None:
+    def _join_cgroup(self, pid: int = 0) -> None:
+        """Move `pid` (0: the calling process) into the node's cgroup; what it starts follows it."""
         for hierarchy in cgroup_hierarchies():
             (hierarchy / self.cgroup.lstrip("/") / "cgroup.procs").write_text(str(pid))
 
@@ -155,8 +156,10 @@ class NodeNamespace:
         """Start a long-running node process, its output in `log`."""
         out: IO[bytes] = open(log, "ab")
         try:
+            # Joined before exec, so that teardown finds it, and everything it starts, by the node's cgroup.
             proc = subprocess.Popen(self.command(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "LC_ALL": "C", **(env or {})}, start_new_session=True)
+                                    env={**os.environ, "LC_ALL": "C", **(env or {})}, start_new_session=True,
+                                    preexec_fn=self._join_cgroup)
         finally:
             out.close()
         self.processes.append((label, proc))
@@ -171,8 +174,8 @@ class NodeNamespace:
     def cgroup_pids(self) -> set[int]:
         """Every process in the node's cgroup and below (pods included)."""
         pids: set[int] = set()
-        for hierarchy in cgroup_hierarchies():
-            if hierarchy.name != "pids":
+        for hierarchy in cgroup_hierarchies(unified=True):
+            if hierarchy.name not in ("pids", "unified"):
                 continue
             root = hierarchy / self.cgroup.lstrip("/")
             if root.exists():
@@ -221,20 +224,29 @@ class NodeNamespace:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.holder.wait(5)
         subprocess.run(["ip", "link", "del", self.address.host_if], capture_output=True)
-        for directory in reversed(self._made_cgroups):
+        # kubelet and runc make cgroups below the node's in every hierarchy, cgroup2's too.
+        trees = [h / self.cgroup.lstrip("/") for h in cgroup_hierarchies(unified=True)]
+        for directory in [*trees, *reversed(self._made_cgroups)]:
+            if not directory.exists():
+                continue
             children = sorted((d for d in directory.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))
             for child in [*children, directory]:
-                for _ in range(50):
-                    try:
-                        child.rmdir()
-                        break
-                    except FileNotFoundError:
-                        break
-                    except OSError:
-                        time.sleep(0.1)
-                else:
+                if not _rmdir(child):
                     problems.append(f"cgroup {child} not removed")
         return problems
+
+
+def _rmdir(directory: Path) -> bool:
+    """Remove an empty cgroup, retrying while the kernel still counts its last processes."""
+    for _ in range(50):
+        try:
+            directory.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

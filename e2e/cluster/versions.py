@@ -15,7 +15,8 @@ KUBERNETES = "v1.34.4"
 KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd")
 
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
-BUSYBOX_IMAGE = "localhost/csi-qsd-test/busybox:1"
+# Debian's busybox-static under the name deploy/examples/ use, so the examples run unchanged.
+BUSYBOX_IMAGE = "docker.io/library/busybox:1.36"
 
 
 @dataclass(frozen=True)
@@ -39,5 +40,7 @@ SIDECARS = (
             "github.com/kubernetes-csi/external-resizer/v2", "v2.3.0", "cmd/csi-resizer"),
 )
 
-# The snapshot CRDs ship in the snapshotter's client module (config/crd/).
+# The snapshot CRDs ship in the snapshotter's client module (config/crd/), the controller's
+# manifests in the snapshotter's own (deploy/kubernetes/snapshot-controller/).
 SNAPSHOT_CLIENT_MODULE = ("github.com/kubernetes-csi/external-snapshotter/client/v8", "v8.7.0")
+SNAPSHOTTER_MODULE = ("github.com/kubernetes-csi/external-snapshotter/v8", "v8.7.0")

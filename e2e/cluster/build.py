@@ -1,0 +1,165 @@
+"""Everything the cluster runs, built here and cached by version: binaries, images, CRDs.
+
+Kubernetes, etcd and the CSI sidecars are built from their Go modules (the
+scripts beside this file); each sidecar, pause and a busybox become `FROM
+scratch` images; the driver's image is built from this checkout's
+Dockerfile (`scripts/build-image.sh`), cached by a digest of the files that
+go into it. The cache lives in `$CSI_QSD_CACHE_DIR/cluster` (default
+`~/.cache/csi-qsd/cluster`), so a second run builds nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from e2e.cluster import versions
+from e2e.cluster.images import ImageFile, ScratchImage, write_oci_archive
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+DRIVER_IMAGE = "ghcr.io/csi-qsd/csi-qsd:0.1.0"
+# The node-driver-registrar and livenessprobe modules are not served by the Go module proxy; the
+# driver's image carries drop-in replacements with the same flags (csi-qsd kubelet-registrar,
+# csi-qsd liveness-probe), and the cluster's overlay points those two containers at them.
+REGISTRAR_IMAGE = "localhost/csi-qsd/kubelet-registrar:0.1.0"
+LIVENESS_IMAGE = "localhost/csi-qsd/liveness-probe:0.1.0"
+
+
+def cache_root() -> Path:
+    explicit = os.environ.get("CSI_QSD_CACHE_DIR")
+    base = Path(explicit).expanduser() if explicit else Path.home() / ".cache" / "csi-qsd"
+    return base / "cluster"
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a cluster run needs: the Kubernetes binaries' directory, image archives, the snapshot CRDs and controller."""
+
+    kubernetes: Path
+    images: tuple[Path, ...]
+    snapshot_crds: Path
+    snapshot_controller_manifests: Path
+
+
+def _run(argv: list[str], **kwargs: object) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}, **kwargs)  # type: ignore[call-overload]
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return str(result.stdout)
+
+
+def _module_dir(module: str, version: str) -> Path:
+    answer = json.loads(_run(["go", "mod", "download", "-json", f"{module}@{version}"], cwd="/"))
+    if "Error" in answer:
+        raise RuntimeError(f"go mod download {module}@{version}: {answer['Error']}")
+    return Path(answer["Dir"])
+
+
+def kubernetes_binaries(root: Path) -> Path:
+    out = root / f"kubernetes-{versions.KUBERNETES}"
+    _run(["bash", str(HERE / "build-kubernetes.sh"), versions.KUBERNETES, str(out), *versions.KUBERNETES_BINARIES])
+    return out
+
+
+def _scratch(root: Path, image: ScratchImage) -> Path:
+    key = hashlib.sha256(repr((image.name, image.entrypoint, [
+        (f.path, f.symlink, f.source.stat().st_mtime_ns if f.source else f.data) for f in image.files
+    ])).encode()).hexdigest()[:16]
+    archive = root / "images" / f"{image.name.replace('/', '_').replace(':', '_')}-{key}.tar"
+    if not archive.exists():
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        write_oci_archive(image, archive)
+    return archive
+
+
+def sidecar_images(root: Path) -> list[Path]:
+    out = root / "sidecars"
+    archives = []
+    for sidecar in versions.SIDECARS:
+        _run(["bash", str(HERE / "build-go-module.sh"), sidecar.module, sidecar.version,
+              str(out / sidecar.version), sidecar.package])
+        name = sidecar.package.rsplit("/", 1)[-1]
+        binary = out / sidecar.version / name
+        archives.append(_scratch(root, ScratchImage(sidecar.image, (ImageFile(f"/{name}", binary),), (f"/{name}",))))
+    return archives
+
+
+def pause_image(root: Path) -> Path:
+    binary = root / f"pause-{versions.KUBERNETES}"
+    if not binary.exists():
+        source = _module_dir("k8s.io/kubernetes", versions.KUBERNETES) / "build" / "pause" / "linux" / "pause.c"
+        _run(["gcc", "-Os", "-static", "-DVERSION=" + versions.KUBERNETES, "-o", f"{binary}.tmp", str(source)])
+        Path(f"{binary}.tmp").rename(binary)
+    return _scratch(root, ScratchImage(versions.PAUSE_IMAGE, (ImageFile("/pause", binary),), ("/pause",)))
+
+
+def busybox_image(root: Path) -> Path:
+    """Debian's busybox-static as the image the examples name, so they run unchanged."""
+    busybox = Path("/bin/busybox")
+    applets = _run([str(busybox), "--list"]).split()
+    files = [ImageFile("/bin/busybox", busybox)]
+    files += [ImageFile(f"/bin/{a}", symlink="busybox") for a in applets if a != "busybox"]
+    files.append(ImageFile("/etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n",
+                           mode=0o644))
+    files.append(ImageFile("/etc/group", data=b"root:x:0:\nnogroup:x:65534:\n", mode=0o644))
+    files.append(ImageFile("/tmp/.keep", data=b"", mode=0o644))
+    return _scratch(root, ScratchImage(versions.BUSYBOX_IMAGE, tuple(files), ("/bin/sh",)))
+
+
+def _source_digest() -> str:
+    """A digest of the files the driver's image is built from (tracked and new files of this checkout)."""
+    names = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO).split("\0")
+    digest = hashlib.sha256()
+    for name in sorted(n for n in names if n):
+        path = REPO / name
+        if path.is_file() and not name.startswith(("e2e/", "tests/", "docs/")):
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def driver_images(root: Path) -> Path:
+    """The driver's image from the Dockerfile, and the registrar and liveness images derived from it."""
+    archive = root / "images" / f"csi-qsd-{_source_digest()}.tar"
+    if archive.exists():
+        return archive
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    _run(["bash", str(REPO / "scripts" / "build-image.sh"), DRIVER_IMAGE])
+    work = root / "images" / "derived"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for name, command in ((REGISTRAR_IMAGE, "kubelet-registrar"), (LIVENESS_IMAGE, "liveness-probe")):
+        (work / "Containerfile").write_text(f'FROM {DRIVER_IMAGE}\nENTRYPOINT ["csi-qsd", "{command}"]\n')
+        _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", name, str(work)])
+    for stale in (root / "images").glob("csi-qsd-*.tar"):
+        stale.unlink()
+    tmp = archive.with_name(archive.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    _run(["podman", "save", "--multi-image-archive", "--format", "docker-archive", "--output", str(tmp),
+          DRIVER_IMAGE, REGISTRAR_IMAGE, LIVENESS_IMAGE])
+    tmp.rename(archive)
+    shutil.rmtree(work, ignore_errors=True)
+    return archive
+
+
+def snapshot_crds() -> Path:
+    return _module_dir(*versions.SNAPSHOT_CLIENT_MODULE) / "config" / "crd"
+
+
+def snapshot_controller_manifests() -> Path:
+    return _module_dir(*versions.SNAPSHOTTER_MODULE) / "deploy" / "kubernetes" / "snapshot-controller"
+
+
+def build_all(root: Path | None = None) -> Built:
+    """Build (or find in the cache) everything a cluster run needs."""
+    root = root or cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    kubernetes = kubernetes_binaries(root)
+    images = [pause_image(root), busybox_image(root), *sidecar_images(root), driver_images(root)]
+    return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests())

@@ -1,0 +1,109 @@
+"""The cluster tier's fixtures: one cluster per session with the driver deployed, torn down leaving nothing.
+
+The cluster is built (or found in the cache), started, given the snapshot
+CRDs and controller, and csi-qsd is deployed with `kubectl apply -k` of the
+overlay. At the end every test namespace is deleted first, so the driver
+unpublishes, unstages and deletes what the tests made as it would in a real
+cluster; what it leaves (a mount, a loop device, a QSD export) fails the
+session, and then the node is killed and its cgroup and link removed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from e2e.cluster import deploy
+from e2e.cluster.build import Built, build_all
+from e2e.cluster.cluster import Binaries, Cluster
+from e2e.cluster.versions import KUBERNETES
+
+TOOLS = ("go", "gcc", "containerd", "runc", "podman", "mmdebstrap", "iptables", "nsenter", "unshare")
+_MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]
+_REPORT: list[str] = []
+
+
+def cluster_marks() -> list[pytest.MarkDecorator]:
+    """`pytestmark` for a cluster-tier module: marked, and skipped naming any missing tool."""
+    return [pytest.mark.cluster,
+            pytest.mark.skipif(bool(_MISSING), reason=f"cluster tier needs {', '.join(_MISSING)}")]
+
+
+@pytest.fixture(scope="session")
+def built() -> Built:
+    return build_all()
+
+
+@pytest.fixture(scope="session")
+def cluster(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("cluster")
+    running = Cluster(base, Binaries(built.kubernetes))
+    problems: list[str] = []
+    try:
+        running.start(list(built.images))
+        server = running.kubectl("version", "-o", "json").stdout
+        _REPORT.append(f"cluster tier: Kubernetes {KUBERNETES} (kubectl version: "
+                       f"{' '.join(server.split())[:200]}), containerd {_containerd_version()}")
+        deploy.install_snapshot_support(running, built)
+        deploy.deploy_driver(running)
+        yield running
+    finally:
+        try:
+            problems += _graceful_teardown(running)
+        finally:
+            problems += running.stop()
+            if problems:
+                _REPORT.append("cluster teardown left: " + "; ".join(problems))
+    assert not problems, f"the cluster left things behind: {problems} (logs in {running.logs})"
+
+
+def _containerd_version() -> str:
+    return subprocess.run(["containerd", "--version"], capture_output=True, text=True).stdout.split()[-2:][0]
+
+
+def _graceful_teardown(cluster: Cluster) -> list[str]:
+    """Delete the tests' namespaces and wait until the driver has taken every volume down."""
+    if cluster.pki is None or cluster.node.holder is None or cluster.node.holder.poll() is not None:
+        return []
+    namespaces = [n["metadata"]["name"] for n in deploy.get_json(cluster, "namespaces", "-l", "csi-qsd-test=true")["items"]]
+    for name in namespaces:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    problems = []
+    try:
+        deploy.wait_until(lambda: not deploy.get_json(cluster, "pv")["items"], 180,
+                          "every PersistentVolume to be deleted")
+    except TimeoutError as error:
+        problems.append(str(error))
+    node_mounts = cluster.node.run(["findmnt", "-rn", "-o", "TARGET,FSTYPE"], check=False).stdout.splitlines()
+    left = [m for m in node_mounts if "/volumes/kubernetes.io~csi/" in m or "/volumeDevices/kubernetes.io~csi/" in m
+            or "/plugins/kubernetes.io/csi/" in m or m.startswith("/var/lib/csi-qsd/") and "fuse" in m]
+    problems += [f"mount {m}" for m in left]
+    loops = cluster.node.run(["losetup", "-n", "-l", "-O", "NAME,BACK-FILE"], check=False).stdout.splitlines()
+    problems += [f"loop device {line}" for line in loops if "/var/lib/csi-qsd" in line]
+    for line in loops:  # detached anyway, so that the host keeps no loop device once the node is gone
+        if "/var/lib/csi-qsd" in line:
+            cluster.node.run(["losetup", "-d", line.split()[0]], check=False)
+    return problems
+
+
+@pytest.fixture
+def test_namespace(cluster: Cluster) -> Iterator[str]:
+    """A namespace of the test's own, deleted (with its PVCs and pods) afterwards."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "csi-qsd-test=true")
+    deploy.wait_until(lambda: cluster.kubectl("get", "-n", name, "serviceaccount", "default", check=False).returncode == 0,
+                      60, f"the default service account in {name}")
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=180s", check=False, timeout=200)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _REPORT:
+        terminalreporter.write_line(line)
+
+

@@ -1,0 +1,33 @@
+"""deploy/ applied with `kubectl apply -k` in a real cluster: the node plugin runs, kubelet registers it, capacity is published."""
+
+from __future__ import annotations
+
+from e2e.cluster import deploy
+from e2e.cluster.cluster import Cluster
+from e2e.cluster.conftest import cluster_marks
+
+pytestmark = cluster_marks()
+
+
+def test_daemonset_ready_and_registered_with_kubelet(cluster: Cluster) -> None:
+    pod = deploy.driver_pod(cluster)
+    statuses = {c["name"]: c for c in pod["status"]["containerStatuses"]}
+    assert set(statuses) == {"csi-qsd", "qsd", "node-driver-registrar", "csi-provisioner", "csi-snapshotter",
+                             "csi-resizer", "liveness-probe"}
+    assert all(c["ready"] for c in statuses.values()), statuses
+    csinode = deploy.get_json(cluster, "csinode", cluster.node_name)
+    [driver] = [d for d in csinode["spec"]["drivers"] if d["name"] == "csi-qsd.io"]
+    assert driver["nodeID"] == cluster.node_name
+    assert "topology.csi-qsd.io/node" in (driver.get("topologyKeys") or []) or driver.get("topologyKeys"), driver
+    node = deploy.get_json(cluster, "node", cluster.node_name)
+    assert any(k.startswith("topology.csi-qsd.io") for k in node["metadata"]["labels"]), node["metadata"]["labels"]
+
+
+def test_storage_capacity_published_per_class(cluster: Cluster) -> None:
+    def capacities() -> list[dict[str, object]]:
+        items: list[dict[str, object]] = deploy.get_json(cluster, "-n", deploy.DRIVER_NAMESPACE,
+                                                         "csistoragecapacities")["items"]
+        return [c for c in items if c.get("capacity")]
+    found = deploy.wait_until(capacities, 120, "CSIStorageCapacity objects from the provisioner")
+    classes = {c["storageClassName"] for c in found}  # type: ignore[index]
+    assert {"csi-qsd-fs", "csi-qsd-block", "csi-qsd-vm"} <= classes, classes
