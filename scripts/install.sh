@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install everything csi-qsd needs on Debian 12: system packages and a virtualenv in .venv.
+# Install everything csi-qsd needs on Debian 12: system packages, a virtualenv in .venv, the QEMU it
+# runs (scripts/install-qemu.sh) and a Go new enough for the cluster tier (scripts/install-go.sh).
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,9 @@ PACKAGES=(
   fuse3 e2fsprogs xfsprogs util-linux mount
   fio curl ca-certificates mmdebstrap podman buildah
   tgt
+  # the cluster tier (e2e/cluster/): its node's runtime and network, the static pause binary
+  # (gcc -static needs libc6-dev), busybox's image from /bin/busybox, the driver image's digest (git)
+  containerd runc containernetworking-plugins iptables conntrack iproute2 busybox-static gcc libc6-dev git
 )
 
 missing=()
@@ -38,4 +42,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 SUDO="$SUDO" bash scripts/install-qemu.sh .venv/bin
+bash scripts/install-go.sh .venv/bin
 echo "csi-qsd installed: $(.venv/bin/csi-qsd --version)"
