@@ -258,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=_env_list(serve, "--peer", _node_address),
                        help="another node plugin's metadata listener, asked for snapshots and volumes this node "
                             "does not hold when CreateVolume names one (a restore or clone from another node); "
-                            f"uses the --metadata-* TLS files (repeatable; env {env_name('--peer')}, space-separated)")
+                            "; only the nodes named here may lease this node's snapshots, each for itself, proven by "
+                            "a certificate whose common name and a DNS name are its node name; uses the --metadata-* "
+                            f"TLS files (repeatable; env {env_name('--peer')}, space-separated)")
     _option(serve, "--copy-address", "", "address on which this node serves its snapshots to copies on other "
             "nodes (NBD with TLS); default the --metadata-address host")
     _option(serve, "--copy-ports", "10900-10999", "TCP ports for those NBD servers, LOW-HIGH (one per copy)",

@@ -23,6 +23,7 @@ class Code(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     OUT_OF_RANGE = "OUT_OF_RANGE"
     ABORTED = "ABORTED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     UNIMPLEMENTED = "UNIMPLEMENTED"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
@@ -60,6 +61,12 @@ class OutOfRange(DriverError):
 
 class Aborted(DriverError):
     code = Code.ABORTED
+
+
+class PermissionDenied(DriverError):
+    """An authenticated caller asked for what its identity does not allow (another node's copy)."""
+
+    code = Code.PERMISSION_DENIED
 
 
 class Unimplemented(DriverError):

@@ -52,10 +52,6 @@ from csi_qsd.sys.tools import bundled
 
 log = logging.getLogger(__name__)
 
-# The name in the node plugins' certificate, which a copy's NBD client checks (as the router does).
-COPY_SERVER_NAME = "csi-qsd-node"
-
-
 class Driver:
     """A running driver's parts, for the server and for tests that look inside."""
 
@@ -144,7 +140,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
             state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
             tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
             qemu_img=config.qemu_img, rate=config.copy_rate)
-        peers = PeerNodes(config.peers, tls, config.node_id, COPY_SERVER_NAME)
+        peers = PeerNodes(config.peers, tls, config.node_id)
         streams = CopyStreams(catalog, exports, locks, peers, settings)
         copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, on_copy=streams.start),
                                  SourceLeases(catalog, snapshots, settings, locks), streams)
@@ -184,5 +180,6 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         async with unix_socket.serving(server, config.endpoint):
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata,
-                                                 handlers=(copies_handler(driver.copies.leases),)):
+                                                 handlers=(copies_handler(driver.copies.leases,
+                                                                         [name for name, _ in config.peers]),)):
                 yield driver

@@ -1,7 +1,11 @@
 """Certificates for mutual-TLS tests, minted per test: a CA, node and router certificates, and a stranger's.
 
-The stranger has its own CA, so its certificate is well-formed and signed,
-just not by the CA the node plugins and the router trust.
+Each node plugin has a certificate of its own (`Pki.for_node`): its common
+name and a DNS name are the node name, beside the one name all node
+plugins share for the router (`csi-qsd-node`) and 127.0.0.1. `Pki.node`
+is a node certificate for tests with one node. The stranger has its own CA,
+so its certificate is well-formed and signed, just not by the CA the node
+plugins and the router trust.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ class Authority:
     def ca_path(self) -> Path:
         return self.directory / f"{self.name}-ca.crt"
 
-    def issue(self, common_name: str, *, server: bool, trusts: "Authority | None" = None) -> PemFiles:
-        """A leaf certificate (server: for the node plugins' name and 127.0.0.1) and the CA its holder trusts."""
+    def issue(self, common_name: str, *, server: bool, trusts: "Authority | None" = None,
+              dns_names: tuple[str, ...] = (DEFAULT_SERVER_NAME,)) -> PemFiles:
+        """A leaf certificate (server: for `dns_names` and 127.0.0.1) and the CA its holder trusts."""
         key = ec.generate_private_key(ec.SECP256R1())
         # A node plugin's certificate serves its listener and, for copies across nodes, calls other nodes.
         usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [
@@ -64,7 +69,7 @@ class Authority:
                    .add_extension(x509.ExtendedKeyUsage(usage), critical=False))
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName(DEFAULT_SERVER_NAME), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                *map(x509.DNSName, dns_names), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         cert_path, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -81,6 +86,14 @@ class Pki:
     node: PemFiles
     router: PemFiles
     stranger: PemFiles
+    cluster: Authority
+
+    def for_node(self, name: str) -> PemFiles:
+        """Node `name`'s own certificate (made once): its common name and a DNS name are `name`."""
+        cert = self.cluster.directory / f"{name}.crt"
+        if cert.exists():
+            return PemFiles(cert, cert.with_suffix(".key"), self.cluster.ca_path)
+        return self.cluster.issue(name, server=True, dns_names=(name, DEFAULT_SERVER_NAME))
 
 
 def mint(directory: Path) -> Pki:
@@ -88,4 +101,4 @@ def mint(directory: Path) -> Pki:
     cluster = Authority(directory, "cluster")
     other = Authority(directory, "other")
     return Pki(node=cluster.issue("node", server=True), router=cluster.issue("router", server=False),
-               stranger=other.issue("stranger", server=False, trusts=cluster))
+               stranger=other.issue("stranger", server=False, trusts=cluster), cluster=cluster)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,8 @@ from pathlib import Path
 import grpc
 
 from csi_qsd.csi.client import CSIClient
-from csi_qsd.csi.tls import PemFiles
+from csi_qsd.csi.peers import SERVICE
+from csi_qsd.csi.tls import PemFiles, channel_credentials
 from tests.certs import Pki
 from tests.harness import DriverProcess, Sandbox, free_port, sandbox, terminate, until
 
@@ -74,15 +76,32 @@ class Router:
 
 @contextlib.asynccontextmanager
 async def node_plugin(name: str, pki: Pki, *extra: str, address: str = "") -> AsyncIterator[Node]:
-    """A node plugin on its own sandbox and listener (`address`, default a free port); `extra` serve flags."""
+    """A node plugin on its own sandbox and listener (`address`, default a free port), with its own certificate;
+    `extra` serve flags."""
     with sandbox() as box:
         address = address or f"127.0.0.1:{free_port()}"
+        tls = pki.for_node(name)
         process = DriverProcess(box, "--node-id", name, "--metadata-address", address,
-                                "--metadata-cert", str(pki.node.cert), "--metadata-key", str(pki.node.key),
-                                "--metadata-client-ca", str(pki.node.ca), *extra)
+                                "--metadata-cert", str(tls.cert), "--metadata-key", str(tls.key),
+                                "--metadata-client-ca", str(tls.ca), *extra)
         try:
             await process.start()
             async with CSIClient(box.endpoint, timeout=60) as csi:
                 yield Node(name, box, process, address, csi)
         finally:
             await process.stop()
+
+
+async def copies_call(address: str, files: PemFiles, method: str, request: dict[str, str],
+                      server_name: str = "node-a") -> tuple[grpc.StatusCode, str]:
+    """Call `csi_qsd.v1.Copies/method` on the listener at `address` (whose certificate must name `server_name`),
+    presenting `files`, as another node would; the answer's code and message."""
+    options = (("grpc.ssl_target_name_override", server_name),)
+    async with grpc.aio.secure_channel(address, channel_credentials(files), options=options) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=lambda m: json.dumps(m).encode(),
+                                   response_deserializer=json.loads)
+        try:
+            await call(request, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""

@@ -16,6 +16,11 @@ listener):
 * **Source** (`SourceLeases`): a lease is a row recorded before its NBD
   server starts (`csi_qsd.sys.nbd_tcp`, detached: it outlives the driver,
   and a driver that starts serves again every lease whose server is gone).
+  A lease belongs to the node that asked for it: only that node may ask it
+  again or release it (PERMISSION_DENIED naming both), and its NBD server
+  lets in only a client whose certificate names that node (QEMU's
+  `authz-list` on the TLS client's name); the target checks in turn that
+  the server's certificate names the source node (`tls-hostname`).
   While a lease reads a snapshot, DeleteSnapshot of it (and DeleteVolume of a
   volume being cloned) is FAILED_PRECONDITION naming the copy and its node.
   A clone of a volume leases a hidden snapshot cut for it, deleted with the
@@ -39,8 +44,8 @@ from csi_qsd.catalog import (
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.controller.volumes import Capability, choose_size, unsupported_capability
 from csi_qsd.errors import (
-    AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted,
-    SourceUnreachable,
+    AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied,
+    ResourceExhausted, SourceUnreachable,
 )
 from csi_qsd.params import ImageFormat, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
@@ -99,7 +104,6 @@ class CopySettings:
     host: str = "127.0.0.1"
     ports: range = range(10900, 11000)
     tls: tuple[Path, Path, Path] | None = None  # cert, key, CA
-    server_name: str = "csi-qsd-node"
     qemu_nbd: str = "qemu-nbd"
     qemu_img: str = "qemu-img"
     rate: int = 0  # bytes/s a stream may copy (0: as fast as it goes)
@@ -124,23 +128,26 @@ def copy_image(pool: Pool, volume_id: str) -> Path:
     return pool.image_path(volume_id, ImageFormat.QCOW2).with_name(f"{volume_id}{COPY_SUFFIX}")
 
 
-def nbd_backing(address: str, export: str, server_name: str) -> str:
-    """The `json:` backing file name of a copy image: the source's export, over TLS, bounded waits."""
+def nbd_backing(address: str, export: str, node: str) -> str:
+    """The `json:` backing file name of a copy image: the source's export, over TLS, bounded waits.
+
+    The source's certificate must name `node`, the source node (as its DNS name).
+    """
     host, _, port = address.rpartition(":")
     spec = {"driver": "raw", "file": {
         "driver": "nbd", "server": {"type": "inet", "host": host.strip("[]"), "port": port}, "export": export,
-        "tls-creds": PEER_TLS_OBJECT, "tls-hostname": server_name,
+        "tls-creds": PEER_TLS_OBJECT, "tls-hostname": node,
         "reconnect-delay": RECONNECT_DELAY_SECONDS, "open-timeout": OPEN_TIMEOUT_SECONDS}}
     return "json:" + json.dumps(spec, separators=(",", ":"))
 
 
-async def point_backing(qemu_img: str, image: Path, address: str, export: str, server_name: str) -> None:
+async def point_backing(qemu_img: str, image: Path, address: str, export: str, node: str) -> None:
     """Make a copy image (open nowhere) read through the source's export at a new `address`.
 
     Only the header's backing name changes (`qemu-img rebase -u`, which opens no backing); the copied data stays.
     Raises HostCommandError.
     """
-    await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", nbd_backing(address, export, server_name),
+    await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", nbd_backing(address, export, node),
               str(image))
 
 
@@ -190,7 +197,8 @@ class SourceLeases:
 
     async def lease(self, copy_volume_id: str, node: str, source: str) -> Lease:
         """Serve `source` for the copy `copy_volume_id` on `node` (idempotent). Raises NotFound,
-        FailedPrecondition (no TLS files), ResourceExhausted (no free port)."""
+        FailedPrecondition (no TLS files), ResourceExhausted (no free port), PermissionDenied (the copy's
+        lease belongs to another node)."""
         validate.volume_id(copy_volume_id, "copy volume_id")
         kind, ident = parse_source(source)
         if self._settings.tls is None:
@@ -200,6 +208,9 @@ class SourceLeases:
             record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
             if record is None:
                 record = await self._new_lease(copy_volume_id, node, source, kind, ident)
+            elif record.node != node:
+                raise PermissionDenied(f"copy {copy_volume_id} is leased to node {record.node}; node {node} may not "
+                                       "lease it")
             try:
                 record = await self._serve(record)
             except BaseException:
@@ -256,10 +267,17 @@ class SourceLeases:
                  copy_volume_id, node, snapshot.id, record.address)
         return record
 
-    async def release(self, copy_volume_id: str) -> None:
-        """Stop serving the copy and drop its lease; nothing if there is none."""
+    async def release(self, copy_volume_id: str, node: str = "") -> None:
+        """Stop serving the copy and drop its lease; nothing if there is none.
+
+        `node`: the node asking, which must be the one the lease is for ('': this node's operator, anyone's).
+        Raises PermissionDenied.
+        """
         async with self._locks.hold(copy_volume_id):
             record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+            if record is not None and node and record.node != node:
+                raise PermissionDenied(f"copy {copy_volume_id} is leased to node {record.node}; node {node} may not "
+                                       "release it")
             if record is not None:
                 await self._drop(record)
                 log.info("event=copy_lease_released copy_volume_id=%s node=%s snapshot_id=%s",
@@ -319,8 +337,13 @@ class SourceLeases:
         the lease again (`csi_qsd.node.copies`). Raises ResourceExhausted, HostCommandError.
         """
         pid_file, port = self._pid_file(record.volume_id), self._port(record)
-        if nbd_tcp.serving_pid(pid_file, port) is not None:
+        pid = nbd_tcp.serving_pid(pid_file, port)
+        if pid is not None and nbd_tcp.admits_only(pid, record.node):
             return record
+        if pid is not None:  # started by a driver that let any node of the CA in: serve again, for its node only
+            log.warning("event=copy_server_restarted copy_volume_id=%s node=%s reason=authz", record.volume_id,
+                        record.node)
+            await nbd_tcp.stop(pid_file, port)
         host = record.address.rpartition(":")[0]
         if host != self._settings.host or not await asyncio.to_thread(nbd_tcp.port_free, host, port):
             moved = dataclasses.replace(
@@ -336,7 +359,7 @@ class SourceLeases:
                                       endpoint="server")
         pid = await nbd_tcp.start(
             self._settings.qemu_nbd, qcow2_spec(Path(record.image), read_only=True), host=self._settings.host,
-            port=port, export=record.volume_id, tls=tls, pid_file=pid_file)
+            port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=record.node)
         log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
                  record.volume_id, record.snapshot_id, record.address, pid)
         return record
@@ -412,7 +435,7 @@ class RemoteCopies:
         local = copy_image(self._pool, volume_id)
         top = self._pool.image_path(volume_id, ImageFormat.QCOW2)
         pieces = blank.image_bytes(lease.size, params.granularity, layer_bitmaps.OWN,
-                                   backing=nbd_backing(lease.address, lease.export, self._settings.server_name),
+                                   backing=nbd_backing(lease.address, lease.export, lease.node),
                                    backing_format="raw")
         await asyncio.to_thread(durable.create, local, lambda fd: blank.write(fd, pieces))
         await self._pool.create_overlay(top, local, size, params.granularity)

@@ -5,9 +5,16 @@ listeners) to lease a snapshot or volume for it (`Lease`), and gives the lease
 back when its copy is whole or its volume deleted (`Release`). These two
 methods are the service `csi_qsd.v1.Copies`, which the listener serves beside
 the router's calls; CSI has no message for them, so requests and answers are
-small JSON objects. Both ends present the node certificate and accept only a
-peer whose certificate the cluster CA signed (`csi_qsd.csi.tls`): the node
-certificate must allow TLS server and client use.
+small JSON objects.
+
+Each node has a certificate of its own, from the cluster CA, whose common
+name and a DNS name are its node name (`csi_qsd.csi.tls`), for TLS server and
+client use. A caller proves which node it is by that certificate: the
+service answers only a node this node names with `--peer`, and only for
+itself (a Lease whose `node` is another, or a Lease or Release of a copy
+leased to another node, is PERMISSION_DENIED naming both). The router's
+certificate names no node, so it is refused here. A node dials a peer
+checking that the certificate it is shown names that peer.
 """
 
 from __future__ import annotations
@@ -17,15 +24,15 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
 
 from csi_qsd import validate
 from csi_qsd.controller.copies import Lease, SourceLeases, parse_source
-from csi_qsd.csi.tls import channel_credentials
-from csi_qsd.errors import Code, DriverError, Forwarded, InvalidArgument, NotFound, Unavailable
+from csi_qsd.csi.tls import caller_name, channel_credentials
+from csi_qsd.errors import Code, DriverError, Forwarded, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from csi_qsd.sys.pem import PemFiles
 
 log = logging.getLogger(__name__)
@@ -59,12 +66,11 @@ def _text(request: dict[str, Any], key: str) -> str:
 class PeerNodes:
     """The other node plugins, as `csi_qsd.controller.copies.Peers`: one channel each, opened when first used."""
 
-    def __init__(self, peers: tuple[tuple[str, str], ...], tls: PemFiles | None, node_id: str, server_name: str,
+    def __init__(self, peers: tuple[tuple[str, str], ...], tls: PemFiles | None, node_id: str,
                  timeout: float = CALL_SECONDS) -> None:
         self._peers = dict(peers)
         self._tls = tls
         self._node_id = node_id
-        self._server_name = server_name
         self._timeout = timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -72,7 +78,8 @@ class PeerNodes:
         channel = self._channels.get(name)
         if channel is None:
             assert self._tls is not None
-            options = (("grpc.ssl_target_name_override", self._server_name), *_CHANNEL_OPTIONS)
+            # The peer must show a certificate for its own node name, not just any of the CA's.
+            options = (("grpc.ssl_target_name_override", name), *_CHANNEL_OPTIONS)
             channel = grpc.aio.secure_channel(self._peers[name], channel_credentials(self._tls), options=options)
             self._channels[name] = channel
         return channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=_encode,  # type: ignore[no-any-return]
@@ -92,7 +99,7 @@ class PeerNodes:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     return None
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  grpc.StatusCode.UNIMPLEMENTED):
+                                  grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
                     return f"{name} ({self._peers[name]}): {exc.code().name}: {exc.details()}"
                 raise _forwarded(name, exc) from None
             return Lease(name, str(answer["snapshot_id"]), str(answer["address"]), str(answer["export"]),
@@ -117,7 +124,8 @@ class PeerNodes:
         names = [node] if node in self._peers else list(self._peers)
         for name in names:
             try:
-                await self._call(name, "Release")({"copy_volume_id": copy_volume_id}, timeout=self._timeout)
+                await self._call(name, "Release")({"copy_volume_id": copy_volume_id, "node": self._node_id},
+                                                  timeout=self._timeout)
             except grpc.aio.AioRpcError as exc:
                 raise Unavailable(f"cannot give the lease of copy {copy_volume_id} back to node {name}: "
                                   f"{exc.code().name}: {exc.details()}") from None
@@ -132,22 +140,45 @@ def _forwarded(name: str, exc: grpc.aio.AioRpcError) -> Forwarded:
     return Forwarded(Code[code] if code in Code.__members__ else Code.UNAVAILABLE, f"{exc.details()} (node {name})")
 
 
-def copies_handler(leases: SourceLeases) -> grpc.GenericRpcHandler:
-    """`csi_qsd.v1.Copies` for the listener: Lease and Release, errors answered with their codes."""
+def copies_handler(leases: SourceLeases, peers: Collection[str]) -> grpc.GenericRpcHandler:
+    """`csi_qsd.v1.Copies` for the listener: Lease and Release for the nodes `peers` names, each for itself only.
+
+    Errors are answered with their codes; a caller whose certificate names
+    no node of `peers`, or asks for another node, is PERMISSION_DENIED.
+    """
+    known = frozenset(peers)
+
+    def caller(context: grpc.aio.ServicerContext) -> str:
+        name = caller_name(context)
+        if name not in known:
+            raise PermissionDenied(
+                f"the caller's certificate names {name or 'nothing'!r}, not a node this node copies with "
+                f"(--peer: {', '.join(sorted(known)) or 'none'}); each node needs a certificate whose common "
+                "name is its node name")
+        return name
 
     async def lease(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def grant() -> dict[str, Any]:
+            asking = caller(context)
             copy_volume_id = validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id")
             node = _text(request, "node")
             if not _NODE_RE.match(node):
                 raise InvalidArgument(f"node {node!r} is not a node name")
+            if node != asking:
+                raise PermissionDenied(f"node {asking} asked for a lease for node {node}: a node leases for itself "
+                                       "only")
             got = await leases.lease(copy_volume_id, node, _text(request, "source"))
             return {"snapshot_id": got.snapshot_id, "address": got.address, "export": got.export, "size": got.size}
         return await _answer("CopyLease", request, context, grant)
 
     async def release(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def give_back() -> dict[str, Any]:
-            await leases.release(validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id"))
+            asking = caller(context)
+            node = request.get("node", asking)
+            if node != asking:
+                raise PermissionDenied(f"node {asking} asked to release a lease for node {node}: a node releases "
+                                       "its own only")
+            await leases.release(validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id"), asking)
             return {}
         return await _answer("CopyRelease", request, context, give_back)
 
@@ -165,13 +196,14 @@ async def _answer(method: str, request: dict[str, Any], context: grpc.aio.Servic
     try:
         answer = await work()
     except DriverError as exc:
-        log.info("rpc=%s copy_volume_id=%s code=%s error=%r seconds=%.4f", method, ident, exc.code.value, str(exc),
-                 time.monotonic() - start)
+        log.info("rpc=%s copy_volume_id=%s caller=%s code=%s error=%r seconds=%.4f", method, ident,
+                 caller_name(context) or "-", exc.code.value, str(exc), time.monotonic() - start)
         await context.abort(getattr(grpc.StatusCode, exc.code.value), str(exc))
         raise
     except Exception:
         log.exception("rpc=%s copy_volume_id=%s code=INTERNAL", method, ident)
         await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed; see the node plugin's log")
         raise
-    log.info("rpc=%s copy_volume_id=%s code=OK seconds=%.4f", method, ident, time.monotonic() - start)
+    log.info("rpc=%s copy_volume_id=%s caller=%s code=OK seconds=%.4f", method, ident, caller_name(context),
+             time.monotonic() - start)
     return answer

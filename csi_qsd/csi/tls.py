@@ -7,6 +7,12 @@ without one. The files come from a Kubernetes Secret, which kubelet replaces
 in place when it changes (cert-manager renewing it), so they are reread:
 the listener on every TLS handshake, the router's channels when a file's
 modification time moves. This module knows nothing of CSI.
+
+Who a caller is: the common name (CN) of the certificate it presented
+(`caller_name`). A node plugin's certificate names its node there (and in a
+DNS name, which callers of its listener check); the router's names the
+router. The CA must be private to csi-qsd: whoever can have it sign a
+certificate can be any node.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from csi_qsd.sys.pem import PemFiles
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PemFiles", "channel_credentials", "server_credentials"]
+__all__ = ["PemFiles", "caller_name", "channel_credentials", "server_credentials"]
 
 
 def _server_config(pem: tuple[bytes, bytes, bytes]) -> grpc.ServerCertificateConfiguration:
@@ -64,3 +70,9 @@ def channel_credentials(files: PemFiles) -> grpc.ChannelCredentials:
     """
     cert, key, ca = files.read()
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def caller_name(context: grpc.aio.ServicerContext) -> str:
+    """The common name of the client certificate the caller presented ('' if none, or not exactly one)."""
+    names = list(context.auth_context().get("x509_common_name", ()))
+    return names[0].decode(errors="replace") if len(names) == 1 else ""

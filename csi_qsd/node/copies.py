@@ -263,8 +263,7 @@ class CopyStreams:
                         f"node {record.node} now serves this copy at {lease.address}, not {record.address}; volume "
                         f"{volume.id} is staged and reads through the old address until it is unstaged (then the "
                         "copy resumes)")
-            await point_backing(self._settings.qemu_img, local, lease.address, lease.export,
-                                self._settings.server_name)
+            await point_backing(self._settings.qemu_img, local, lease.address, lease.export, lease.node)
             moved = dataclasses.replace(record, address=lease.address)
             await self._catalog.put_copy(moved)
         log.warning("event=copy_source_moved volume_id=%s node=%s old=%s new=%s", volume.id, record.node,

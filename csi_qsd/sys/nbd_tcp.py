@@ -9,14 +9,22 @@ again on the same port, which the copy's NBD client keeps reconnecting to.
 TLS: QEMU's `tls-creds-x509` reads fixed file names from one directory
 (`ca-cert.pem`, `server-cert.pem`, `server-key.pem` for a server,
 `client-*.pem` for a client); `tls_dir` lays the node's PEM files out that
-way, private to root. Both ends verify the peer against the CA. The key is
-never logged, nor passed on a command line.
+way, private to root. Both ends verify the peer against the CA, and the
+server lets in only the one node its lease is for: an `authz-list` object
+(`--tls-authz`) on the distinguished name of the client's certificate,
+which QEMU (GnuTLS) writes in the certificate's order, as `CN=node-b` or
+`C=US,O=SPIRE,CN=node-b`; so the common name must be the node name, and the
+last part of the name. Measured on qemu-nbd 10.0.13: another certificate of
+the same CA (`CN=node-c`) is refused during option negotiation ("TLS x509
+authz check for CN=node-c is denied"), before any export is listed. The
+key is never logged, nor passed on a command line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -32,6 +40,15 @@ NBD_GREETING = b"NBDMAGIC" + b"IHAVEOPT"
 NBD_OPT_ABORT = 2
 STOP_SECONDS = 10.0
 TLS_OBJECT_ID = "cqtls0"
+AUTHZ_OBJECT_ID = "cqauthz0"
+
+
+def authz_object(node: str) -> str:
+    """qemu-nbd's `--object` (JSON) admitting only a client certificate whose common name is `node`, and last."""
+    return json.dumps({"qom-type": "authz-list", "id": AUTHZ_OBJECT_ID, "policy": "deny", "rules": [
+        {"match": f"CN={node}", "policy": "allow", "format": "exact"},
+        {"match": f"*,CN={node}", "policy": "allow", "format": "glob"},
+    ]}, separators=(",", ":"))
 
 
 def tls_dir(directory: Path, cert: Path, key: Path, ca: Path, *, endpoint: str) -> Path:
@@ -83,11 +100,21 @@ def serving_pid(pid_file: Path, port: int) -> int | None:
     return pid
 
 
+def admits_only(pid: int, node: str) -> bool:
+    """True if the qemu-nbd at `pid` was started to let in `node` alone (`start`'s `admit`)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return authz_object(node).encode() in argv and b"--tls-authz" in argv
+
+
 async def start(
-    qemu_nbd: str, image_spec: str, *, host: str, port: int, export: str, tls: Path, pid_file: Path,
+    qemu_nbd: str, image_spec: str, *, host: str, port: int, export: str, tls: Path, pid_file: Path, admit: str,
 ) -> int:
     """Start qemu-nbd serving `image_spec` read-only as `export` on host:port, TLS from `tls`; its pid.
 
+    Only a client whose certificate names node `admit` gets past the TLS handshake's authorization.
     `--fork` returns once it listens; it runs in a session of its own, so the
     driver's end does not end it. Raises HostCommandError if it cannot start.
     """
@@ -97,7 +124,8 @@ async def start(
         "setsid", qemu_nbd, "--fork", "--pid-file", str(pid_file), "--bind", host, "--port", str(port),
         "--export-name", export, "--read-only", "--shared=4", "--persistent",
         "--object", f"tls-creds-x509,id={TLS_OBJECT_ID},dir={tls},endpoint=server,verify-peer=on",
-        "--tls-creds", TLS_OBJECT_ID, image_spec, timeout=START_SECONDS,
+        "--object", authz_object(admit), "--tls-creds", TLS_OBJECT_ID, "--tls-authz", AUTHZ_OBJECT_ID, image_spec,
+        timeout=START_SECONDS,
     )
     return int(pid_file.read_text().strip())
 

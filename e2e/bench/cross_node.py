@@ -123,9 +123,11 @@ async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="cq-cross-bench") as tmp:
         root = Path(tmp)
         pki = mint(root / "pki")
-        a_address = f"127.0.0.1:{free_port()}"
-        async with node_plugin("node-a", pki, address=a_address) as a, \
-                node_plugin("node-b", pki, "--peer", f"node-a={a_address}", "--log-level", "info") as b:
+        a_address, b_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        # Each side names the other: node-a serves copies only to the nodes it knows (--peer).
+        async with node_plugin("node-a", pki, "--peer", f"node-b={b_address}", address=a_address) as a, \
+                node_plugin("node-b", pki, "--peer", f"node-a={a_address}", "--log-level", "info",
+                            address=b_address) as b:
             try:
                 vid = (await a.csi.create_volume("source", size, block=True)).volume_id
                 staging, target = a.box.staging(vid), a.box.target(vid)

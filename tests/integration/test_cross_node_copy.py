@@ -6,7 +6,9 @@ streaming while the test crashes each side. B's volume must be usable at
 once (its first bytes read through NBD from A), survive a SIGKILL of B's
 driver and QSD and a SIGKILL of A's driver, QSD and NBD server, report
 abnormal while A is gone, finish, give A's lease back, and hold the
-snapshot's bytes exactly. A refuses to delete what a copy reads.
+snapshot's bytes exactly. A refuses to delete what a copy reads. Each node
+has a certificate of its own; a third node's (C, one of A's peers, same CA)
+may neither lease nor release B's copy nor read what A serves B.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from csi_qsd.csi.tls import PemFiles
 from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
 from tests.certs import Pki, mint
 from tests.harness import Sandbox, free_port, qsd_pids, until
-from tests.router_cluster import Node, node_plugin
+from tests.router_cluster import Node, copies_call, node_plugin
 
 MIB = 1 << 20
 SIZE = 64 * MIB
@@ -86,16 +90,19 @@ async def _node(name: str, pki: Pki, address: str, *extra: str) -> AsyncIterator
 class Pair:
     a: Node
     b: Node
+    pki: Pki
 
 
 @pytest.fixture
 async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    """Node A (the source) copies with B and with C, which runs no plugin here; B (the target) copies from A."""
     pki = mint(tmp_path / "pki")
     a_address, b_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     low = free_port()
-    async with _node("node-a", pki, a_address, "--copy-ports", f"{low}-{low + 4}") as a, \
+    async with _node("node-a", pki, a_address, "--copy-ports", f"{low}-{low + 4}", "--peer", f"node-b={b_address}",
+                     "--peer", f"node-c=127.0.0.1:{free_port()}") as a, \
             _node("node-b", pki, b_address, "--peer", f"node-a={a_address}", "--copy-rate", str(RATE)) as b:
-        yield Pair(a, b)
+        yield Pair(a, b, pki)
 
 
 async def _condition(node: Node, volume_id: str) -> pb.VolumeCondition:
@@ -459,3 +466,58 @@ async def test_a_staged_copy_whose_source_came_back_on_another_port_follows_it_o
         await until(lambda: _local(b, r.vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
                     interval=0.5)
         assert "qsd_wedged" not in b.process.log()
+
+
+async def test_only_the_node_a_copy_is_for_may_lease_release_or_read_it(pair: Pair, tmp_path: Path) -> None:
+    """Node C holds a valid certificate of the same CA and is one of A's peers, yet it may not lease B's copy
+    (for B, or for itself), release it, nor read the export A serves B; the router's certificate and one that
+    names no peer are refused on the copy service altogether. B's copy goes on untouched and finishes."""
+    a, b, pki = pair.a, pair.b, pair.pki
+    data = _pattern(47)
+    source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
+    snapshot = (await a.csi.create_snapshot("snap", source_vid)).snapshot_id
+    vid = (await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)).volume_id
+    (server,) = _copy_servers(a.box)
+    export_address = f"127.0.0.1:{_served_port(server)}"
+    source = f"snapshot:{snapshot}"
+
+    c = pki.for_node("node-c")
+    code, message = await copies_call(a.address, c, "Lease", {"source": source, "copy_volume_id": vid,
+                                                               "node": "node-b"})
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "node-c" in message and "node-b" in message, message
+    code, message = await copies_call(a.address, c, "Lease", {"source": source, "copy_volume_id": vid,
+                                                               "node": "node-c"})
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "node-c" in message and "node-b" in message, message
+    code, message = await copies_call(a.address, c, "Release", {"copy_volume_id": vid, "node": "node-c"})
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "node-c" in message and "node-b" in message, message
+    for name, files in (("router", pki.router), ("intruder", pki.for_node("intruder"))):
+        code, message = await copies_call(a.address, files, "Lease", {"source": source, "copy_volume_id": vid,
+                                                                       "node": name})
+        assert code == grpc.StatusCode.PERMISSION_DENIED and name in message, message
+
+    # A's NBD server lets B's certificate in, and no other of the CA's.
+    ok, _ = await _nbd_info(export_address, vid, pki.for_node("node-b"), tmp_path / "tls-b")
+    assert ok
+    ok, error = await _nbd_info(export_address, vid, c, tmp_path / "tls-c")
+    assert not ok, "node C read the export A serves node B"
+
+    await until(lambda: _local(b, vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
+                interval=0.5)
+    staging, target = b.box.staging(vid), b.box.target(vid)
+    await _as_the_co(lambda: b.csi.stage(vid, str(staging), block=True))
+    await _as_the_co(lambda: b.csi.publish(vid, str(staging), str(target), block=True))
+    assert await asyncio.to_thread(_read, target, 0, SIZE) == data
+    await until(lambda: _lease_gone(a, snapshot), "node-a's lease released by node-b", 30, interval=0.5)
+
+
+async def _nbd_info(address: str, export: str, files: PemFiles, directory: Path) -> tuple[bool, str]:
+    """Whether `qemu-img info` opens the NBD export at `address` presenting `files`; its error otherwise."""
+    tls = await asyncio.to_thread(nbd_tcp.tls_dir, directory, files.cert, files.key, files.ca, endpoint="client")
+    host, _, port = address.rpartition(":")
+    proc = await asyncio.create_subprocess_exec(
+        bundled("qemu-img"), "info", "--object", f"tls-creds-x509,id=tls0,dir={tls},endpoint=client",
+        "--image-opts", f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={host},"
+        f"file.server.port={port},file.export={export},file.tls-creds=tls0,file.tls-hostname=node-a",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode == 0 and f"virtual size: {SIZE >> 20} MiB" in out.decode(), err.decode()

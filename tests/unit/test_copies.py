@@ -1,4 +1,5 @@
-"""Copies across nodes: what the target writes into a copy image's header, sources, ports, and the catalog rows."""
+"""Copies across nodes: what the target writes into a copy image's header, sources, ports, the catalog rows,
+and who may lease: each node for itself, proven by its own certificate (over real TLS, in process)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
+import grpc
 import pytest
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord, VolumeState
@@ -15,22 +17,26 @@ from csi_qsd.cli import build_parser
 from csi_qsd.controller.copies import (
     PEER_TLS_OBJECT, CopySettings, LinkCheck, SourceLeases, nbd_backing, parse_source,
 )
-from csi_qsd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from csi_qsd.csi.peers import PeerNodes, copies_handler
+from csi_qsd.csi.tls import server_credentials
+from csi_qsd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from csi_qsd.node.copies import names_backing
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import nbd_tcp
+from tests.certs import mint
 from tests.fakes import FakeNode, fake_node
+from tests.router_cluster import copies_call
 
 
 def test_the_backing_names_the_export_over_tls_with_bounded_waits() -> None:
-    name = nbd_backing("10.0.0.7:10901", "vol-0123456789abcdef01234567", "csi-qsd-node")
+    name = nbd_backing("10.0.0.7:10901", "vol-0123456789abcdef01234567", "node-a")
     assert name.startswith("json:")
     spec = json.loads(name[5:])
     nbd = spec["file"]
     assert spec["driver"] == "raw" and nbd["driver"] == "nbd"
     assert nbd["server"] == {"type": "inet", "host": "10.0.0.7", "port": "10901"}
-    assert nbd["tls-creds"] == PEER_TLS_OBJECT and nbd["tls-hostname"] == "csi-qsd-node"
+    assert nbd["tls-creds"] == PEER_TLS_OBJECT and nbd["tls-hostname"] == "node-a"  # the source node's own name
     assert nbd["reconnect-delay"] > 0 and nbd["open-timeout"] > 0
     assert json.loads(nbd_backing("[fd00::1]:10901", "e", "n")[5:])["file"]["server"]["host"] == "fd00::1"
 
@@ -244,3 +250,77 @@ async def test_a_group_snapshot_whose_member_a_copy_reads_is_not_deleted(
     await leases.release(COPY)
     await node.snapshots.delete_group(group.id)
     assert await node.snapshots.get_group(group.id) is None
+
+
+# Who may lease: each node for itself --------------------------------------------------------------------
+
+
+async def test_a_lease_belongs_to_the_node_it_was_granted_to(source: tuple[FakeNode, SourceLeases]) -> None:
+    node, leases = source
+    volume = await node.new_volume()
+    snapshot = await node.snapshots.create("snap", volume.id)
+    await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")
+    for other in (leases.lease(COPY, "node-c", f"snapshot:{snapshot.id}"), leases.release(COPY, "node-c")):
+        with pytest.raises(PermissionDenied) as refused:
+            await other
+        assert "node-b" in str(refused.value) and "node-c" in str(refused.value) and COPY in str(refused.value)
+    await _refused_for_the_copy(node.snapshots.delete(snapshot.id))  # still node-b's lease
+    assert (await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")).snapshot_id == snapshot.id
+    await leases.release(COPY, "node-b")
+    await node.snapshots.delete(snapshot.id)
+
+
+def test_the_nbd_server_admits_the_lease_s_node_only() -> None:
+    spec = json.loads(nbd_tcp.authz_object("node-b"))
+    assert spec["qom-type"] == "authz-list" and spec["policy"] == "deny"
+    assert [(r["match"], r["policy"]) for r in spec["rules"]] == [("CN=node-b", "allow"), ("*,CN=node-b", "allow")]
+
+
+async def test_the_copy_service_answers_each_peer_for_itself_only(
+        source: tuple[FakeNode, SourceLeases], tmp_path: Path) -> None:
+    """Node A's copy service over mutual TLS: B leases for itself; C (a peer, same CA) may not lease or release
+    B's copy, nor lease for B; the router's certificate and one naming no peer are refused altogether."""
+    node, leases = source
+    snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
+    pki = mint(tmp_path / "pki")
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((copies_handler(leases, ["node-b", "node-c"]),))
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
+    await server.start()
+    try:
+        address, b, c = f"127.0.0.1:{port}", pki.for_node("node-b"), pki.for_node("node-c")
+        lease = {"source": f"snapshot:{snapshot.id}", "copy_volume_id": COPY}
+        assert await copies_call(address, b, "Lease", {**lease, "node": "node-b"}) == (grpc.StatusCode.OK, "")
+        for method, request in (("Lease", {**lease, "node": "node-b"}), ("Lease", {**lease, "node": "node-c"}),
+                                ("Release", {"copy_volume_id": COPY, "node": "node-c"}),
+                                ("Release", {"copy_volume_id": COPY})):
+            code, message = await copies_call(address, c, method, request)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "node-b" in message and "node-c" in message, (
+                method, request, message)
+        for name, files in (("router", pki.router), ("intruder", pki.for_node("intruder"))):
+            code, message = await copies_call(address, files, "Lease", {**lease, "node": name})
+            assert code == grpc.StatusCode.PERMISSION_DENIED and repr(name) in message and "--peer" in message, message
+        # A node's certificate for another name does not pass for node-a: B checks whom it dials.
+        code, _ = await copies_call(address, b, "Lease", {**lease, "node": "node-b"}, server_name="node-x")
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert await node.catalog.copy(COPY, CopyRole.SOURCE) is not None
+        assert await copies_call(address, b, "Release", {"copy_volume_id": COPY, "node": "node-b"}) == (
+            grpc.StatusCode.OK, "")
+        assert await node.catalog.copy(COPY, CopyRole.SOURCE) is None
+    finally:
+        await server.stop(None)
+
+
+async def test_a_node_dials_a_peer_only_if_its_certificate_names_that_peer(tmp_path: Path) -> None:
+    """Node C's certificate (same CA) listening where B thinks node-a is: B does not ask it."""
+    pki = mint(tmp_path / "pki")
+    server = grpc.aio.server()
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-c")))
+    await server.start()
+    peers = PeerNodes((("node-a", f"127.0.0.1:{port}"),), pki.for_node("node-b"), "node-b", timeout=5)
+    try:
+        with pytest.raises(Unavailable, match="node-a"):
+            await peers.lease("snapshot:snap-" + "0" * 24, COPY)
+    finally:
+        await peers.close()
+        await server.stop(None)
