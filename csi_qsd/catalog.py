@@ -465,10 +465,14 @@ class Catalog:
         return [_snapshot(row) for row in await self._query("SELECT * FROM snapshots ORDER BY id", ())]
 
     async def dependants(self, image: str) -> int:
-        """How many volumes and snapshots have `image` as their backing image."""
+        """How many volumes and snapshots have `image` as their backing image, and leases serve it to other nodes.
+
+        A lease counts as a dependant so that no flatten or reclaim deletes an image qemu-nbd serves to a copy.
+        """
         rows = await self._query(
-            "SELECT (SELECT COUNT(*) FROM volumes WHERE backing=?) + (SELECT COUNT(*) FROM snapshots WHERE backing=?)",
-            (image, image),
+            "SELECT (SELECT COUNT(*) FROM volumes WHERE backing=?) + (SELECT COUNT(*) FROM snapshots WHERE backing=?)"
+            " + (SELECT COUNT(*) FROM copies WHERE role=? AND image=?)",
+            (image, image, CopyRole.SOURCE.value, image),
         )
         return int(rows[0][0])
 

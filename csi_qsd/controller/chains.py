@@ -1,7 +1,9 @@
 """Backing chains: reclaim images nobody needs any more, and measure chain depth.
 
 A snapshot the user deleted while volumes or newer snapshots still stood on it
-stays hidden; it goes when its last dependant goes. Reclaiming walks down the
+stays hidden; it goes when its last dependant goes. A lease that serves an
+image to a copy on another node counts as a dependant (`Catalog.dependants`),
+so no flatten or reclaim deletes what a copy still reads. Reclaiming walks down the
 chain, so one delete can free several hidden layers. Only hidden snapshots'
 images are ever removed here.
 """

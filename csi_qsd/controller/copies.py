@@ -71,6 +71,9 @@ RECONNECT_DELAY_SECONDS = 5
 OPEN_TIMEOUT_SECONDS = 2
 PROBE_SECONDS = 1.0
 COPY_SUFFIX = "-copy.qcow2"
+# The name of the hidden snapshot of a volume cut for a clone on another node: this prefix and the clone's ID.
+CUT_PREFIX = "copy."
+RETRY_IDS_MAX = 1024  # failed creates whose copy ID a retry reuses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,13 +242,35 @@ class SourceLeases:
         volume = await self._catalog.volume(ident)
         if volume is None or volume.state is not VolumeState.READY:
             raise NotFound(f"volume {ident} does not exist")
-        snapshot = await self._snapshots.cut_hidden(f"copy.{copy_volume_id}", ident)
-        async with self._volume_locks.hold(ident):
-            volume = await self._catalog.volume(ident)
-            if volume is not None and volume.state is VolumeState.READY:
-                return await self._record(copy_volume_id, node, source, snapshot)
-        await self._snapshots.delete(snapshot.id)
-        raise NotFound(f"volume {ident} does not exist")
+        await self._free_port(copy_volume_id)  # none free: refused before the volume is cut
+        # Idempotent by name: a retry of the same copy (the target reuses its ID) reads the same cut, so the
+        # volume gains no new layer and no new top per retry.
+        snapshot = await self._snapshots.cut_hidden(f"{CUT_PREFIX}{copy_volume_id}", ident)
+        try:
+            async with self._volume_locks.hold(ident):
+                volume = await self._catalog.volume(ident)
+                if volume is not None and volume.state is VolumeState.READY:
+                    return await self._record(copy_volume_id, node, source, snapshot)
+            raise NotFound(f"volume {ident} does not exist")
+        except BaseException:  # no lease (no port, a catalog error, the caller gone): the cut made for it goes
+            await self._forget_cut(copy_volume_id, snapshot.id)
+            raise
+
+    async def _forget_cut(self, copy_volume_id: str, snapshot_id: str) -> None:
+        """Delete the hidden cut of a lease that was not granted (its row too, if it went in after all).
+
+        The volume now stands on the cut, so it stays, hidden, as any layer of its chain does: a retry of the
+        copy reuses it, and a flatten or the volume's delete reclaims it.
+        """
+        try:
+            record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+            if record is not None:
+                await self._drop(record)
+            else:
+                await self._snapshots.delete(snapshot_id)
+        except DriverError as exc:  # the next start deletes it (`reconcile`)
+            log.warning("event=copy_cut_kept copy_volume_id=%s snapshot_id=%s error=%r", copy_volume_id,
+                        snapshot_id, str(exc))
 
     async def _free_port(self, copy_volume_id: str) -> int:
         """A port of --copy-ports that no other lease records and nothing listens on. Raises ResourceExhausted."""
@@ -378,6 +403,9 @@ class RemoteCopies:
         self._settings = settings
         self._name_locks = KeyedLocks("volume name")
         self.on_copy = on_copy  # told of every copy to (re)start or to release: `csi_qsd.node.copies`
+        # The ID a failed create used, per (name, source): its retry asks the source for the same copy, so a
+        # clone's source cuts its volume once, not once per retry. In memory: a restart costs one more cut.
+        self._retry_ids: dict[tuple[str, str], str] = {}
 
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
@@ -412,7 +440,7 @@ class RemoteCopies:
             if existing is not None:
                 raise FailedPrecondition(f"volume named {name!r} ({existing.id}) is being created or deleted; "
                                          "retry later")
-            volume_id = validate.new_volume_id()
+            volume_id = self._retry_ids.pop((name, source), "") or validate.new_volume_id()
             intent = CopyRecord(volume_id=volume_id, role=CopyRole.TARGET, node="", source=source,
                                 state=CopyState.LEASING, created_at=now())
             await self._catalog.put_copy(intent)
@@ -420,7 +448,13 @@ class RemoteCopies:
                 return await self._create(volume_id, intent, name, required, limit, params, qos)
             except BaseException:
                 await self._undo(intent)
+                self._remember_for_retry(name, source, volume_id)
                 raise
+
+    def _remember_for_retry(self, name: str, source: str, volume_id: str) -> None:
+        while len(self._retry_ids) >= RETRY_IDS_MAX:
+            del self._retry_ids[next(iter(self._retry_ids))]  # the oldest
+        self._retry_ids[(name, source)] = volume_id
 
     async def _create(
         self, volume_id: str, intent: CopyRecord, name: str, required: int, limit: int, params: VolumeParameters,

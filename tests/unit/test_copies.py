@@ -15,11 +15,13 @@ import pytest
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord, VolumeState
 from csi_qsd.cli import build_parser
 from csi_qsd.controller.copies import (
-    PEER_TLS_OBJECT, CopySettings, LinkCheck, SourceLeases, nbd_backing, parse_source,
+    PEER_TLS_OBJECT, CopySettings, Lease, LinkCheck, RemoteCopies, SourceLeases, nbd_backing, parse_source,
 )
 from csi_qsd.csi.peers import PeerNodes, copies_handler
 from csi_qsd.csi.tls import server_credentials
-from csi_qsd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from csi_qsd.errors import (
+    Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
+)
 from csi_qsd.node.copies import names_backing
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
@@ -324,3 +326,91 @@ async def test_a_node_dials_a_peer_only_if_its_certificate_names_that_peer(tmp_p
     finally:
         await peers.close()
         await server.stop(None)
+
+
+# A copy never loses its source ------------------------------------------------------------------------------
+
+
+async def test_a_flatten_keeps_the_hidden_snapshot_a_clone_on_another_node_reads(
+        source: tuple[FakeNode, SourceLeases]) -> None:
+    """The hidden cut a clone elsewhere reads is no dependant of any image once a newer snapshot is flattened,
+    yet its lease keeps it (image and row) until the lease goes; then it is reclaimed."""
+    node, leases = source
+    volume = await node.new_volume()
+    await leases.lease(COPY, "node-b", f"volume:{volume.id}")
+    cut = await node.catalog.snapshot_by_name(f"copy.{COPY}")
+    assert cut is not None and cut.hidden
+    await node.snapshots.create("later", volume.id)
+    await node.snapshots.flatten(volume.id)
+    assert await node.catalog.snapshot(cut.id) is not None, "the flatten reclaimed the leased snapshot"
+    assert cut.image.exists()
+    await leases.release(COPY, "node-b")
+    assert await node.catalog.snapshot(cut.id) is None and not cut.image.exists()
+
+
+async def test_a_clone_lease_without_a_free_port_cuts_nothing(
+        source: tuple[FakeNode, SourceLeases], monkeypatch: pytest.MonkeyPatch) -> None:
+    node, leases = source
+    volume = await node.new_volume()
+
+    async def no_port(self: SourceLeases, copy_volume_id: str) -> int:
+        raise ResourceExhausted("every copy port of this node is in use")
+
+    monkeypatch.setattr(SourceLeases, "_free_port", no_port)
+    for attempt in range(3):
+        with pytest.raises(ResourceExhausted):
+            await leases.lease(f"{COPY[:-1]}{attempt}", "node-b", f"volume:{volume.id}")
+    assert await node.catalog.snapshots() == []
+    assert await node.catalog.volume(volume.id) == volume  # no cut: the same image, no new top
+
+
+async def test_a_clone_lease_that_fails_after_its_cut_is_retried_on_the_same_cut(
+        source: tuple[FakeNode, SourceLeases], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease's row cannot be written (a catalog error, or the caller gave up): nothing is leased, the cut
+    stays only as a layer of the volume, and the target's retry (same copy ID) leases that cut, adding none."""
+    node, leases = source
+    volume = await node.new_volume()
+    put_copy = node.catalog.put_copy
+
+    async def broken(record: CopyRecord) -> None:
+        raise OSError("disk I/O error")
+
+    monkeypatch.setattr(node.catalog, "put_copy", broken)
+    with pytest.raises(OSError):
+        await leases.lease(COPY, "node-b", f"volume:{volume.id}")
+    assert await node.catalog.copies(CopyRole.SOURCE) == []
+    (cut,) = await node.catalog.snapshots()
+    assert cut.hidden and cut.name == f"copy.{COPY}"
+    monkeypatch.setattr(node.catalog, "put_copy", put_copy)
+    lease = await leases.lease(COPY, "node-b", f"volume:{volume.id}")
+    assert lease.snapshot_id == cut.id and await node.catalog.snapshots() == [cut]
+    await leases.release(COPY, "node-b")
+
+
+class _RefusingPeers:
+    """Peers none of which can be asked: every lease is UNAVAILABLE; records the copy IDs asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def lease(self, source: str, copy_volume_id: str) -> Lease:
+        self.asked.append(copy_volume_id)
+        raise Unavailable("node-a: UNAVAILABLE")
+
+    async def release(self, node: str, copy_volume_id: str) -> None:
+        pass
+
+
+async def test_a_retried_copy_asks_for_the_same_copy(tmp_path: Path) -> None:
+    """A CreateVolume from another node's volume that failed is retried with the same copy ID, so the source
+    cuts its volume once for all the retries; another name gets an ID of its own."""
+    async with fake_node(tmp_path) as node:
+        peers = _RefusingPeers()
+        settings = CopySettings(state_dir=tmp_path / "state", tls=(tmp_path / "c", tmp_path / "k", tmp_path / "ca"))
+        remote = RemoteCopies(node.catalog, node.pool, peers, settings)
+        source = "volume:vol-" + "1" * 24
+        for name in ("pvc-1", "pvc-1", "pvc-1", "pvc-2"):
+            with pytest.raises(Unavailable):
+                await remote.create(name, 1 << 26, 0, VolumeParameters(), [], source=source)
+        assert peers.asked[0] == peers.asked[1] == peers.asked[2] != peers.asked[3]
+        assert await node.catalog.copies(CopyRole.TARGET) == []
