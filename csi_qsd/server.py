@@ -142,7 +142,8 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
             qemu_img=config.qemu_img, rate=config.copy_rate)
         peers = PeerNodes(config.peers, tls, config.node_id)
         streams = CopyStreams(catalog, exports, locks, peers, settings)
-        copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, on_copy=streams.start),
+        copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, volumes.name_locks,
+                                              on_copy=streams.start),
                                  SourceLeases(catalog, snapshots, settings, locks), streams)
         snapshots.before_delete = copies.leases.refuse_snapshot_delete
         volumes.before_delete = copies.leases.refuse_volume_delete

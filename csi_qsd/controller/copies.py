@@ -394,14 +394,14 @@ class RemoteCopies:
     """The target end: volumes made from a snapshot or volume that another node holds."""
 
     def __init__(
-        self, catalog: Catalog, pool: Pool, peers: Peers, settings: CopySettings,
+        self, catalog: Catalog, pool: Pool, peers: Peers, settings: CopySettings, name_locks: KeyedLocks,
         on_copy: Callable[[str], None] = lambda volume_id: None,
     ) -> None:
         self._catalog = catalog
         self._pool = pool
         self._peers = peers
         self._settings = settings
-        self._name_locks = KeyedLocks("volume name")
+        self._name_locks = name_locks  # `Volumes.name_locks`: a name is locked alike wherever its volume comes from
         self.on_copy = on_copy  # told of every copy to (re)start or to release: `csi_qsd.node.copies`
         # The ID a failed create used, per (name, source): its retry asks the source for the same copy, so a
         # clone's source cuts its volume once, not once per retry. In memory: a restart costs one more cut.

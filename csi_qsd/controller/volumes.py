@@ -127,7 +127,9 @@ class Volumes:
         self._pool = pool
         self._pools: dict[str, Pool] = {**(pools or {}), pool.id: pool}
         self._volume_locks = volume_locks
-        self._name_locks = KeyedLocks("volume name")
+        # One lock per volume name for every CreateVolume, also of volumes copied from another node
+        # (`csi_qsd.controller.copies.RemoteCopies` holds these too): a second call for a name is ABORTED.
+        self.name_locks = KeyedLocks("volume name")
         # Asked under the volume's lock before a delete: raises while something outside this catalog's
         # chains reads the volume (a clone on another node: `csi_qsd.controller.copies.SourceLeases`).
         self.before_delete: Callable[[str], Awaitable[None]] | None = None
@@ -157,7 +159,7 @@ class Volumes:
                 raise InvalidArgument(reason)
         pool = self.pool_for(params.pool)
         pool.check_parameters(params)
-        async with self._name_locks.hold(name):
+        async with self.name_locks.hold(name):
             existing = await self._catalog.volume_by_name(name)
             if existing is not None:
                 if existing.state is VolumeState.READY:

@@ -407,10 +407,41 @@ async def test_a_retried_copy_asks_for_the_same_copy(tmp_path: Path) -> None:
     async with fake_node(tmp_path) as node:
         peers = _RefusingPeers()
         settings = CopySettings(state_dir=tmp_path / "state", tls=(tmp_path / "c", tmp_path / "k", tmp_path / "ca"))
-        remote = RemoteCopies(node.catalog, node.pool, peers, settings)
+        remote = RemoteCopies(node.catalog, node.pool, peers, settings, node.volumes.name_locks)
         source = "volume:vol-" + "1" * 24
         for name in ("pvc-1", "pvc-1", "pvc-1", "pvc-2"):
             with pytest.raises(Unavailable):
                 await remote.create(name, 1 << 26, 0, VolumeParameters(), [], source=source)
         assert peers.asked[0] == peers.asked[1] == peers.asked[2] != peers.asked[3]
         assert await node.catalog.copies(CopyRole.TARGET) == []
+
+
+class _HeldPeers(_RefusingPeers):
+    """Peers whose lease waits until `go` is set, then is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asking, self.go = asyncio.Event(), asyncio.Event()
+
+    async def lease(self, source: str, copy_volume_id: str) -> Lease:
+        self.asking.set()
+        await self.go.wait()
+        return await super().lease(source, copy_volume_id)
+
+
+async def test_a_name_has_one_lock_whether_its_volume_comes_from_this_node_or_another(tmp_path: Path) -> None:
+    """CreateVolume of one name twice at once, one from another node's snapshot (asking it), one blank here:
+    the second is ABORTED, as the CSI spec's concurrency rule says, not a UNIQUE failure of the catalog."""
+    async with fake_node(tmp_path) as node:
+        peers = _HeldPeers()
+        settings = CopySettings(state_dir=tmp_path / "state", tls=(tmp_path / "c", tmp_path / "k", tmp_path / "ca"))
+        remote = RemoteCopies(node.catalog, node.pool, peers, settings, node.volumes.name_locks)
+        copying = asyncio.create_task(remote.create("pvc-1", 1 << 26, 0, VolumeParameters(), [],
+                                                    source="snapshot:snap-" + "1" * 24))
+        await peers.asking.wait()
+        with pytest.raises(Aborted, match="pvc-1"):
+            await node.new_volume("pvc-1")
+        peers.go.set()
+        with pytest.raises(Unavailable):
+            await copying
+        assert (await node.new_volume("pvc-1")).name == "pvc-1"
