@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from e2e.cluster import deploy
-from e2e.cluster.build import Built, build_all
+from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
 from e2e.cluster.versions import KUBERNETES
 
@@ -39,8 +41,8 @@ def built() -> Built:
 
 
 @pytest.fixture(scope="session")
-def cluster(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    base = tmp_path_factory.mktemp("cluster")
+def cluster(built: Built) -> Iterator[Cluster]:
+    base = Path(tempfile.mkdtemp(prefix="csi-qsd-cluster-", dir="/var/tmp"))
     running = Cluster(base, Binaries(built.kubernetes))
     problems: list[str] = []
     try:
@@ -56,9 +58,23 @@ def cluster(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             problems += _graceful_teardown(running)
         finally:
             problems += running.stop()
+            kept = _keep_logs(base)
             if problems:
                 _REPORT.append("cluster teardown left: " + "; ".join(problems))
-    assert not problems, f"the cluster left things behind: {problems} (logs in {running.logs})"
+            _REPORT.append(f"cluster logs (components and pods) kept in {kept}")
+    assert not problems, f"the cluster left things behind: {problems} (logs in {kept})"
+
+
+def _keep_logs(base: Path) -> Path:
+    """Move the run's logs to the cache (replacing the previous run's) and remove the rest of `base`."""
+    kept = cache_root() / "last-run-logs"
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    for name, source in (("components", base / "logs"), ("pods", base / "node" / "log" / "pods")):
+        if source.exists():
+            shutil.copytree(source, kept / name, symlinks=True, dirs_exist_ok=True)
+    shutil.rmtree(base, ignore_errors=True)
+    return kept
 
 
 def _containerd_version() -> str:
@@ -99,6 +115,10 @@ def test_namespace(cluster: Cluster) -> Iterator[str]:
     deploy.wait_until(lambda: cluster.kubectl("get", "-n", name, "serviceaccount", "default", check=False).returncode == 0,
                       60, f"the default service account in {name}")
     yield name
+    # The examples' pods run `sleep` as PID 1, which ignores SIGTERM: without a short grace period each
+    # would hold the namespace for the default 30 s.
+    cluster.kubectl("delete", "-n", name, "pods", "--all", "--grace-period=1", "--wait=true", "--timeout=120s",
+                    check=False, timeout=150)
     cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=180s", check=False, timeout=200)
 
 

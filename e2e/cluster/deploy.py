@@ -58,13 +58,18 @@ def install_snapshot_support(cluster: Cluster, built: Built) -> None:
     for name in ("rbac-snapshot-controller.yaml", "setup-snapshot-controller.yaml"):
         docs += [d for d in yaml.safe_load_all((manifests / name).read_text()) if d]
     for doc in docs:
+        # Distributed snapshotting, as deploy/README.md's prerequisites ask: the controller labels each
+        # snapshot's content with its volume's node, so that node's csi-snapshotter takes it.
+        if doc["kind"] == "ClusterRole":
+            doc["rules"].append({"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]})
         if doc["kind"] == "Deployment":
             spec = doc["spec"]
             spec["replicas"] = 1
             for container in spec["template"]["spec"]["containers"]:
                 container["image"] = SNAPSHOT_CONTROLLER_IMAGE
                 container["imagePullPolicy"] = "Never"
-                container["args"] = [a for a in container.get("args", []) if not a.startswith("--v=")] + ["--v=2"]
+                container["args"] = [a for a in container.get("args", []) if not a.startswith("--v=")] + [
+                    "--v=2", "--enable-distributed-snapshotting"]
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
 
 
