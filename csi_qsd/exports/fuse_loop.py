@@ -102,7 +102,7 @@ class FuseLoopExport(ExportPath):
         if thorough:
             devices |= {lp.device for lp in loop.find_loop(export)}
         for device in sorted(devices):
-            if loop.backing_of(device) == export:
+            if loop.serves(device, export):
                 await loop.detach(device)
         self.host.failpoints.hit("unstage.after_detach")
         await attach.remove_volume(client, volume.id)
@@ -232,7 +232,7 @@ class FuseLoopExport(ExportPath):
 
     async def _loop_for(self, export: Path, recorded: str, fresh_export: bool) -> Path:
         """The volume's read-write loop device: the recorded one, a found one (after a crash), or a new one."""
-        if recorded and loop.backing_of(Path(recorded)) == export:
+        if recorded and loop.serves(Path(recorded), export):
             return Path(recorded)
         if not fresh_export:
             found = loop.find_loop(export, readonly=False)
@@ -249,7 +249,8 @@ class FuseLoopExport(ExportPath):
             return  # never exported on this node: nothing can be stale
         stale = [lp.device for lp in loop.find_loop(export)]
         # The one the catalog recorded, once its FUSE file is gone, shows no path of ours (sysfs says "/").
-        if stage.loop_device and loop.backing_of(Path(stage.loop_device)) == ORPHANED:
+        if stage.loop_device and loop.backing_of(Path(stage.loop_device)) == ORPHANED \
+                and not loop.serves(Path(stage.loop_device), export):
             stale.append(Path(stage.loop_device))
         if not stale and mounts.mounted_at(export) is None:
             return
@@ -271,7 +272,7 @@ ORPHANED = Path("/")
 
 def _is_loop_over(source: str, export: Path) -> bool:
     """True if mount source `source` is a loop device whose backing file is `export`."""
-    return source.startswith("/dev/loop") and loop.backing_of(Path(source)) == export
+    return source.startswith("/dev/loop") and loop.serves(Path(source), export)
 
 
 def _apply_group(root: Path, group: str) -> None:

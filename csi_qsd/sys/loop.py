@@ -44,10 +44,41 @@ def loop_devices() -> list[LoopDevice]:
     return found
 
 
+def file_identity(path: Path) -> tuple[int, int, int] | None:
+    """(major, minor, inode) of `path`, or None if it cannot be stat'ed (gone, or a dead FUSE mount)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
+
+
 def find_loop(backing_file: Path, *, readonly: bool | None = None) -> list[LoopDevice]:
-    """Loop devices over `backing_file`, optionally only read-only or read-write ones."""
+    """Loop devices over `backing_file`, optionally only read-only or read-write ones.
+
+    Matched by the file's device and inode where it can be stat'ed, so a loop device attached through
+    another mount namespace's view of the same file is found too (`loop_calls.backing_identity`); by
+    sysfs' path otherwise.
+    """
+    identity = file_identity(backing_file)
     return [lp for lp in loop_devices()
-            if lp.backing_file == backing_file and (readonly is None or lp.readonly == readonly)]
+            if (readonly is None or lp.readonly == readonly) and _over(lp.device, lp.backing_file, backing_file, identity)]
+
+
+def serves(device: Path, backing_file: Path) -> bool:
+    """True if loop device `device` is attached to `backing_file` (same device and inode, or same path)."""
+    if not device.name.startswith("loop"):
+        return False
+    raw = _backing(device)
+    if not raw:
+        return False
+    return _over(device, _backing_path(raw), backing_file, file_identity(backing_file))
+
+
+def _over(device: Path, sysfs_path: Path, backing_file: Path, identity: tuple[int, int, int] | None) -> bool:
+    if sysfs_path == backing_file:
+        return True
+    return identity is not None and loop_calls.backing_identity(device) == identity
 
 
 async def attach(backing_file: Path, *, readonly: bool = False, direct_io: bool = False) -> Path:

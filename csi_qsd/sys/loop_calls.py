@@ -23,6 +23,7 @@ from csi_qsd.errors import HostCommandError
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A
 LOOP_CLR_FD = 0x4C01
+LOOP_GET_STATUS64 = 0x4C05
 LO_FLAGS_READ_ONLY = 1
 LO_FLAGS_DIRECT_IO = 16
 NAME_SIZE = 64
@@ -30,6 +31,7 @@ NAME_SIZE = 64
 # struct loop_info64 { u64 device, inode, rdevice, offset, sizelimit; u32 number, encrypt_type,
 #                      encrypt_key_size, flags; u8 file_name[64], crypt_name[64], encrypt_key[32]; u64 init[2]; }
 _LOOP_CONFIG = struct.Struct("=II5Q4I64s64s32s2Q8Q")
+_LOOP_INFO64 = struct.Struct("=5Q4I64s64s32s2Q")
 ATTEMPTS = 16
 
 
@@ -82,3 +84,25 @@ def detach(device: Path) -> bool:
         raise HostCommandError(f"cannot detach loop device {device}: {exc.strerror}") from exc
     finally:
         os.close(fd)
+
+
+def backing_identity(device: Path) -> tuple[int, int, int] | None:
+    """(major, minor, inode) of the file `device` is attached to; None if nothing is (or it is gone).
+
+    The kernel keeps the backing file's device and inode (LOOP_GET_STATUS64), which stay the same in
+    every mount namespace, unlike sysfs' `backing_file`: that path is worked out from the mount the
+    file was opened through, and once that mount's namespace is gone (a plugin container that
+    restarted) it no longer reads as the export's path.
+    """
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        raw = fcntl.ioctl(fd, LOOP_GET_STATUS64, bytes(_LOOP_INFO64.size))
+    except OSError:
+        return None  # ENXIO: nothing attached
+    finally:
+        os.close(fd)
+    lo_device, lo_inode = _LOOP_INFO64.unpack(raw)[:2]
+    return os.major(lo_device), os.minor(lo_device), lo_inode

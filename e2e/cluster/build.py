@@ -70,7 +70,8 @@ def kubernetes_binaries(root: Path) -> Path:
 
 def _scratch(root: Path, image: ScratchImage) -> Path:
     key = hashlib.sha256(repr((image.name, image.entrypoint, [
-        (f.path, f.symlink, f.source.stat().st_mtime_ns if f.source else f.data) for f in image.files
+        (f.path, f.symlink, f.mode, f.directory, f.source.stat().st_mtime_ns if f.source else f.data)
+        for f in image.files
     ])).encode()).hexdigest()[:16]
     archive = root / "images" / f"{image.name.replace('/', '_').replace(':', '_')}-{key}.tar"
     if not archive.exists():
@@ -109,7 +110,7 @@ def busybox_image(root: Path) -> Path:
     files.append(ImageFile("/etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n",
                            mode=0o644))
     files.append(ImageFile("/etc/group", data=b"root:x:0:\nnogroup:x:65534:\n", mode=0o644))
-    files.append(ImageFile("/tmp/.keep", data=b"", mode=0o644))
+    files.append(ImageFile("/tmp", mode=0o1777, directory=True))
     return _scratch(root, ScratchImage(versions.BUSYBOX_IMAGE, tuple(files), ("/bin/sh",)))
 
 

@@ -27,6 +27,7 @@ class ImageFile:
     data: bytes = b""
     mode: int = 0o755
     symlink: str = ""
+    directory: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ def _tar_layer(files: tuple[ImageFile, ...]) -> bytes:
                     tar.addfile(info)
             info = tarfile.TarInfo(str(rel))
             info.mtime, info.mode = 0, f.mode
+            if f.directory:
+                dirs.add(str(rel))
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+                continue
             if f.symlink:
                 info.type, info.linkname = tarfile.SYMTYPE, f.symlink
                 tar.addfile(info)
