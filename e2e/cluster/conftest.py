@@ -35,12 +35,14 @@ def cluster_marks() -> list[pytest.MarkDecorator]:
             pytest.mark.skipif(bool(_MISSING), reason=f"cluster tier needs {', '.join(_MISSING)}")]
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster goes when the tier's last test is done, not at the end of the whole suite
+# (the e2e tests after it boot guests and want the cores).
+@pytest.fixture(scope="package")
 def built() -> Built:
     return build_all()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(built: Built) -> Iterator[Cluster]:
     base = Path(tempfile.mkdtemp(prefix="csi-qsd-cluster-", dir="/var/tmp"))
     running = Cluster(base, Binaries(built.kubernetes))

@@ -27,7 +27,8 @@ SERVE_FLAGS = (
     "--max-volumes",
 )
 ENV_PREFIX = "CSI_QSD_"
-SAMPLE_FIELD_VALUES = {"spec.nodeName": "node-1", "metadata.namespace": "csi-qsd", "metadata.name": "pod-1"}
+SAMPLE_FIELD_VALUES = {"spec.nodeName": "node-1", "metadata.namespace": "csi-qsd", "metadata.name": "pod-1",
+                       "status.podIP": "10.244.1.7"}
 
 
 def build_parser() -> argparse.ArgumentParser:
