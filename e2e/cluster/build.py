@@ -73,9 +73,12 @@ def _scratch(root: Path, image: ScratchImage) -> Path:
         (f.path, f.symlink, f.mode, f.directory, f.source.stat().st_mtime_ns if f.source else f.data)
         for f in image.files
     ])).encode()).hexdigest()[:16]
-    archive = root / "images" / f"{image.name.replace('/', '_').replace(':', '_')}-{key}.tar"
+    stem = image.name.replace('/', '_').replace(':', '_')
+    archive = root / "images" / f"{stem}-{key}.tar"
     if not archive.exists():
         archive.parent.mkdir(parents=True, exist_ok=True)
+        for stale in archive.parent.glob(f"{stem}-*.tar"):
+            stale.unlink()
         write_oci_archive(image, archive)
     return archive
 
@@ -149,6 +152,34 @@ def driver_images(root: Path) -> Path:
     return archive
 
 
+QEMU_IMAGE = "localhost/csi-qsd-test/qemu:trixie"
+
+
+def qemu_image(root: Path) -> Path:
+    """Debian 13's QEMU in an image, for pods that run a VM on a csi-qsd-vm volume (guest kernel from a hostPath).
+
+    Built on the base image scripts/build-image.sh makes (it must have run first), cached by the recipe.
+    """
+    recipe = ("FROM localhost/csi-qsd-base:trixie\n"
+              "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
+              "qemu-system-x86 && rm -rf /var/lib/apt/lists/*\n"
+              'ENTRYPOINT ["qemu-system-x86_64"]\n')
+    archive = root / "images" / f"qemu-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.tar"
+    if archive.exists():
+        return archive
+    work = root / "images" / "qemu-build"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "Containerfile").write_text(recipe)
+    _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", QEMU_IMAGE, str(work)])
+    tmp = archive.with_name(archive.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    _run(["podman", "save", "--format", "docker-archive", "--output", str(tmp), QEMU_IMAGE])
+    tmp.rename(archive)
+    shutil.rmtree(work, ignore_errors=True)
+    return archive
+
+
 def snapshot_crds() -> Path:
     return _module_dir(*versions.SNAPSHOT_CLIENT_MODULE) / "config" / "crd"
 
@@ -162,5 +193,5 @@ def build_all(root: Path | None = None) -> Built:
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
     kubernetes = kubernetes_binaries(root)
-    images = [pause_image(root), busybox_image(root), *sidecar_images(root), driver_images(root)]
+    images = [pause_image(root), busybox_image(root), *sidecar_images(root), driver_images(root), qemu_image(root)]
     return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests())
