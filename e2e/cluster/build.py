@@ -64,7 +64,7 @@ def _module_dir(module: str, version: str) -> Path:
 
 def kubernetes_binaries(root: Path) -> Path:
     out = root / f"kubernetes-{versions.KUBERNETES}"
-    _run(["bash", str(HERE / "build-kubernetes.sh"), versions.KUBERNETES, str(out), *versions.KUBERNETES_BINARIES])
+    _run(["bash", str(REPO / "scripts" / "build-kubernetes.sh"), versions.KUBERNETES, str(out), *versions.KUBERNETES_BINARIES])
     return out
 
 
@@ -87,7 +87,7 @@ def sidecar_images(root: Path) -> list[Path]:
     out = root / "sidecars"
     archives = []
     for sidecar in versions.SIDECARS:
-        _run(["bash", str(HERE / "build-go-module.sh"), sidecar.module, sidecar.version,
+        _run(["bash", str(REPO / "scripts" / "build-go-module.sh"), sidecar.module, sidecar.version,
               str(out / sidecar.version), sidecar.package])
         name = sidecar.package.rsplit("/", 1)[-1]
         binary = out / sidecar.version / name

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,27 @@ from csi_qsd.sys import caps
 from tests.harness import Sandbox, running_driver
 from tests.leftovers import host_leftovers, qsd_leftovers
 
-SANITY = Path(os.environ.get("CSI_SANITY", Path(__file__).resolve().parents[3] / "shared" / "bin" / "csi-sanity"))
+REPO = Path(__file__).resolve().parents[2]
+SANITY_MODULE, SANITY_VERSION = "github.com/kubernetes-csi/csi-test/v5", "v5.6.0"
+# Where no Go toolchain or module proxy can be reached: a prebuilt v5.5.0 beside the project.
+FALLBACK = REPO.parent / "shared" / "bin" / "csi-sanity"
 MIB = 1 << 20
-MIN_SPECS = 82  # what csi-sanity v5.5 runs against a driver with this one's capabilities
+MIN_SPECS = 82  # what csi-sanity v5.5 and v5.6 run against a driver with this one's capabilities
+
+
+def _sanity() -> Path:
+    """csi-sanity: $CSI_SANITY, else built from its module (cached by version), else the fallback."""
+    if os.environ.get("CSI_SANITY"):
+        return Path(os.environ["CSI_SANITY"])
+    cache = Path(os.environ.get("CSI_QSD_CACHE_DIR", Path.home() / ".cache" / "csi-qsd")) / "csi-sanity" / SANITY_VERSION
+    built = subprocess.run(["bash", str(REPO / "scripts" / "build-go-module.sh"), SANITY_MODULE, SANITY_VERSION,
+                            str(cache), "cmd/csi-sanity"], capture_output=True, text=True)
+    if built.returncode == 0 and (cache / "csi-sanity").is_file():
+        return cache / "csi-sanity"
+    return FALLBACK
+
+
+SANITY = _sanity()
 ONLINE_EXT4_SPEC = "should work if node-expand is called after node-publish"
 RAN = re.compile(r"Ran (\d+) of (\d+) Specs")
 TALLY = re.compile(r"(\d+) Passed \| (\d+) Failed")
