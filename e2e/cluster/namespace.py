@@ -112,6 +112,8 @@ class NodeNamespace:
         wait_for(lambda: os.readlink(f"/proc/{self.pid}/ns/net") != os.readlink("/proc/self/ns/net"),
                   10, "the node's network namespace")
         a = self.address
+        # A run killed before its teardown (SIGKILL, a CI timeout) leaves its host end behind.
+        subprocess.run(["ip", "link", "del", a.host_if], capture_output=True)
         subprocess.run(["ip", "link", "add", a.host_if, "type", "veth", "peer", "name", "eth0",
                         "netns", f"/proc/{self.pid}/ns/net"], check=True)
         subprocess.run(["ip", "addr", "add", f"{a.host_ip}/{a.prefix}", "dev", a.host_if], check=True)
