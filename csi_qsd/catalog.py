@@ -279,13 +279,17 @@ class CopyRole(enum.Enum):
 
 
 class CopyState(enum.Enum):
-    """TARGET: LEASING (asking the source), STREAMING (usable, being made local), RELEASING (whole; lease to drop).
-    SOURCE: SERVING (the snapshot is exported for the copy)."""
+    """TARGET: LEASING (asking the source), STREAMING (usable, being made local), RELEASING (whole; lease to drop),
+    LOST (the source dropped the lease before the copy was whole: what was not copied is gone).
+    SOURCE: SERVING (the snapshot is exported for the copy), REVOKED (an operator dropped the lease: the copy may
+    not have it again; the row, holding nothing, goes when the copy's node releases it or after the lease TTL)."""
 
     LEASING = "leasing"
     STREAMING = "streaming"
     RELEASING = "releasing"
+    LOST = "lost"
     SERVING = "serving"
+    REVOKED = "revoked"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ from google.protobuf.message import Message
 
 from csi_qsd import __version__
 from csi_qsd.config import (
-    DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config, parse_remote_pool,
+    DEFAULT_COPY_LEASE_TTL, DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config,
+    parse_remote_pool,
 )
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.settings import QSDMode
@@ -102,6 +103,11 @@ def _poll_max_ns(text: str) -> int | None:
     if not (text.isascii() and text.isdigit() and int(text) in POLL_MAX_NS_RANGE):
         raise argparse.ArgumentTypeError(f"expected nanoseconds 0..{POLL_MAX_NS_RANGE.stop - 1}, got {text!r}")
     return int(text)
+
+
+def _seconds_or_never(text: str) -> float:
+    """Seconds, 0 for never."""
+    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
 
 
 def _seconds(text: str) -> float:
@@ -267,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
             type=_port_range)
     _option(serve, "--copy-rate", "0", "bytes per second a copy from another node may stream (0: no limit)",
             type=_size)
+    _option(serve, "--copy-lease-ttl", "86400", "seconds a lease this node serves lasts after its copy last asked "
+            "for it (copies renew theirs while they stream); then it is dropped and its snapshot freed (0: never)",
+            type=_seconds_or_never)
 
     router = sub.add_parser("snapshot-metadata-router", help="serve CSI SnapshotMetadata for the cluster on a UNIX "
                             "socket (for the external-snapshot-metadata sidecar), relaying each call to the node "
@@ -376,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("path")
     _output(stats)
     _output(actions.add_parser("info", help="GetPluginInfo, Probe and GetCapacity"))
+    _output(actions.add_parser("leases", help="the leases this node serves to copies on other nodes (how long since "
+                                              "each copy renewed it)"))
+    drop_lease = actions.add_parser("drop-lease", help="stop serving a copy on another node (its node gone for "
+                                    "good) and free its snapshot; that copy loses what it has not copied")
+    drop_lease.add_argument("copy_volume_id", help="the copy's volume ID, as `leases` lists it")
     backup = actions.add_parser("backup", help="qcow2 backup of a snapshot: the ranges GetMetadataAllocated "
                                 "(full) or GetMetadataDelta (--since) lists, read from its frozen images on this node")
     backup.add_argument("snapshot_id")
@@ -437,6 +451,7 @@ def config_from(args: argparse.Namespace) -> Config:
         copy_address=getattr(args, "copy_address", ""),
         copy_ports=getattr(args, "copy_ports", range(10900, 11000)),
         copy_rate=int(getattr(args, "copy_rate", 0)),
+        copy_lease_ttl=float(getattr(args, "copy_lease_ttl", DEFAULT_COPY_LEASE_TTL)),
     )
 
 
@@ -616,6 +631,13 @@ async def _client(args: argparse.Namespace) -> int:
             info = present.PluginInfo(name=plugin.name, version=plugin.vendor_version, ready=await client.probe(),
                                       available_bytes=await client.capacity())
             _show(args, [info], lambda: present.info_table(info))
+        elif action == "leases":
+            leases = await client.copy_leases()
+            _show(args, leases, lambda: present.leases_table(leases), "no leases")
+        elif action == "drop-lease":
+            dropped = await client.drop_copy_lease(args.copy_volume_id)
+            print(f"dropped the lease of copy {dropped['copy_volume_id']} (node {dropped['node']}, snapshot "
+                  f"{dropped['snapshot_id']})", file=sys.stderr)
         elif action == "nbd-export":
             from csi_qsd.backup import snapshot_nbd
 

@@ -25,6 +25,7 @@ DEFAULT_DRIVER_NAME = "csi-qsd.io"
 DEFAULT_STATE_DIR = Path("/var/lib/csi-qsd")
 DEFAULT_TARGET_ROOT = Path("/var/lib/kubelet")
 TOPOLOGY_KEY_NODE = "topology.csi-qsd.io/node"
+DEFAULT_COPY_LEASE_TTL = 86400.0  # a day: a copy's node away that long loses its copy (docs/security.md)
 TOPOLOGY_KEY_FUSE = "topology.csi-qsd.io/fuse"
 TOPOLOGY_KEY_VHOST_USER = "topology.csi-qsd.io/vhost-user-blk"
 # An iothread's adaptive polling budget, as the StorageClass's iothreadPollMaxNs allows it.
@@ -76,6 +77,7 @@ class Config:
     copy_address: str = ""
     copy_ports: range = range(10900, 11000)
     copy_rate: int = 0
+    copy_lease_ttl: float = DEFAULT_COPY_LEASE_TTL  # seconds a served lease outlives its copy's last request (0: ever)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", self.state_dir.resolve())
@@ -100,6 +102,8 @@ class Config:
             raise ValueError(f"--copy-ports {self.copy_ports.start}-{self.copy_ports.stop - 1}: not a port range")
         if self.copy_rate < 0:
             raise ValueError("--copy-rate must not be negative")
+        if self.copy_lease_ttl < 0:
+            raise ValueError("--copy-lease-ttl must not be negative")
 
     @property
     def copy_host(self) -> str:

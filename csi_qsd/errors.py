@@ -81,6 +81,11 @@ class Internal(DriverError):
     code = Code.INTERNAL
 
 
+class SourceLost(FailedPrecondition):
+    """A copy's source node no longer serves the snapshot the copy was reading (its lease expired or was dropped,
+    or the snapshot is gone): what was not copied yet cannot be had any more."""
+
+
 class SourceUnreachable(Unavailable):
     """A volume reads data not yet copied from another node whose copy server does not greet.
 

@@ -46,7 +46,7 @@ from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.controller.copies import CopySettings, LinkCheck, RemoteCopies, SourceLeases
-from csi_qsd.csi.peers import PeerNodes, copies_handler
+from csi_qsd.csi.peers import PeerNodes, copies_handler, leases_handler
 from csi_qsd.node.copies import CopyStreams, CrossNodeCopies
 from csi_qsd.sys.tools import bundled
 
@@ -139,7 +139,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         settings = CopySettings(
             state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
             tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
-            qemu_img=config.qemu_img, rate=config.copy_rate)
+            qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl)
         peers = PeerNodes(config.peers, tls, config.node_id)
         streams = CopyStreams(catalog, exports, locks, peers, settings)
         copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, volumes.name_locks,
@@ -151,11 +151,13 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         await copies.leases.reconcile()
         await qsd.start(attaching([pool, *device_pools.values()], node.rebuild, streams.prepare))
         try:
+            copies.leases.start_expiry()
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports, node.stalled),
                          VolumeLimits(catalog, qsd, locks), copies)
         finally:
             await node.close()
             await streams.close()
+            await copies.leases.close()
             await peers.close()
             await snapshots.close()
             await volumes.close()
@@ -178,6 +180,7 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots, observers), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features(), observers), server)
         pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
+        server.add_generic_rpc_handlers((leases_handler(driver.copies.leases),))  # the operator's, here only
         async with unix_socket.serving(server, config.endpoint):
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata,

@@ -24,15 +24,20 @@ listener):
   While a lease reads a snapshot, DeleteSnapshot of it (and DeleteVolume of a
   volume being cloned) is FAILED_PRECONDITION naming the copy and its node.
   A clone of a volume leases a hidden snapshot cut for it, deleted with the
-  lease.
+  lease. A lease lasts --copy-lease-ttl past the last time its copy asked
+  for it (the copy renews it while it streams), so a copy whose node is gone
+  for good frees its source; an operator may drop one at once
+  (`csi-qsd volume drop-lease`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -44,7 +49,7 @@ from csi_qsd.catalog import (
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.controller.volumes import Capability, choose_size, unsupported_capability
 from csi_qsd.errors import (
-    AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied,
+    Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied,
     ResourceExhausted, SourceUnreachable,
 )
 from csi_qsd.params import ImageFormat, QoS, VolumeParameters
@@ -74,6 +79,8 @@ COPY_SUFFIX = "-copy.qcow2"
 # The name of the hidden snapshot of a volume cut for a clone on another node: this prefix and the clone's ID.
 CUT_PREFIX = "copy."
 RETRY_IDS_MAX = 1024  # failed creates whose copy ID a retry reuses
+EXPIRY_CHECK_SECONDS = 60.0  # at most this long between looks for expired leases
+DROP_WAIT_SECONDS = 10.0  # an operator's drop waits this long for a renewal (or a lease) under way
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +92,7 @@ class Lease:
     address: str  # host:port of its NBD server
     export: str
     size: int
+    ttl: float = 0.0  # seconds the source keeps the lease without a renewal (0: for good)
 
 
 class Peers(Protocol):
@@ -110,6 +118,7 @@ class CopySettings:
     qemu_nbd: str = "qemu-nbd"
     qemu_img: str = "qemu-img"
     rate: int = 0  # bytes/s a stream may copy (0: as fast as it goes)
+    lease_ttl: float = 0.0  # seconds a lease this node serves lasts unless its copy renews it (0: for good)
 
     @property
     def copies_dir(self) -> Path:
@@ -191,12 +200,17 @@ class SourceLeases:
     """The source end: serve snapshots to copies on other nodes, and refuse deletes while they read."""
 
     def __init__(self, catalog: Catalog, snapshots: Snapshots, settings: CopySettings, volume_locks: KeyedLocks,
-                 ) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._catalog = catalog
         self._snapshots = snapshots
         self._settings = settings
         self._volume_locks = volume_locks  # the volumes' own: a lease of a clone and DeleteVolume exclude each other
         self._locks = KeyedLocks("copy")
+        # When each lease was last asked for (granted or renewed), by `clock`. In memory: a driver that starts
+        # counts every lease it finds from then, so a restart never shortens one.
+        self._clock = clock
+        self._renewed: dict[str, float] = {}
+        self._expiry: asyncio.Task[None] | None = None
 
     async def lease(self, copy_volume_id: str, node: str, source: str) -> Lease:
         """Serve `source` for the copy `copy_volume_id` on `node` (idempotent). Raises NotFound,
@@ -207,13 +221,16 @@ class SourceLeases:
         if self._settings.tls is None:
             raise FailedPrecondition("this node serves no copies: it has no node-to-node TLS files "
                                      "(--metadata-cert, --metadata-key, --metadata-client-ca)")
+        await self._refuse_others(copy_volume_id, node, "lease")  # at once, even while the owner renews it
         async with self._locks.hold(copy_volume_id):
             record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
             if record is None:
                 record = await self._new_lease(copy_volume_id, node, source, kind, ident)
             elif record.node != node:
-                raise PermissionDenied(f"copy {copy_volume_id} is leased to node {record.node}; node {node} may not "
-                                       "lease it")
+                raise _not_yours(copy_volume_id, record.node, node, "lease")
+            elif record.state is CopyState.REVOKED:
+                raise NotFound(f"the lease of copy {copy_volume_id} was dropped by this node's operator; that copy "
+                               "cannot go on")
             try:
                 record = await self._serve(record)
             except BaseException:
@@ -223,7 +240,8 @@ class SourceLeases:
             if size is None:  # deleted before the lease row was seen
                 await self._drop(record)
                 raise NotFound(f"snapshot {record.snapshot_id} does not exist")
-            return Lease("", record.snapshot_id, record.address, copy_volume_id, size.size)
+            self._renewed[copy_volume_id] = self._clock()
+            return Lease("", record.snapshot_id, record.address, copy_volume_id, size.size, self._settings.lease_ttl)
 
     async def _new_lease(self, copy_volume_id: str, node: str, source: str, kind: str, ident: str) -> CopyRecord:
         """Record a lease of a snapshot (or of a hidden cut of a volume) that still exists.
@@ -274,7 +292,8 @@ class SourceLeases:
 
     async def _free_port(self, copy_volume_id: str) -> int:
         """A port of --copy-ports that no other lease records and nothing listens on. Raises ResourceExhausted."""
-        taken = {self._port(r) for r in await self._catalog.copies(CopyRole.SOURCE) if r.volume_id != copy_volume_id}
+        taken = {self._port(r) for r in await self._catalog.copies(CopyRole.SOURCE)
+                 if r.volume_id != copy_volume_id and r.address}
         port = await asyncio.to_thread(nbd_tcp.pick_port, self._settings.host, self._settings.ports, taken)
         if port is None:
             raise ResourceExhausted(f"every copy port of this node ({self._settings.ports.start}-"
@@ -298,17 +317,88 @@ class SourceLeases:
         `node`: the node asking, which must be the one the lease is for ('': this node's operator, anyone's).
         Raises PermissionDenied.
         """
+        if node:
+            await self._refuse_others(copy_volume_id, node, "release")
         async with self._locks.hold(copy_volume_id):
             record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
             if record is not None and node and record.node != node:
-                raise PermissionDenied(f"copy {copy_volume_id} is leased to node {record.node}; node {node} may not "
-                                       "release it")
+                raise _not_yours(copy_volume_id, record.node, node, "release")
             if record is not None:
                 await self._drop(record)
                 log.info("event=copy_lease_released copy_volume_id=%s node=%s snapshot_id=%s",
                          copy_volume_id, record.node, record.snapshot_id)
 
+    async def _refuse_others(self, copy_volume_id: str, node: str, action: str) -> None:
+        """PermissionDenied if the copy's lease is another node's (asked again under the lock: a row may go)."""
+        record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+        if record is not None and record.node != node:
+            raise _not_yours(copy_volume_id, record.node, node, action)
+
+    async def drop(self, copy_volume_id: str) -> CopyRecord:
+        """An operator's drop of a lease (its copy's node gone for good): served no more, its snapshot freed.
+
+        The copy, if it still runs, loses what it has not copied. Raises NotFound.
+        """
+        async with self._locks.wait_hold(copy_volume_id, DROP_WAIT_SECONDS) as held:
+            if not held:  # a renewal that never ends
+                raise Aborted(f"the lease of copy {copy_volume_id} stayed busy for {DROP_WAIT_SECONDS:g} s; retry")
+            record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+            if record is None or record.state is CopyState.REVOKED:
+                raise NotFound(f"this node serves no lease for copy {copy_volume_id}")
+            await self._drop(record)
+            # Remembered, holding nothing, so the copy's node (if it is still there) cannot have it again.
+            await self._catalog.put_copy(dataclasses.replace(
+                record, state=CopyState.REVOKED, snapshot_id="", address="", image="", created_at=now()))
+            self._renewed[copy_volume_id] = self._clock()
+        log.warning("event=copy_lease_dropped copy_volume_id=%s node=%s snapshot_id=%s reason=operator",
+                    copy_volume_id, record.node, record.snapshot_id)
+        return record
+
+    async def leases(self) -> list[tuple[CopyRecord, float]]:
+        """Every lease this node serves, with the seconds since its copy last asked for it."""
+        now = self._clock()
+        return [(r, now - self._renewed.get(r.volume_id, now)) for r in await self._catalog.copies(CopyRole.SOURCE)]
+
+    async def expire(self) -> list[str]:
+        """Drop the leases not asked for within --copy-lease-ttl (their copies' nodes gone); their copy IDs."""
+        ttl, dropped = self._settings.lease_ttl, list[str]()
+        if ttl <= 0:
+            return dropped
+        for record, age in await self.leases():
+            if age <= ttl or self._locks.busy(record.volume_id):
+                continue
+            async with self._locks.hold(record.volume_id):
+                current = await self._catalog.copy(record.volume_id, CopyRole.SOURCE)
+                if current is None or self._clock() - self._renewed.get(record.volume_id, self._clock()) <= ttl:
+                    continue
+                await self._drop(current)
+            log.warning("event=%s copy_volume_id=%s node=%s snapshot_id=%s idle_seconds=%.0f",
+                        "copy_lease_forgotten" if record.state is CopyState.REVOKED else "copy_lease_expired",
+                        record.volume_id, record.node, record.snapshot_id, age)
+            dropped.append(record.volume_id)
+        return dropped
+
+    def start_expiry(self) -> None:
+        """Look for expired leases in the background, a few times per --copy-lease-ttl (at most every minute)."""
+        if self._settings.lease_ttl > 0 and self._expiry is None:
+            self._expiry = asyncio.create_task(self._expire_forever(), name="copy-lease-expiry")
+
+    async def _expire_forever(self) -> None:
+        interval = min(EXPIRY_CHECK_SECONDS, self._settings.lease_ttl / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.expire()
+            except DriverError as exc:
+                log.warning("event=copy_lease_expiry_failed error=%r", str(exc))
+            except Exception:  # an eternal task must not end silently
+                log.exception("event=copy_lease_expiry_failed")
+
     async def _drop(self, record: CopyRecord) -> None:
+        self._renewed.pop(record.volume_id, None)
+        if record.state is CopyState.REVOKED:  # serves and holds nothing
+            await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
+            return
         await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
         await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
         if parse_source(record.source)[0] == "volume":
@@ -325,7 +415,7 @@ class SourceLeases:
     async def refuse_volume_delete(self, volume_id: str) -> None:
         """FailedPrecondition while a clone on another node reads the volume (asked under the volume's lock)."""
         for record in await self._catalog.copies(CopyRole.SOURCE):
-            if record.source == f"volume:{volume_id}":
+            if record.source == f"volume:{volume_id}" and record.state is not CopyState.REVOKED:
                 raise FailedPrecondition(
                     f"volume {volume_id} is being cloned to volume {record.volume_id} on node {record.node}; "
                     "delete it once that copy is done (or that volume is deleted)")
@@ -333,6 +423,9 @@ class SourceLeases:
     async def reconcile(self) -> None:
         """Serve again every lease whose server is gone; drop leases whose snapshot is gone."""
         for record in await self._catalog.copies(CopyRole.SOURCE):
+            self._renewed.setdefault(record.volume_id, self._clock())
+            if record.state is CopyState.REVOKED:
+                continue
             if await self._catalog.snapshot(record.snapshot_id) is None:
                 log.warning("event=copy_lease_dropped copy_volume_id=%s reason=snapshot_gone", record.volume_id)
                 await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
@@ -344,7 +437,12 @@ class SourceLeases:
                 log.error("event=copy_serve_failed copy_volume_id=%s error=%r", record.volume_id, str(exc))
 
     async def close(self) -> None:
-        """Nothing to stop: the servers are the data plane and outlive the driver."""
+        """Stop looking for expired leases; the servers are the data plane and outlive the driver."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+            self._expiry = None
 
     def _pid_file(self, copy_volume_id: str) -> Path:
         return self._settings.copies_dir / f"{copy_volume_id}.pid"
@@ -354,20 +452,36 @@ class SourceLeases:
         return int(record.address.rpartition(":")[2])
 
     async def _serve(self, record: CopyRecord) -> CopyRecord:
-        """Serve the lease if its server is gone; the record, with a new address if the old one is lost.
+        """Serve the lease if its server is gone (or read other TLS files than the node's now, or lets in any
+        node of the CA); the record, with a new address if the old one is lost.
 
-        A restarted node may find its lease's port taken by something else
+        Called at every Lease, so a renewed certificate reaches a running
+        server the next time its copy renews the lease (a few times per
+        --copy-lease-ttl). A restarted node may find its lease's port taken by something else
         (or --copy-address changed): the lease then moves to a free port of
         --copy-ports, recorded, and the copy's node learns it when it asks
         the lease again (`csi_qsd.node.copies`). Raises ResourceExhausted, HostCommandError.
         """
         pid_file, port = self._pid_file(record.volume_id), self._port(record)
         pid = nbd_tcp.serving_pid(pid_file, port)
-        if pid is not None and nbd_tcp.admits_only(pid, record.node):
+        assert self._settings.tls is not None
+        cert, key, ca = self._settings.tls
+        try:  # rewritten only when the node's files changed (a renewed certificate)
+            tls = await asyncio.to_thread(nbd_tcp.tls_dir, self._settings.copies_dir / "tls-server", cert, key, ca,
+                                          endpoint="server")
+        except OSError as exc:
+            if pid is None:
+                raise
+            log.warning("event=copy_tls_unreadable copy_volume_id=%s error=%r", record.volume_id, str(exc))
+            return record  # serving with what it read at its start
+        reason = "" if pid is None else (
+            "authz" if not nbd_tcp.admits_only(pid, record.node)  # from a driver that let any node of the CA in
+            else "certificate" if nbd_tcp.started_before(pid, tls) else "")
+        if pid is not None and not reason:
             return record
-        if pid is not None:  # started by a driver that let any node of the CA in: serve again, for its node only
-            log.warning("event=copy_server_restarted copy_volume_id=%s node=%s reason=authz", record.volume_id,
-                        record.node)
+        if pid is not None:  # the copy's NBD client reconnects to the same port (QEMU's reconnect-delay)
+            log.warning("event=copy_server_restarted copy_volume_id=%s node=%s reason=%s", record.volume_id,
+                        record.node, reason)
             await nbd_tcp.stop(pid_file, port)
         host = record.address.rpartition(":")[0]
         if host != self._settings.host or not await asyncio.to_thread(nbd_tcp.port_free, host, port):
@@ -378,16 +492,16 @@ class SourceLeases:
                         "address_changed" if host != self._settings.host else "port_taken")
             await self._catalog.put_copy(moved)
             record, port = moved, self._port(moved)
-        assert self._settings.tls is not None
-        cert, key, ca = self._settings.tls
-        tls = await asyncio.to_thread(nbd_tcp.tls_dir, self._settings.copies_dir / "tls-server", cert, key, ca,
-                                      endpoint="server")
         pid = await nbd_tcp.start(
             self._settings.qemu_nbd, qcow2_spec(Path(record.image), read_only=True), host=self._settings.host,
             port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=record.node)
         log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
                  record.volume_id, record.snapshot_id, record.address, pid)
         return record
+
+
+def _not_yours(copy_volume_id: str, owner: str, node: str, action: str) -> PermissionDenied:
+    return PermissionDenied(f"copy {copy_volume_id} is leased to node {owner}; node {node} may not {action} it")
 
 
 class RemoteCopies:

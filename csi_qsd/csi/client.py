@@ -6,6 +6,7 @@ cluster, and by tests that run the driver as a separate process.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 
 SINGLE_NODE_WRITER = pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
+LEASES_SERVICE = "csi_qsd.v1.CopyLeases"  # csi_qsd.csi.peers serves it on the driver's UNIX socket
 
 
 def capability(*, block: bool = False, fs_type: str = "", mount_flags: tuple[str, ...] = (),
@@ -182,6 +184,23 @@ class CSIClient:
     async def plugin_info(self) -> pb.GetPluginInfoResponse:
         response: Any = await self.identity.GetPluginInfo(pb.GetPluginInfoRequest(), timeout=self.timeout)
         return response  # type: ignore[no-any-return]
+
+    async def copy_leases(self) -> list[dict[str, Any]]:
+        """The leases the driver serves to copies on other nodes (`csi_qsd.v1.CopyLeases/List`)."""
+        answer = await self._json("List", {})
+        leases: list[dict[str, Any]] = answer.get("leases", [])
+        return leases
+
+    async def drop_copy_lease(self, copy_volume_id: str) -> dict[str, Any]:
+        """Drop the lease of copy `copy_volume_id` (`csi_qsd.v1.CopyLeases/Drop`): what it names."""
+        return await self._json("Drop", {"copy_volume_id": copy_volume_id})
+
+    async def _json(self, method: str, request: dict[str, Any]) -> dict[str, Any]:
+        call = self._channel.unary_unary(f"/{LEASES_SERVICE}/{method}",
+                                         request_serializer=lambda m: json.dumps(m).encode(),
+                                         response_deserializer=json.loads)
+        answer: dict[str, Any] = await call(request, timeout=self.timeout)
+        return answer
 
     async def probe(self) -> bool:
         """Whether the plugin says it is ready; a Probe answer without `ready` means ready, as the spec says."""

@@ -225,9 +225,10 @@ class ControllerService(pb_grpc.ControllerServicer):
         )
 
     def _condition(self, volume_id: str, health: VolumeHealth) -> pb.VolumeCondition:
-        """The volume's condition; one still being copied from another node says how far, or why it stopped."""
+        """The volume's condition; one still being copied from another node says how far, or why it stopped
+        (a copy that is lost for good says so before anything else)."""
         copying = self._copies.condition(volume_id) if self._copies is not None else None
-        if copying is not None and not health.abnormal:
+        if copying is not None and (not health.abnormal or self._copies is not None and self._copies.lost(volume_id)):
             return pb.VolumeCondition(abnormal=copying[0], message=copying[1])
         return pb.VolumeCondition(abnormal=health.abnormal, message=health.message)
 

@@ -31,7 +31,8 @@ import grpc
 
 from csi_qsd import validate
 from csi_qsd.controller.copies import Lease, SourceLeases, parse_source
-from csi_qsd.csi.tls import caller_name, channel_credentials
+from csi_qsd.csi.client import LEASES_SERVICE
+from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
 from csi_qsd.errors import Code, DriverError, Forwarded, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from csi_qsd.sys.pem import PemFiles
 
@@ -40,8 +41,6 @@ log = logging.getLogger(__name__)
 SERVICE = "csi_qsd.v1.Copies"
 CALL_SECONDS = 60.0  # a lease of a volume cuts a snapshot first
 _NODE_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?\Z")
-_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                    ("grpc.max_reconnect_backoff_ms", 2000))
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -73,14 +72,22 @@ class PeerNodes:
         self._node_id = node_id
         self._timeout = timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []  # made with an older certificate; closed with the rest
+        self._credentials: ReloadingCredentials | None = None  # read when first needed: the files may come later
 
     def _call(self, name: str, method: str) -> Callable[..., Awaitable[dict[str, Any]]]:
+        """A call on `name`'s channel; OSError while this node's TLS files cannot be read."""
+        if self._credentials is None:
+            assert self._tls is not None
+            self._credentials = ReloadingCredentials(self._tls)
+        elif self._credentials.refresh():  # a renewed certificate: new channels present it
+            self._retired.extend(self._channels.values())
+            self._channels = {}
         channel = self._channels.get(name)
         if channel is None:
-            assert self._tls is not None
             # The peer must show a certificate for its own node name, not just any of the CA's.
-            options = (("grpc.ssl_target_name_override", name), *_CHANNEL_OPTIONS)
-            channel = grpc.aio.secure_channel(self._peers[name], channel_credentials(self._tls), options=options)
+            options = (("grpc.ssl_target_name_override", name), *RECONNECT_OPTIONS)
+            channel = grpc.aio.secure_channel(self._peers[name], self._credentials.credentials, options=options)
             self._channels[name] = channel
         return channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=_encode,  # type: ignore[no-any-return]
                                    response_deserializer=_decode)
@@ -103,7 +110,7 @@ class PeerNodes:
                     return f"{name} ({self._peers[name]}): {exc.code().name}: {exc.details()}"
                 raise _forwarded(name, exc) from None
             return Lease(name, str(answer["snapshot_id"]), str(answer["address"]), str(answer["export"]),
-                         int(answer["size"]))
+                         int(answer["size"]), float(answer.get("ttl", 0)))
 
         answers = await asyncio.gather(*(ask(name) for name in self._peers), return_exceptions=True)
         leases = [a for a in answers if isinstance(a, Lease)]
@@ -131,7 +138,8 @@ class PeerNodes:
                                   f"{exc.code().name}: {exc.details()}") from None
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels = [*self._channels.values(), *self._retired]
+        self._channels, self._retired = {}, []
         await asyncio.gather(*(channel.close() for channel in channels))
 
 
@@ -168,7 +176,8 @@ def copies_handler(leases: SourceLeases, peers: Collection[str]) -> grpc.Generic
                 raise PermissionDenied(f"node {asking} asked for a lease for node {node}: a node leases for itself "
                                        "only")
             got = await leases.lease(copy_volume_id, node, _text(request, "source"))
-            return {"snapshot_id": got.snapshot_id, "address": got.address, "export": got.export, "size": got.size}
+            return {"snapshot_id": got.snapshot_id, "address": got.address, "export": got.export, "size": got.size,
+                    "ttl": got.ttl}
         return await _answer("CopyLease", request, context, grant)
 
     async def release(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
@@ -189,6 +198,31 @@ def copies_handler(leases: SourceLeases, peers: Collection[str]) -> grpc.Generic
     })
 
 
+def leases_handler(leases: SourceLeases) -> grpc.GenericRpcHandler:
+    """`csi_qsd.v1.CopyLeases` for this node's operator, on the driver's own UNIX socket only (never the
+    listener): List the leases this node serves, Drop one (`csi-qsd volume leases`, `drop-lease`)."""
+
+    async def listed(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        async def work() -> dict[str, Any]:
+            return {"leases": [
+                {"copy_volume_id": r.volume_id, "node": r.node, "source": r.source, "state": r.state.value,
+                 "snapshot_id": r.snapshot_id, "address": r.address, "idle_seconds": round(idle, 1)}
+                for r, idle in await leases.leases()]}
+        return await _answer("CopyLeaseList", request, context, work)
+
+    async def drop(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        async def work() -> dict[str, Any]:
+            record = await leases.drop(validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id"))
+            return {"copy_volume_id": record.volume_id, "node": record.node, "snapshot_id": record.snapshot_id}
+        return await _answer("CopyLeaseDrop", request, context, work)
+
+    handler = {"request_deserializer": _decode, "response_serializer": _encode}
+    return grpc.method_handlers_generic_handler(LEASES_SERVICE, {
+        "List": grpc.unary_unary_rpc_method_handler(listed, **handler),
+        "Drop": grpc.unary_unary_rpc_method_handler(drop, **handler),
+    })
+
+
 async def _answer(method: str, request: dict[str, Any], context: grpc.aio.ServicerContext,
                   work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
     start = time.monotonic()
@@ -204,6 +238,6 @@ async def _answer(method: str, request: dict[str, Any], context: grpc.aio.Servic
         log.exception("rpc=%s copy_volume_id=%s code=INTERNAL", method, ident)
         await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed; see the node plugin's log")
         raise
-    log.info("rpc=%s copy_volume_id=%s caller=%s code=OK seconds=%.4f", method, ident, caller_name(context),
+    log.info("rpc=%s copy_volume_id=%s caller=%s code=OK seconds=%.4f", method, ident, caller_name(context) or "-",
              time.monotonic() - start)
     return answer

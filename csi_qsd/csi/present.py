@@ -150,3 +150,15 @@ def stats_table(stats: pb.NodeGetVolumeStatsResponse) -> str:
 def capacity_table(volume_id: str, capacity: int) -> str:
     """NodeExpandVolume's answer: the volume's size now."""
     return table(("VOLUME ID", "SIZE"), [[volume_id, human_size(capacity)]])
+
+
+LEASE_COLUMNS = ("COPY VOLUME", "NODE", "SOURCE", "STATE", "SNAPSHOT", "ADDRESS", "IDLE")
+
+
+def leases_table(leases: Sequence[Mapping[str, object]]) -> str:
+    """The leases a node serves to copies on other nodes: whose, of what, where, and how long since renewed
+    (a dropped one stays `revoked`, holding nothing, until its copy's node releases it or its TTL passes)."""
+    return table(LEASE_COLUMNS, [[str(lease["copy_volume_id"]), str(lease["node"]), str(lease["source"]),
+                                  str(lease["state"]), str(lease["snapshot_id"]) or NONE,
+                                  str(lease["address"]) or NONE, f"{float(str(lease['idle_seconds'])):.0f}s"]
+                                 for lease in leases])

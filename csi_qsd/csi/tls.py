@@ -5,8 +5,8 @@ configured CA signed: a node plugin's metadata listener answers no caller
 without a client certificate of that CA, and the router trusts no node
 without one. The files come from a Kubernetes Secret, which kubelet replaces
 in place when it changes (cert-manager renewing it), so they are reread:
-the listener on every TLS handshake, the router's channels when a file's
-modification time moves. This module knows nothing of CSI.
+the listener on every TLS handshake, the router's and the peer nodes'
+channels when a file's modification time moves (`ReloadingCredentials`). This module knows nothing of CSI.
 
 Who a caller is: the common name (CN) of the certificate it presented
 (`caller_name`). A node plugin's certificate names its node there (and in a
@@ -25,7 +25,13 @@ from csi_qsd.sys.pem import PemFiles
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PemFiles", "caller_name", "channel_credentials", "server_credentials"]
+__all__ = ["RECONNECT_OPTIONS", "PemFiles", "ReloadingCredentials", "caller_name", "channel_credentials",
+           "server_credentials"]
+
+# gRPC backs off up to 120 s between reconnects by default; a node plugin back from a restart
+# should be reachable again within seconds.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 2000))
 
 
 def _server_config(pem: tuple[bytes, bytes, bytes]) -> grpc.ServerCertificateConfiguration:
@@ -76,3 +82,29 @@ def caller_name(context: grpc.aio.ServicerContext) -> str:
     """The common name of the client certificate the caller presented ('' if none, or not exactly one)."""
     names = list(context.auth_context().get("x509_common_name", ()))
     return names[0].decode(errors="replace") if len(names) == 1 else ""
+
+
+class ReloadingCredentials:
+    """A client's credentials from `files`, made again when the files change (kubelet swapping a renewed Secret).
+
+    Raises OSError at construction when a file cannot be read.
+    """
+
+    def __init__(self, files: PemFiles) -> None:
+        self._files = files
+        self._stamp = files.stamp()
+        self.credentials = channel_credentials(files)
+
+    def refresh(self) -> bool:
+        """True if the files changed and `credentials` are new: channels made before use the old certificate."""
+        try:
+            stamp = self._files.stamp()
+            if stamp == self._stamp:
+                return False
+            credentials = channel_credentials(self._files)
+        except OSError as exc:  # mid-swap of a Secret's files: keep the certificate we have
+            log.warning("event=tls_reload_failed cert=%s error=%r", self._files.cert, str(exc))
+            return False
+        self._stamp, self.credentials = stamp, credentials
+        log.info("event=tls_reloaded cert=%s", self._files.cert)
+        return True

@@ -17,6 +17,14 @@ retried (with back-off) until the source answers again, and resumes where
 it was (block-stream skips what the copy image holds). A driver that starts
 resumes every copy its catalog records; a job still running in a QSD that
 outlived the driver is waited for, not restarted.
+
+The source keeps a lease for --copy-lease-ttl after it was last asked for
+(`SourceLeases`), so the copy asks again (renews) when it starts or resumes
+and a few times per TTL while it streams. A source that no longer holds the
+copy's snapshot (the lease expired while this node was away, or an operator
+dropped it) makes the copy LOST: never completed from another snapshot, its
+volume abnormal for good, naming the source; deleting the volume is the way
+out.
 """
 
 from __future__ import annotations
@@ -30,9 +38,9 @@ from pathlib import Path
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
 from csi_qsd.controller.copies import (
-    PEER_TLS_OBJECT, CopySettings, Peers, RemoteCopies, SourceLeases, point_backing,
+    PEER_TLS_OBJECT, CopySettings, Lease, Peers, RemoteCopies, SourceLeases, point_backing,
 )
-from csi_qsd.errors import Aborted, DriverError, QSDError, Unavailable
+from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost, Unavailable
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import placement
 from csi_qsd.qsd import attach
@@ -45,6 +53,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 RETRY_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0)
 REACH_TIMEOUT = 3.0
+RENEWALS_PER_TTL = 4  # the copy asks for its lease again this many times per --copy-lease-ttl while it streams
 
 
 def names_backing(image: Path) -> bool:
@@ -82,6 +91,7 @@ class CopyStreams:
         self._settings = settings
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._status: dict[str, CopyStatus] = {}
+        self._lost: dict[str, CopyStatus] = {}  # copies whose source no longer holds their snapshot
 
     @property
     def tls_dir(self) -> Path:
@@ -114,8 +124,13 @@ class CopyStreams:
         if task is None or task.done():
             self._tasks[volume_id] = asyncio.create_task(self._run(volume_id), name=f"copy-{volume_id}")
 
+    def lost(self, volume_id: str) -> bool:
+        return volume_id in self._lost
+
     def status(self, volume_id: str) -> CopyStatus | None:
         """The copy's state while the volume is not yet local; None once it is (or never was a copy)."""
+        if volume_id in self._lost:
+            return self._lost[volume_id]
         task = self._tasks.get(volume_id)
         return self._status.get(volume_id) if task is not None and not task.done() else None
 
@@ -132,6 +147,7 @@ class CopyStreams:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._status.pop(volume_id, None)
+        self._lost.pop(volume_id, None)
         for daemon in self._exports.host.qsd.daemons:
             if not daemon.ready:
                 continue
@@ -161,6 +177,12 @@ class CopyStreams:
             if record is None:
                 return
             self._status.setdefault(volume_id, CopyStatus(record.node))
+            if record.state is CopyState.LOST:
+                self._lost[volume_id] = CopyStatus(record.node, problem=(
+                    f"copy from node {record.node or '?'} lost: that node no longer serves snapshot "
+                    f"{record.snapshot_id} to this copy (its lease expired or was dropped), so the data not yet "
+                    "copied cannot be read; delete the volume and make it again"))
+                return
             try:
                 if record.state is CopyState.RELEASING:
                     await self._peers.release(record.node, volume_id)
@@ -178,6 +200,10 @@ class CopyStreams:
                 attempt = 0
             except asyncio.CancelledError:
                 raise
+            except SourceLost as exc:
+                log.error("event=copy_lost volume_id=%s node=%s snapshot_id=%s error=%r", volume_id, record.node,
+                          record.snapshot_id, str(exc))
+                await self._catalog.put_copy(dataclasses.replace(record, state=CopyState.LOST))
             except (DriverError, OSError) as exc:
                 delay = RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)]
                 attempt += 1
@@ -198,8 +224,12 @@ class CopyStreams:
         if not await asyncio.to_thread(names_backing, local):
             await self._close_if_unstaged(volume)
             return
+        loop = asyncio.get_running_loop()
         if not await nbd_tcp.answers(record.address, REACH_TIMEOUT):
-            record = await self._relearn(record, volume)
+            record, lease = await self._relearn(record, volume)
+            renew_at, ttl = _next_renewal(loop.time(), lease.ttl), lease.ttl
+        else:  # a source whose listener is down (its driver restarting) still serves: stream, renew later
+            renew_at, ttl = await self._renew_while_streaming(record, volume.id, loop.time(), 0.0)
         stage = await self._catalog.stage(volume.id)
         shard = stage.shard if stage is not None else await placement.shard_for(
             self._catalog, volume, self._exports.host.qsd.count)
@@ -229,13 +259,48 @@ class CopyStreams:
                                                  if info.get("status") != "running" else "")
             if info["status"] in ("pending", "concluded"):
                 break
+            if loop.time() >= renew_at:
+                renew_at, ttl = await self._renew_while_streaming(record, volume.id, loop.time(), ttl)
             await asyncio.sleep(POLL_SECONDS)
         await client.finish_job(job)  # finalizes (the copy image drops its backing) and dismisses; QSDError if failed
         if await asyncio.to_thread(names_backing, local):
             raise QSDError(f"the copy image {local} still names its backing file after the stream")
         await self._close_if_unstaged(volume)
 
-    async def _relearn(self, record: CopyRecord, volume: VolumeRecord) -> CopyRecord:
+    async def _renew(self, record: CopyRecord, volume_id: str) -> Lease:
+        """Ask the source for the copy's lease again (it lasts --copy-lease-ttl from now on).
+
+        Raises SourceLost if the source no longer holds the copy's snapshot (a new lease of another snapshot,
+        which the copy must not read, is given back at once), Unavailable if no source could be asked.
+        """
+        try:
+            lease = await self._peers.lease(record.source, volume_id)
+        except NotFound as exc:
+            raise SourceLost(f"no node holds {record.source.replace(':', ' ')} for copy {volume_id} any more: "
+                             f"{exc}") from None
+        if lease.snapshot_id != record.snapshot_id:
+            with contextlib.suppress(DriverError):
+                await self._peers.release(lease.node, volume_id)
+            raise SourceLost(f"node {lease.node} serves {record.source.replace(':', ' ')} for copy {volume_id} as "
+                             f"snapshot {lease.snapshot_id}, no longer {record.snapshot_id}: the lease was dropped")
+        return lease
+
+    async def _renew_while_streaming(self, record: CopyRecord, volume_id: str, now: float,
+                                     ttl: float) -> tuple[float, float]:
+        """Renew the lease (of `ttl` seconds as last heard, 0: not yet) during the fill; when to renew next, and
+        the TTL. A source that cannot be asked now is asked again soon (the fill itself notices a source that is
+        gone); raises SourceLost."""
+        try:
+            lease = await self._renew(record, volume_id)
+        except SourceLost:
+            raise
+        except DriverError as exc:
+            log.warning("event=copy_renew_failed volume_id=%s node=%s error=%r", volume_id, record.node, str(exc))
+            soon = RETRY_SECONDS[-1] if ttl <= 0 else min(RETRY_SECONDS[-1], ttl / RENEWALS_PER_TTL)
+            return now + soon, ttl
+        return _next_renewal(now, lease.ttl), lease.ttl
+
+    async def _relearn(self, record: CopyRecord, volume: VolumeRecord) -> tuple[CopyRecord, Lease]:
         """The source does not greet at the recorded address: ask the lease again, and follow it if it moved.
 
         A restarted source serves a lease whose port something else took on
@@ -243,10 +308,12 @@ class CopyStreams:
         its header, so it can point at the new one only while no QSD has it
         open: the fill's own open is closed first; a staged volume keeps
         the old link until it is unstaged, which the volume's condition says.
-        Raises Unavailable.
+        Raises Unavailable, SourceLost.
         """
         try:
-            lease = await self._peers.lease(record.source, volume.id)
+            lease = await self._renew(record, volume.id)
+        except SourceLost:
+            raise
         except DriverError as exc:
             raise Unavailable(f"node {record.node} does not answer at {record.address}: {exc}") from None
         if lease.address == record.address:
@@ -268,7 +335,7 @@ class CopyStreams:
             await self._catalog.put_copy(moved)
         log.warning("event=copy_source_moved volume_id=%s node=%s old=%s new=%s", volume.id, record.node,
                     record.address, lease.address)
-        return moved
+        return moved, lease
 
     async def _close_if_unstaged(self, volume: VolumeRecord) -> None:
         """Close what the fill opened (closing flushes the copy image); a staged volume keeps its graph."""
@@ -280,6 +347,10 @@ class CopyStreams:
                     await attach.remove_volume(daemon.client, volume.id)
 
 
+def _next_renewal(now: float, ttl: float) -> float:
+    return now + ttl / RENEWALS_PER_TTL if ttl > 0 else float("inf")
+
+
 @dataclasses.dataclass(frozen=True)
 class CrossNodeCopies:
     """Both ends of copies across nodes, for the CSI layer: the target's creates and fills, the source's leases."""
@@ -287,6 +358,10 @@ class CrossNodeCopies:
     remote: RemoteCopies
     leases: SourceLeases
     streams: CopyStreams
+
+    def lost(self, volume_id: str) -> bool:
+        """True if the volume's copy can never be finished (its source dropped the lease)."""
+        return self.streams.lost(volume_id)
 
     def condition(self, volume_id: str) -> tuple[bool, str] | None:
         """(abnormal, message) while the volume is still being made local; None once it is."""

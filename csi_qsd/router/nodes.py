@@ -23,14 +23,9 @@ import grpc
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.router.config import RouterConfig
-from csi_qsd.csi.tls import channel_credentials
+from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials
 
 log = logging.getLogger(__name__)
-
-# gRPC backs off up to 120 s between reconnects by default; a node plugin back from a restart
-# should be reachable again within seconds.
-_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                    ("grpc.max_reconnect_backoff_ms", 2000))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +49,7 @@ class NodeDirectory:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
         try:
-            self._stamp = config.tls.stamp()
-            self._credentials = channel_credentials(config.tls)
+            self._credentials = ReloadingCredentials(config.tls)
         except OSError as exc:
             raise StartupError(f"cannot read the router's TLS files: {exc}") from exc
 
@@ -78,27 +72,15 @@ class NodeDirectory:
         return pb_grpc.ControllerStub(self._channel(node.address))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        self._refresh_credentials()
+        if self._credentials.refresh():
+            self._retired.extend(self._channels.values())
+            self._channels = {}
         channel = self._channels.get(address)
         if channel is None:
-            options = (("grpc.ssl_target_name_override", self._config.server_name), *_CHANNEL_OPTIONS)
-            channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+            options = (("grpc.ssl_target_name_override", self._config.server_name), *RECONNECT_OPTIONS)
+            channel = grpc.aio.secure_channel(address, self._credentials.credentials, options=options)
             self._channels[address] = channel
         return channel
-
-    def _refresh_credentials(self) -> None:
-        try:
-            stamp = self._config.tls.stamp()
-            if stamp == self._stamp:
-                return
-            credentials = channel_credentials(self._config.tls)
-        except OSError as exc:  # mid-swap of a Secret's files: keep the certificate we have
-            log.warning("event=tls_reload_failed cert=%s error=%r", self._config.tls.cert, str(exc))
-            return
-        self._stamp, self._credentials = stamp, credentials
-        self._retired.extend(self._channels.values())
-        self._channels = {}
-        log.info("event=tls_reloaded cert=%s", self._config.tls.cert)
 
     async def close(self) -> None:
         channels = [*self._channels.values(), *self._retired]

@@ -13,11 +13,15 @@ way, private to root. Both ends verify the peer against the CA, and the
 server lets in only the one node its lease is for: an `authz-list` object
 (`--tls-authz`) on the distinguished name of the client's certificate,
 which QEMU (GnuTLS) writes in the certificate's order, as `CN=node-b` or
-`C=US,O=SPIRE,CN=node-b`; so the common name must be the node name, and the
-last part of the name. Measured on qemu-nbd 10.0.13: another certificate of
-the same CA (`CN=node-c`) is refused during option negotiation ("TLS x509
-authz check for CN=node-c is denied"), before any export is listed. The
-key is never logged, nor passed on a command line.
+`C=US,O=SPIRE,CN=node-b`; so the common name must be the node name.
+Measured on qemu-nbd 10.0.13: another certificate of the same CA
+(`CN=node-c`) is refused during option negotiation ("TLS x509 authz check
+for CN=node-c is denied"), before any export is listed. The key is never
+logged, nor passed on a command line.
+
+A server is known by its pid file and port on its command line, not by
+argv[0]: run through its own loader (`ld.so --argv0`, `csi_qsd.sys.tools`),
+qemu-nbd's /proc command line starts with the loader's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import signal
 import socket
 import struct
+import time
 from pathlib import Path
 
 from csi_qsd.sys import durable
@@ -44,11 +49,16 @@ AUTHZ_OBJECT_ID = "cqauthz0"
 
 
 def authz_object(node: str) -> str:
-    """qemu-nbd's `--object` (JSON) admitting only a client certificate whose common name is `node`, and last."""
-    return json.dumps({"qom-type": "authz-list", "id": AUTHZ_OBJECT_ID, "policy": "deny", "rules": [
-        {"match": f"CN={node}", "policy": "allow", "format": "exact"},
-        {"match": f"*,CN={node}", "policy": "allow", "format": "glob"},
-    ]}, separators=(",", ":"))
+    """qemu-nbd's `--object` (JSON) admitting only a client certificate whose common name is `node`.
+
+    The name is matched as a whole part of the distinguished name, wherever it stands (SPIRE, for one, may
+    put an x500UniqueIdentifier after it); a value that merely contains it is escaped by GnuTLS (`\\,`).
+    """
+    rules = [{"match": f"CN={node}", "policy": "allow", "format": "exact"}]
+    rules += [{"match": pattern, "policy": "allow", "format": "glob"}
+              for pattern in (f"*,CN={node}", f"CN={node},*", f"*,CN={node},*")]
+    return json.dumps({"qom-type": "authz-list", "id": AUTHZ_OBJECT_ID, "policy": "deny", "rules": rules},
+                      separators=(",", ":"))
 
 
 def tls_dir(directory: Path, cert: Path, key: Path, ca: Path, *, endpoint: str) -> Path:
@@ -89,15 +99,33 @@ def pick_port(host: str, ports: range, taken: set[int]) -> int | None:
 
 
 def serving_pid(pid_file: Path, port: int) -> int | None:
-    """The pid of the qemu-nbd that `pid_file` names if it still runs and serves `port`, else None."""
+    """The pid of the qemu-nbd that `pid_file` names if it still runs and serves `port`, else None.
+
+    Known by its command line: started with this pid file and this port. Not by argv[0]: a qemu-nbd run
+    through its own loader (`csi_qsd.sys.tools`, `ld.so --argv0`) shows the loader's command line there.
+    """
     try:
         pid = int(pid_file.read_text().strip())
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None
-    if not any(b"qemu-nbd" in arg for arg in argv[:2]) or str(port).encode() not in argv:
+    if (not any(arg.endswith(b"qemu-nbd") for arg in argv) or str(pid_file).encode() not in argv
+            or str(port).encode() not in argv):
         return None
     return pid
+
+
+def started_before(pid: int, directory: Path) -> bool:
+    """True if process `pid` started before the newest file in `directory` was written (a renewed certificate
+    that a running server has not read); False if either cannot be told."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])  # btime is whole seconds only
+        started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks
+        newest = max(entry.stat().st_mtime for entry in directory.iterdir())
+    except (OSError, ValueError, IndexError):
+        return False
+    return started < newest
 
 
 def admits_only(pid: int, node: str) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import random
 import signal
@@ -33,6 +34,7 @@ from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
 from tests.certs import Pki, mint
 from tests.harness import Sandbox, free_port, qsd_pids, until
+from tests.integration.test_cli import csi_qsd
 from tests.router_cluster import Node, copies_call, node_plugin
 
 MIB = 1 << 20
@@ -93,16 +95,23 @@ class Pair:
     pki: Pki
 
 
-@pytest.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
-    """Node A (the source) copies with B and with C, which runs no plugin here; B (the target) copies from A."""
+@contextlib.asynccontextmanager
+async def _pair(tmp_path: Path, *a_extra: str) -> AsyncIterator[Pair]:
+    """Node A (the source, `a_extra` flags) copies with B; B (the target) copies from A, slowly."""
     pki = mint(tmp_path / "pki")
     a_address, b_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     low = free_port()
     async with _node("node-a", pki, a_address, "--copy-ports", f"{low}-{low + 4}", "--peer", f"node-b={b_address}",
-                     "--peer", f"node-c=127.0.0.1:{free_port()}") as a, \
+                     *a_extra) as a, \
             _node("node-b", pki, b_address, "--peer", f"node-a={a_address}", "--copy-rate", str(RATE)) as b:
         yield Pair(a, b, pki)
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    """A copies with B and with C, which runs no plugin here."""
+    async with _pair(tmp_path, "--peer", f"node-c=127.0.0.1:{free_port()}") as pair:
+        yield pair
 
 
 async def _condition(node: Node, volume_id: str) -> pb.VolumeCondition:
@@ -501,13 +510,7 @@ async def test_only_the_node_a_copy_is_for_may_lease_release_or_read_it(pair: Pa
     ok, error = await _nbd_info(export_address, vid, c, tmp_path / "tls-c")
     assert not ok, "node C read the export A serves node B"
 
-    await until(lambda: _local(b, vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
-                interval=0.5)
-    staging, target = b.box.staging(vid), b.box.target(vid)
-    await _as_the_co(lambda: b.csi.stage(vid, str(staging), block=True))
-    await _as_the_co(lambda: b.csi.publish(vid, str(staging), str(target), block=True))
-    assert await asyncio.to_thread(_read, target, 0, SIZE) == data
-    await until(lambda: _lease_gone(a, snapshot), "node-a's lease released by node-b", 30, interval=0.5)
+    await _whole_and_released((a, b), vid, snapshot, data)
 
 
 async def _nbd_info(address: str, export: str, files: PemFiles, directory: Path) -> tuple[bool, str]:
@@ -521,3 +524,66 @@ async def _nbd_info(address: str, export: str, files: PemFiles, directory: Path)
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     return proc.returncode == 0 and f"virtual size: {SIZE >> 20} MiB" in out.decode(), err.decode()
+
+
+@pytest.fixture
+async def short_leases(tmp_path: Path) -> AsyncIterator[Pair]:
+    """A pair whose source drops a lease its copy has not asked for in TTL seconds."""
+    async with _pair(tmp_path, "--copy-lease-ttl", str(TTL)) as pair:
+        yield pair
+
+
+TTL = 4  # seconds; the restore below streams for ~16 s
+
+
+async def test_a_streaming_copy_keeps_its_lease_and_an_operator_can_drop_one(short_leases: Pair) -> None:
+    """A copy streaming four times longer than the source's lease TTL renews its lease and finishes whole.
+    Meanwhile A's operator lists A's leases and drops another copy's: that copy reports itself lost (never
+    finished from anything else), A's volume it cloned can be deleted, and so can the lost copy's volume."""
+    a, b = short_leases.a, short_leases.b
+    data = _pattern(53)
+    source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
+    snapshot = (await a.csi.create_snapshot("snap", source_vid)).snapshot_id
+    vid = (await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)).volume_id
+    other_vid, _ = await _block_volume(a, "other", data[:MIB], keep_staged=False)
+    clone = (await b.csi.create_volume("clone", SIZE, block=True, from_volume=other_vid)).volume_id
+
+    code, out, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "leases", "-o", "json")
+    assert code == 0, err
+    listed = {lease["copy_volume_id"]: lease for lease in map(json.loads, out.splitlines())}
+    assert set(listed) == {vid, clone} and listed[clone]["node"] == "node-b", listed
+    code, _, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "drop-lease", clone)
+    assert code == 0 and clone in err, err
+
+    async def lost() -> bool:
+        condition = await _condition(b, clone)
+        return condition.abnormal and "lost" in condition.message and "node-a" in condition.message
+
+    await until(lost, lambda: f"the dropped copy reported lost; node-a log:\n{_copy_lines(a)}\nnode-b log:\n"
+                f"{_copy_lines(b)}", 60, interval=0.5)
+    await until(lambda: _deleted(a, other_vid), "the cloned volume deletable once its lease is dropped", 30,
+                interval=0.5)
+    await b.csi.delete_volume(clone)
+
+    await _whole_and_released((a, b), vid, snapshot, data)
+    assert "event=copy_lease_expired" not in a.process.log()
+    assert a.process.log().count("rpc=CopyLease ") >= 4, "the copy renewed its lease while it streamed"
+
+
+
+async def _whole_and_released(nodes: tuple[Node, Node], vid: str, snapshot: str, data: bytes) -> None:
+    """B's copy `vid` of A's `snapshot` finishes, holds `data` once staged and published, and A's lease goes."""
+    a, b = nodes
+    await until(lambda: _local(b, vid), lambda: f"the copy done; node-b log:\n{b.process.log()[-4000:]}", 120,
+                interval=0.5)
+    staging, target = b.box.staging(vid), b.box.target(vid)
+    await _as_the_co(lambda: b.csi.stage(vid, str(staging), block=True))
+    await _as_the_co(lambda: b.csi.publish(vid, str(staging), str(target), block=True))
+    assert await asyncio.to_thread(_read, target, 0, SIZE) == data
+    await until(lambda: _lease_gone(a, snapshot), "node-a's lease released by node-b", 30, interval=0.5)
+
+
+def _copy_lines(node: Node) -> str:
+    """What a node's log says about copies (its last 60 such lines)."""
+    return "\n".join([line for line in node.process.log().splitlines()
+                      if "event=copy" in line or "rpc=Copy" in line or "Traceback" in line][-60:])

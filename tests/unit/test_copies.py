@@ -4,10 +4,15 @@ and who may lease: each node for itself, proven by its own certificate (over rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
+import shutil
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import cast
 
 import grpc
 import pytest
@@ -18,14 +23,17 @@ from csi_qsd.controller.copies import (
     PEER_TLS_OBJECT, CopySettings, Lease, LinkCheck, RemoteCopies, SourceLeases, nbd_backing, parse_source,
 )
 from csi_qsd.csi.peers import PeerNodes, copies_handler
-from csi_qsd.csi.tls import server_credentials
+from csi_qsd.csi.tls import PemFiles, server_credentials
 from csi_qsd.errors import (
-    Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
+    Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, SourceLost,
+    Unavailable,
 )
-from csi_qsd.node.copies import names_backing
+from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.node.copies import CopyStreams, names_backing
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import nbd_tcp
+from csi_qsd.sys.locks import KeyedLocks
 from tests.certs import mint
 from tests.fakes import FakeNode, fake_node
 from tests.router_cluster import copies_call
@@ -275,7 +283,8 @@ async def test_a_lease_belongs_to_the_node_it_was_granted_to(source: tuple[FakeN
 def test_the_nbd_server_admits_the_lease_s_node_only() -> None:
     spec = json.loads(nbd_tcp.authz_object("node-b"))
     assert spec["qom-type"] == "authz-list" and spec["policy"] == "deny"
-    assert [(r["match"], r["policy"]) for r in spec["rules"]] == [("CN=node-b", "allow"), ("*,CN=node-b", "allow")]
+    assert [r["match"] for r in spec["rules"] if r["policy"] == "allow"] == [
+        "CN=node-b", "*,CN=node-b", "CN=node-b,*", "*,CN=node-b,*"]
 
 
 async def test_the_copy_service_answers_each_peer_for_itself_only(
@@ -445,3 +454,137 @@ async def test_a_name_has_one_lock_whether_its_volume_comes_from_this_node_or_an
         with pytest.raises(Unavailable):
             await copying
         assert (await node.new_volume("pvc-1")).name == "pvc-1"
+
+
+# Nothing is held forever --------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_lease_its_copy_stops_asking_for_expires_and_frees_its_snapshot(
+        source: tuple[FakeNode, SourceLeases]) -> None:
+    node, served = source
+    clock = _Clock()
+    settings = dataclasses.replace(served._settings, lease_ttl=60.0)
+    leases = SourceLeases(node.catalog, node.snapshots, settings, node.volumes._volume_locks, clock=clock)
+    node.snapshots.before_delete = leases.refuse_snapshot_delete
+    snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
+    assert (await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")).ttl == 60.0
+    clock.now += 50
+    assert await leases.expire() == []
+    assert (await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")).snapshot_id == snapshot.id  # renewed
+    clock.now += 50
+    assert await leases.expire() == []
+    ((record, idle),) = await leases.leases()
+    assert record.volume_id == COPY and idle == 50
+    clock.now += 11
+    assert await leases.expire() == [COPY]
+    assert await leases.leases() == []
+    await node.snapshots.delete(snapshot.id)
+
+
+async def test_an_operator_drops_a_lease(source: tuple[FakeNode, SourceLeases]) -> None:
+    node, leases = source
+    volume = await node.new_volume()
+    await leases.lease(COPY, "node-b", f"volume:{volume.id}")
+    cut = await node.catalog.snapshot_by_name(f"copy.{COPY}")
+    assert cut is not None
+    dropped = await leases.drop(COPY)
+    assert dropped.node == "node-b" and dropped.snapshot_id == cut.id
+    ((revoked, _),) = await leases.leases()
+    assert revoked.state is CopyState.REVOKED and not revoked.snapshot_id and not revoked.address
+    with pytest.raises(NotFound, match="operator"):  # the copy's node, back, cannot have it again
+        await leases.lease(COPY, "node-b", f"volume:{volume.id}")
+    with pytest.raises(NotFound, match=COPY):
+        await leases.drop(COPY)
+    await node.volumes.delete(volume.id)  # no longer refused
+    await leases.release(COPY, "node-b")  # the copy's node gives it up: nothing is remembered any more
+    assert await node.catalog.copies(CopyRole.SOURCE) == []
+
+
+class _ServingPeers(_RefusingPeers):
+    """A source that answers every lease with `snapshot_id`; records releases."""
+
+    def __init__(self, snapshot_id: str) -> None:
+        super().__init__()
+        self.snapshot_id = snapshot_id
+        self.released: list[str] = []
+
+    async def lease(self, source: str, copy_volume_id: str) -> Lease:
+        self.asked.append(copy_volume_id)
+        return Lease("node-a", self.snapshot_id, "127.0.0.1:1", copy_volume_id, 1 << 26, 60.0)
+
+    async def release(self, node: str, copy_volume_id: str) -> None:
+        self.released.append(copy_volume_id)
+
+
+async def test_a_copy_whose_source_now_serves_another_snapshot_is_lost_not_mixed(tmp_path: Path) -> None:
+    """The source dropped the copy's lease (it expired while this node was away) and leased a new cut: the copy
+    must not read on from it; the new lease goes back at once."""
+    record = CopyRecord(volume_id=COPY, role=CopyRole.TARGET, node="node-a", source="volume:vol-" + "1" * 24,
+                        state=CopyState.STREAMING, created_at=1.0, snapshot_id="snap-" + "0" * 24)
+    settings = CopySettings(state_dir=tmp_path)
+    async with Catalog(tmp_path / "catalog.db") as catalog:
+        same = _ServingPeers(record.snapshot_id)
+        streams = CopyStreams(catalog, cast(ExportPaths, None), KeyedLocks("volume"), same, settings)
+        assert (await streams._renew(record, COPY)).ttl == 60.0 and same.released == []
+        other = _ServingPeers("snap-" + "9" * 24)
+        streams = CopyStreams(catalog, cast(ExportPaths, None), KeyedLocks("volume"), other, settings)
+        with pytest.raises(SourceLost, match="no longer"):
+            await streams._renew(record, COPY)
+        assert other.released == [COPY]
+        streams = CopyStreams(catalog, cast(ExportPaths, None), KeyedLocks("volume"), _NoSource(), settings)
+        with pytest.raises(SourceLost):
+            await streams._renew(record, COPY)
+
+
+class _NoSource(_RefusingPeers):
+    async def lease(self, source: str, copy_volume_id: str) -> Lease:
+        raise NotFound(f"{source} does not exist on this node nor on any of the 1 others")
+
+
+def test_a_server_older_than_its_certificate_files_is_known(tmp_path: Path) -> None:
+    """qemu-nbd reads its certificate once: one started before the files were last written serves the old one."""
+    (tmp_path / "server-cert.pem").write_text("x")
+    pid = os.getpid()
+    os.utime(tmp_path / "server-cert.pem", (time.time() + 3600,) * 2)  # written after this process started
+    assert nbd_tcp.started_before(pid, tmp_path)
+    os.utime(tmp_path / "server-cert.pem", (1.0, 1.0))  # long before
+    assert not nbd_tcp.started_before(pid, tmp_path)
+    assert not nbd_tcp.started_before(2 ** 22 + 1, tmp_path)  # no such process: cannot tell
+
+
+async def test_a_node_presents_its_renewed_certificate_to_peers_without_a_restart(
+        source: tuple[FakeNode, SourceLeases], tmp_path: Path) -> None:
+    """Node B's files replaced in place (kubelet swapping a renewed Secret): its next call to a peer presents the
+    new certificate; here the peer trusts only the new CA, so B goes from refused to answered."""
+    _, leases = source
+    old, new = mint(tmp_path / "old"), mint(tmp_path / "new")
+    live = tmp_path / "live"
+    live.mkdir()
+    files = PemFiles(live / "tls.crt", live / "tls.key", live / "ca.crt")
+    b_old, b_new = old.for_node("node-b"), new.for_node("node-b")
+    for source_file, target in zip((b_old.cert, b_old.key, new.cluster.ca_path), (files.cert, files.key, files.ca)):
+        shutil.copyfile(source_file, target)
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((copies_handler(leases, ["node-b"]),))
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(new.for_node("node-a")))
+    await server.start()
+    peers = PeerNodes((("node-a", f"127.0.0.1:{port}"),), files, "node-b", timeout=5)
+    try:
+        with pytest.raises(Unavailable, match="node-a"):  # A does not trust the old CA
+            await peers.lease("snapshot:snap-" + "0" * 24, COPY)
+        for source_file, target in zip((b_new.cert, b_new.key), (files.cert, files.key)):
+            shutil.copyfile(source_file, target)
+            os.utime(target, (time.time() + 5,) * 2)  # a later modification time, as a swap gives
+        with pytest.raises(NotFound):  # asked and answered: no such snapshot there
+            await peers.lease("snapshot:snap-" + "0" * 24, COPY)
+    finally:
+        await peers.close()
+        await server.stop(None)
