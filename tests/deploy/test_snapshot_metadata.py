@@ -1,13 +1,17 @@
 """deploy/snapshot-metadata/ fits together: sidecar ↔ router socket, router ↔ node listeners, Secrets,
-certificate names, the SnapshotMetadataService and the sidecar's RBAC."""
+certificate names, the SnapshotMetadataService and the sidecar's RBAC, and the per-node identities of
+node-identity/ with the flags of the containers they serve."""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
-from tests.deploy.helpers import DRIVER_NAME, NAMESPACE, SNAPSHOT_METADATA_SERVICE, Obj, container, flag_value, one
+from tests.deploy.helpers import (
+    DRIVER_NAME, NAMESPACE, SNAPSHOT_METADATA_DIR, SNAPSHOT_METADATA_SERVICE, Obj, container, flag_value, one,
+)
 from tests.deploy.kustomize import load_yaml_documents
 
 SIDECAR = "csi-snapshot-metadata"
@@ -95,6 +99,8 @@ def test_secrets_and_certificate_names_agree(
     node_secret = _secret_of(node_pod, "csi-qsd", flag_value(node_args, "--metadata-cert"))
     assert flag_value(router_args, "--tls-server-name") in certificates[node_secret]["dnsNames"]
     assert "server auth" in certificates[node_secret]["usages"]
+    # Shared by every node, it names none: no client use, so it cannot pass for a node (or the router).
+    assert "client auth" not in certificates[node_secret]["usages"] and "commonName" not in certificates[node_secret]
     router_secret = _secret_of(pod, "router", flag_value(router_args, "--tls-cert"))
     assert "client auth" in certificates[router_secret]["usages"]
     sidecar_secret = _secret_of(pod, SIDECAR, flag_value(container(pod, SIDECAR)["args"], "--tls-cert"))
@@ -146,3 +152,40 @@ def test_sidecar_rbac(snapshot_metadata: list[Obj], pod: Obj, group: str, resour
     for role in (o for o in snapshot_metadata if o["kind"] in ("ClusterRole", "Role")):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "secrets" not in rule["resources"]
+
+
+NODE_IDENTITY_DIR = SNAPSHOT_METADATA_DIR / "node-identity"
+
+
+def _helper_files(conf: str) -> dict[str, str]:
+    """spiffe-helper's HCL settings (one `key = "value"` a line)."""
+    return dict(re.findall(r'^\s*(\w+)\s*=\s*"([^"]*)"', conf, re.MULTILINE))
+
+
+def test_node_identities_name_the_node_first_and_the_router_s_server_name(
+        base: list[Obj], snapshot_metadata: list[Obj], router_args: list[str]) -> None:
+    """SPIRE makes the first DNS name the common name: it must be the node's name (what the copy service and
+    qemu-nbd check); the router's --tls-server-name must be there too; the selectors pick the pods."""
+    identities = {o["metadata"]["name"]: o["spec"] for o in load_yaml_documents(NODE_IDENTITY_DIR / "clusterspiffeids.yaml")}
+    node, router = identities["csi-qsd-node"], identities["csi-qsd-snapshot-metadata-router"]
+    assert node["dnsNameTemplates"][0] == "{{ .PodSpec.NodeName }}"
+    assert flag_value(router_args, "--tls-server-name") in node["dnsNameTemplates"]
+    assert "NodeName" not in router["dnsNameTemplates"][0]
+    daemonset = one(base, "DaemonSet", "csi-qsd-node")
+    deployment = one(snapshot_metadata, "Deployment", "csi-qsd-snapshot-metadata")
+    for spec, workload in ((node, daemonset), (router, deployment)):
+        assert spec["podSelector"]["matchLabels"] == workload["spec"]["template"]["metadata"]["labels"]
+        assert spec["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
+
+
+def test_spiffe_helper_writes_the_files_the_containers_read(base: list[Obj], pod: Obj, router_args: list[str]) -> None:
+    (config_map,) = load_yaml_documents(NODE_IDENTITY_DIR / "spiffe-helper.yaml")
+    node_pod = one(base, "DaemonSet", "csi-qsd-node")["spec"]["template"]["spec"]
+    node_args = container(node_pod, "csi-qsd")["args"]
+    for conf, args, flags in (
+            ("node.conf", node_args, ("--metadata-cert", "--metadata-key", "--metadata-client-ca")),
+            ("router.conf", router_args, ("--tls-cert", "--tls-key", "--tls-ca"))):
+        helper = _helper_files(config_map["data"][conf])
+        written = [f"{helper['cert_dir']}/{helper[key]}" for key in (
+            "svid_file_name", "svid_key_file_name", "svid_bundle_file_name")]
+        assert written == [flag_value(args, flag) for flag in flags], conf
