@@ -77,6 +77,10 @@ class Unavailable(DriverError):
     code = Code.UNAVAILABLE
 
 
+class DriverUnhealthy(Unavailable):
+    """A driver a helper watches (registrar, liveness probe) did not answer in time, failed, or is not ready."""
+
+
 class Internal(DriverError):
     code = Code.INTERNAL
 

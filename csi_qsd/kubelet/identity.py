@@ -15,13 +15,9 @@ from typing import TypeVar
 import grpc
 
 from csi_qsd.csi.client import CSIClient
-from csi_qsd.errors import Unavailable
+from csi_qsd.errors import DriverUnhealthy
 
 T = TypeVar("T")
-
-
-class DriverUnhealthy(Unavailable):
-    """The driver did not answer within the timeout, answered with an error, or said it is not ready."""
 
 
 async def plugin_name(endpoint: str, timeout: float) -> str:

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from http import HTTPStatus
 
+from csi_qsd.errors import DriverUnhealthy
 from csi_qsd.kubelet import identity
 from csi_qsd.sys import text_http
 
@@ -32,7 +33,7 @@ async def run(settings: LivenessSettings, stop: asyncio.Event) -> int:
     async def healthz() -> tuple[HTTPStatus, bytes]:
         try:
             await identity.probe(settings.csi_endpoint, settings.probe_timeout)
-        except identity.DriverUnhealthy as exc:
+        except DriverUnhealthy as exc:
             log.warning("event=healthz_failed endpoint=%s error=%r", settings.csi_endpoint, str(exc))
             return HTTPStatus.INTERNAL_SERVER_ERROR, f"{exc}\n".encode()
         log.debug("event=healthz_ok endpoint=%s", settings.csi_endpoint)

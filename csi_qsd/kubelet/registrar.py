@@ -29,6 +29,7 @@ import grpc
 from csi_qsd.csi import unix_socket
 from csi_qsd.csi_pb import pluginregistration_pb2 as pb
 from csi_qsd.csi_pb import pluginregistration_pb2_grpc as pb_grpc
+from csi_qsd.errors import DriverUnhealthy
 from csi_qsd.kubelet import identity
 from csi_qsd.sys import text_http
 
@@ -85,7 +86,7 @@ class _Health:
             return HTTPStatus.INTERNAL_SERVER_ERROR, f"registration socket {self.socket} is gone\n".encode()
         try:
             await identity.plugin_name(self.settings.csi_endpoint, self.settings.timeout)
-        except identity.DriverUnhealthy as exc:
+        except DriverUnhealthy as exc:
             log.warning("event=healthz_failed error=%r", str(exc))
             return HTTPStatus.INTERNAL_SERVER_ERROR, f"{exc}\n".encode()
         return HTTPStatus.OK, b"ok\n"
@@ -130,7 +131,7 @@ async def _driver_name(settings: RegistrarSettings, stop: asyncio.Event) -> str 
     while not stop.is_set():
         try:
             name = await identity.plugin_name(settings.csi_endpoint, settings.timeout)
-        except identity.DriverUnhealthy as exc:
+        except DriverUnhealthy as exc:
             log.warning("event=driver_unanswered endpoint=%s error=%r retry_in=%.1fs", settings.csi_endpoint,
                         str(exc), delay)
         else:
