@@ -117,6 +117,25 @@ def busybox_image(root: Path) -> Path:
     return _scratch(root, ScratchImage(versions.BUSYBOX_IMAGE, tuple(files), ("/bin/sh",)))
 
 
+MOUNTPOINT_SCRIPT = b"""#!/bin/sh
+[ "$1" = -q ] && shift
+dir=$(cd "$1" 2>/dev/null && pwd -P) || exit 1
+awk -v d="$dir" '$5 == d { found = 1 } END { exit !found }' /proc/self/mountinfo
+"""
+
+
+def kubectl_image(root: Path, kubernetes: Path) -> Path:
+    """busybox and the cluster's own kubectl, under the name the hotplug example's node agent uses."""
+    busybox = Path("/bin/busybox")
+    applets = _run([str(busybox), "--list"]).split()
+    files = [ImageFile("/bin/busybox", busybox), ImageFile("/usr/bin/kubectl", kubernetes / "kubectl")]
+    files += [ImageFile(f"/bin/{a}", symlink="busybox") for a in applets if a != "busybox"]
+    files.append(ImageFile("/tmp", mode=0o1777, directory=True))
+    # Debian's busybox has no `mountpoint` applet; the example's agent asks `mountpoint -q DIR`.
+    files.append(ImageFile("/usr/bin/mountpoint", data=MOUNTPOINT_SCRIPT, mode=0o755))
+    return _scratch(root, ScratchImage(versions.KUBECTL_IMAGE, tuple(files), ("/usr/bin/kubectl",)))
+
+
 def _source_digest() -> str:
     """A digest of the files the driver's image is built from (tracked and new files of this checkout)."""
     names = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO).split("\0")
@@ -156,13 +175,13 @@ QEMU_IMAGE = "localhost/csi-qsd-test/qemu:trixie"
 
 
 def qemu_image(root: Path) -> Path:
-    """Debian 13's QEMU in an image, for pods that run a VM on a csi-qsd-vm volume (guest kernel from a hostPath).
+    """Debian 13's QEMU (and socat, to speak QMP) in an image, for VM pods (guest kernel from a hostPath).
 
     Built on the base image scripts/build-image.sh makes (it must have run first), cached by the recipe.
     """
     recipe = ("FROM localhost/csi-qsd-base:trixie\n"
               "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
-              "qemu-system-x86 && rm -rf /var/lib/apt/lists/*\n"
+              "qemu-system-x86 socat && rm -rf /var/lib/apt/lists/*\n"
               'ENTRYPOINT ["qemu-system-x86_64"]\n')
     archive = root / "images" / f"qemu-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.tar"
     if archive.exists():
@@ -193,5 +212,6 @@ def build_all(root: Path | None = None) -> Built:
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
     kubernetes = kubernetes_binaries(root)
-    images = [pause_image(root), busybox_image(root), *sidecar_images(root), driver_images(root), qemu_image(root)]
+    images = [pause_image(root), busybox_image(root), kubectl_image(root, kubernetes), *sidecar_images(root),
+              driver_images(root), qemu_image(root)]
     return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests())

@@ -32,7 +32,7 @@ def pick(docs: list[dict[str, Any]], kind: str, name: str = "") -> dict[str, Any
     return copy.deepcopy(found[0])
 
 
-CLUSTER_SCOPED = ("VolumeAttributesClass", "StorageClass")
+CLUSTER_SCOPED = ("VolumeAttributesClass", "StorageClass", "ClusterRole", "ClusterRoleBinding")
 
 
 def apply(cluster: Cluster, namespace: str, docs: list[dict[str, Any]]) -> None:

@@ -1,5 +1,6 @@
 """A pod running QEMU on a csi-qsd-vm claim: deploy/examples/qemu-vhost-user-blk.yaml with the e2e guest.
 
+The hotplug example runs too (attachment pod, node agent, `device_add`).
 The example's claim and pod are applied with what this machine needs
 instead of what it lacks: the QEMU image is built here (the example
 installs QEMU at start, which needs egress), TCG instead of KVM (no device
@@ -58,6 +59,8 @@ def guest_dir() -> Path:
     }
     for name, script in scripts.items():
         write_run_initrd(directory / f"{name}.initrd", image.initrd, script, expected_disks=1)
+    # Boots with no disk and waits for one to be hot-added (PCIe hotplug), then writes and verifies on it.
+    write_run_initrd(directory / "hotplug.initrd", image.initrd, scripts["write"], expected_disks=1, disk_wait_s=400)
     return directory
 
 
@@ -158,3 +161,71 @@ def test_vm_pod_rides_through_plugin_and_qsd_restarts(cluster: Cluster, test_nam
     _passed(console)
     pod_status = get_json(cluster, "-n", test_namespace, "pod", "vm-faults")["status"]
     assert pod_status["phase"] == "Succeeded" and pod_status["containerStatuses"][0]["restartCount"] == 0
+
+
+def _qmp(cluster: Cluster, namespace: str, pod: str, *commands: str) -> str:
+    """QMP commands to the VM pod's QEMU, one after the other, through socat in the pod; QEMU's answers."""
+    feed = "; ".join(f"echo '{c}'; sleep 1" for c in ('{"execute": "qmp_capabilities"}', *commands))
+    return ex.pod_exec(cluster, namespace, pod, f"({feed}) | socat -t 5 - UNIX-CONNECT:/run/vm/qmp.sock")
+
+
+def test_hotplug_example_adds_a_disk_to_a_running_vm(cluster: Cluster, test_namespace: str, guest_dir: Path) -> None:
+    """deploy/examples/hotplug.yaml: attachment pod + node agent bind the disk's socket into the running VM's pod,
+    and `device_add` hands it to the guest, which writes and reads it back."""
+    docs = ex.example("hotplug.yaml")
+    vm = ex.pick(docs, "Pod", "csi-qsd-hotplug-vm")
+    vm["spec"]["restartPolicy"] = "Never"
+    vm["spec"]["volumes"].append({"name": "guest", "hostPath": {"path": str(guest_dir), "type": "Directory"}})
+    qemu = vm["spec"]["containers"][0]
+    qmp_socket = re.search(r"-qmp unix:(\S+?),", qemu["args"][0])
+    assert qmp_socket is not None and qmp_socket.group(1) == "/run/vm/qmp.sock", qemu["args"][0]
+    qemu.update({
+        "image": QEMU_IMAGE, "imagePullPolicy": "Never", "stdin": False, "tty": False,
+        "command": ["qemu-system-x86_64"],
+        "args": ["-machine", "q35,memory-backend=mem", "-accel", "tcg", "-smp", "1", "-m", "256M",
+                 "-object", "memory-backend-memfd,id=mem,size=256M,share=on",
+                 "-device", "pcie-root-port,id=hp-port,chassis=1,slot=1",
+                 "-qmp", "unix:/run/vm/qmp.sock,server=on,wait=off",
+                 "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio", "-no-reboot",
+                 "-kernel", "/guest/vmlinuz", "-initrd", "/guest/hotplug.initrd",
+                 "-append", "console=ttyS0 panic=-1 quiet"],
+        "resources": {"requests": {"cpu": "100m", "memory": "384Mi"}, "limits": {"memory": "512Mi"}},
+    })
+    qemu["volumeMounts"].append({"name": "guest", "mountPath": "/guest", "readOnly": True})
+    pvc = ex.pick(docs, "PersistentVolumeClaim")
+    pvc["spec"]["resources"]["requests"]["storage"] = "1Gi"
+    binding = ex.pick(docs, "ClusterRoleBinding")
+    binding["metadata"]["name"] = f"csi-qsd-hotplug-agent-{test_namespace}"
+    binding["subjects"][0]["namespace"] = test_namespace  # the example's service account is in `default`
+    others = [d for d in docs if d["kind"] in ("StorageClass", "ServiceAccount", "ClusterRole", "ConfigMap",
+                                               "DaemonSet")]
+    ex.apply(cluster, test_namespace, [*others, binding, vm])
+    ex.wait_pod_running(cluster, test_namespace, "csi-qsd-hotplug-vm")
+    ex.apply(cluster, test_namespace, [pvc, ex.pick(docs, "Pod", "hp-volume-csi-qsd-hotplug-disk")])
+    ex.wait_pod_running(cluster, test_namespace, "hp-volume-csi-qsd-hotplug-disk")
+    claim = pvc["metadata"]["name"]
+    socket = f"/hotplug-disks/{claim}/vhost-user-blk.sock"
+    try:
+        wait_until(lambda: ex.pod_exec(cluster, test_namespace, "csi-qsd-hotplug-vm",
+                                       f"test -S {socket} && echo yes", timeout=30).strip() == "yes",
+                   120, "the node agent to bind the disk's socket into the VM pod", interval=3)
+    except TimeoutError as error:
+        agent = cluster.kubectl("logs", "-n", test_namespace, "daemonset/csi-qsd-hotplug-agent", "--tail=30",
+                                check=False)
+        pods = cluster.kubectl("get", "-n", test_namespace, "pods", "-o", "wide", check=False).stdout
+        raise TimeoutError(f"{error}; agent: {agent.stdout[-2000:]}{agent.stderr[-500:]}; pods: {pods}") from None
+    answers = _qmp(cluster, test_namespace, "csi-qsd-hotplug-vm",
+                   '{"execute": "chardev-add", "arguments": {"id": "hp0", "backend": {"type": "socket", "data": '
+                   f'{{"addr": {{"type": "unix", "data": {{"path": "{socket}"}}}}, "server": false, "reconnect": 1}}}}}}}}',
+                   '{"execute": "device_add", "arguments": {"driver": "vhost-user-blk-pci", "id": "hp0-disk", '
+                   '"chardev": "hp0", "num-queues": 1, "bus": "hp-port"}}')
+    assert answers.count('"return"') == 3 and "error" not in answers, answers
+    wait_until(lambda: get_json(cluster, "-n", test_namespace, "pod", "csi-qsd-hotplug-vm")["status"].get("phase")
+               in ("Succeeded", "Failed"), 300, "the guest to write and verify the hot-added disk", interval=3)
+    console = cluster.kubectl("logs", "-n", test_namespace, "csi-qsd-hotplug-vm").stdout
+    _passed(console)
+    assert len(acknowledged_blocks(console, DISK)) == BLOCKS
+    cluster.kubectl("delete", "clusterrolebinding", binding["metadata"]["name"])
+    # Its pods run `sh` as PID 1, which ignores SIGTERM: gone now rather than after 30 s of grace.
+    cluster.kubectl("delete", "-n", test_namespace, "daemonset", "csi-qsd-hotplug-agent", "--cascade=foreground",
+                    "--grace-period=1", "--timeout=120s", timeout=150)

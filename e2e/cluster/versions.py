@@ -17,6 +17,8 @@ KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-schedu
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 # Debian's busybox-static under the name deploy/examples/ use, so the examples run unchanged.
 BUSYBOX_IMAGE = "docker.io/library/busybox:1.36"
+# busybox and this cluster's kubectl, under the name deploy/examples/hotplug.yaml's node agent uses.
+KUBECTL_IMAGE = "docker.io/bitnami/kubectl:1.34"
 
 
 @dataclass(frozen=True)
