@@ -10,6 +10,7 @@ session, and then the node is killed and its cgroup and link removed.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
@@ -50,9 +51,10 @@ def cluster(built: Built) -> Iterator[Cluster]:
     problems: list[str] = []
     try:
         running.start(list(built.images))
-        server = running.kubectl("version", "-o", "json").stdout
-        _REPORT.append(f"cluster tier: Kubernetes {KUBERNETES} (kubectl version: "
-                       f"{' '.join(server.split())[:200]}), containerd {_containerd_version()}")
+        versions = json.loads(running.kubectl("version", "-o", "json").stdout)
+        _REPORT.append(f"cluster tier: Kubernetes {versions['serverVersion']['gitVersion']} (server), "
+                       f"{versions['clientVersion']['gitVersion']} (kubectl), built as {KUBERNETES}; "
+                       f"containerd {_containerd_version()}")
         deploy.install_snapshot_support(running, built)
         deploy.deploy_driver(running)
         yield running
