@@ -7,7 +7,7 @@
 # etcd is built at the version the API server's own module requires (the one
 # it is tested with).
 #
-# Usage: build-kubernetes.sh VERSION OUTDIR [TARGET...]   (TARGET: a cmd/ name, etcd or e2e.test)
+# Usage: build-kubernetes.sh VERSION OUTDIR [TARGET...]   (TARGET: a cmd/ name, etcd, agnhost or e2e.test)
 set -euo pipefail
 version=${1:?version, e.g. v1.34.4}
 out=${2:?output directory}
@@ -47,6 +47,7 @@ dir=$(go mod download -json "k8s.io/kubernetes@$version" | python3 -c 'import js
     case $t in
       e2e.test) echo "	_ \"k8s.io/kubernetes/test/e2e\"" ;;
       etcd) echo "	_ \"go.etcd.io/etcd/server/v3\"" ;;
+      agnhost) echo "	_ \"k8s.io/kubernetes/test/images/agnhost\"" ;;
       *) echo "	_ \"k8s.io/kubernetes/cmd/$t\"" ;;
     esac
   done
@@ -58,6 +59,7 @@ ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$version -X k8s.io/co
 pkgs=()
 for t in "${missing[@]}"; do
   case $t in
+    agnhost) go build -trimpath -ldflags "-s -w" -o "$out/agnhost.tmp" k8s.io/kubernetes/test/images/agnhost && mv "$out/agnhost.tmp" "$out/agnhost" ;;
     etcd) go build -trimpath -ldflags "-s -w" -o "$out/etcd.tmp" go.etcd.io/etcd/server/v3 && mv "$out/etcd.tmp" "$out/etcd" ;;
     e2e.test) go test -c -trimpath -tags selinux,notest -ldflags "$ldflags" -o "$out/e2e.test.tmp" k8s.io/kubernetes/test/e2e && mv "$out/e2e.test.tmp" "$out/e2e.test" ;;
     *) pkgs+=("k8s.io/kubernetes/cmd/$t") ;;
