@@ -104,16 +104,20 @@ def pause_image(root: Path) -> Path:
     return _scratch(root, ScratchImage(versions.PAUSE_IMAGE, (ImageFile("/pause", binary),), ("/pause",)))
 
 
-def busybox_image(root: Path) -> Path:
-    """Debian's busybox-static as the image the examples name, so they run unchanged."""
+def _busybox_files() -> list[ImageFile]:
+    """Debian's busybox-static with a link per applet, and a /tmp anyone may write."""
     busybox = Path("/bin/busybox")
     applets = _run([str(busybox), "--list"]).split()
-    files = [ImageFile("/bin/busybox", busybox)]
-    files += [ImageFile(f"/bin/{a}", symlink="busybox") for a in applets if a != "busybox"]
+    files = [ImageFile("/bin/busybox", busybox), ImageFile("/tmp", mode=0o1777, directory=True)]
+    return files + [ImageFile(f"/bin/{a}", symlink="busybox") for a in applets if a != "busybox"]
+
+
+def busybox_image(root: Path) -> Path:
+    """Debian's busybox-static as the image the examples name, so they run unchanged."""
+    files = _busybox_files()
     files.append(ImageFile("/etc/passwd", data=b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n",
                            mode=0o644))
     files.append(ImageFile("/etc/group", data=b"root:x:0:\nnogroup:x:65534:\n", mode=0o644))
-    files.append(ImageFile("/tmp", mode=0o1777, directory=True))
     return _scratch(root, ScratchImage(versions.BUSYBOX_IMAGE, tuple(files), ("/bin/sh",)))
 
 
@@ -126,11 +130,7 @@ awk -v d="$dir" '$5 == d { found = 1 } END { exit !found }' /proc/self/mountinfo
 
 def kubectl_image(root: Path, kubernetes: Path) -> Path:
     """busybox and the cluster's own kubectl, under the name the hotplug example's node agent uses."""
-    busybox = Path("/bin/busybox")
-    applets = _run([str(busybox), "--list"]).split()
-    files = [ImageFile("/bin/busybox", busybox), ImageFile("/usr/bin/kubectl", kubernetes / "kubectl")]
-    files += [ImageFile(f"/bin/{a}", symlink="busybox") for a in applets if a != "busybox"]
-    files.append(ImageFile("/tmp", mode=0o1777, directory=True))
+    files = [*_busybox_files(), ImageFile("/usr/bin/kubectl", kubernetes / "kubectl")]
     # Debian's busybox has no `mountpoint` applet; the example's agent asks `mountpoint -q DIR`.
     files.append(ImageFile("/usr/bin/mountpoint", data=MOUNTPOINT_SCRIPT, mode=0o755))
     return _scratch(root, ScratchImage(versions.KUBECTL_IMAGE, tuple(files), ("/usr/bin/kubectl",)))
