@@ -244,12 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
                             f"holding a partition table or filesystem (repeatable; env {env_name('--device-pool')}, "
                             "space-separated)")
     serve.add_argument("--remote-pool", action="append", type=_remote_pool,
-                       metavar="NAME=URL[,secret=DIR][,tls=DIR][,on-error=wait|fail][,force]",
+                       metavar="NAME=URL[,secret=DIR][,tls=DIR|,insecure][,on-error=wait|fail][,force]",
                        default=_env_list(serve, "--remote-pool", _remote_pool),
                        help="a remote target carved into volumes like a device pool, reached by QSD's own "
                             "drivers: iscsi://HOST[:PORT]/IQN/LUN (secret=DIR holds CHAP 'username' and "
                             "'password'), nbd://HOST[:PORT]/EXPORT or nbd+unix:///EXPORT?socket=PATH (tls=DIR: "
-                            "ca-cert.pem, client-cert.pem, client-key.pem); on-error: I/O waits for a target that "
+                            "ca-cert.pem, client-cert.pem, client-key.pem; required over TCP unless 'insecure' "
+                            "is given); on-error: I/O waits for a target that "
                             "went away, or fails after a few seconds (repeatable; env "
                             f"{env_name('--remote-pool')}, space-separated)")
     _option(serve, "--qmp-timeout", "10", "seconds QSD may take to answer a QMP command; a QSD that stays "

@@ -1,6 +1,6 @@
 """Remote pools: an iSCSI LUN or an NBD export, reached by QEMU's own drivers in QSD, carved like a device pool.
 
-`--remote-pool NAME=URL[,secret=DIR][,tls=DIR][,on-error=wait|fail][,force]`
+`--remote-pool NAME=URL[,secret=DIR][,tls=DIR|,insecure][,on-error=wait|fail][,force]`
 (`remote_spec.py`). csi-qsd's volumes (raw extents with QoS, FUSE, vhost-user-blk)
 in front of a SAN or NAS target that has none of that: libiscsi (with CHAP)
 or QEMU's NBD client (with x509 TLS) inside QSD; the host needs no
@@ -21,12 +21,17 @@ What must never happen, and how it is prevented:
   black-holed address). While the target is away, I/O waits for it
   (`on-error=wait`) or fails after `FAIL_AFTER_SECONDS` (`on-error=fail`),
   and its volumes report abnormal.
+* **Data crosses the network unprotected without anyone deciding so.** NBD
+  over TCP needs `tls=` unless the flag says `insecure` (`remote_spec.py`);
+  an iSCSI pool without CHAP (`secret=`), which QEMU cannot encrypt either,
+  is logged as a warning each time it opens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import struct
 from pathlib import Path
@@ -43,6 +48,8 @@ from csi_qsd.qsd.storage import RemoteDevice
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
+
+log = logging.getLogger(__name__)
 
 REACH_TIMEOUT = 2.0
 # The NBD handshake (newstyle, fixed): the server's greeting, and the client's goodbye before any option.
@@ -64,6 +71,11 @@ async def nbd_greets(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
 def read_credentials(spec: RemotePoolSpec) -> tuple[str, Path | None]:
     """The CHAP user name and the password's file, from the pool's secret directory. Raises StartupError."""
     if spec.secret is None:
+        if spec.target.scheme is Scheme.ISCSI:
+            log.warning("event=remote_pool_unauthenticated pool=%s target=%s hint=%s", spec.name, spec.target,
+                        "no CHAP (secret=DIR): any host on the network that reaches the target can log in to this "
+                        "LUN, and any host that answers on its address can pose as it; give the pool a CHAP "
+                        "secret and keep the storage network private")
         return "", None
     user_file, password_file = spec.secret / "username", spec.secret / "password"
     try:

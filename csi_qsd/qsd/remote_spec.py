@@ -1,4 +1,4 @@
-"""The spelling of a remote pool: `--remote-pool NAME=URL[,secret=DIR][,tls=DIR[,tls-name=NAME]][,on-error=wait|fail][,force]`.
+"""The spelling of a remote pool: `--remote-pool NAME=URL[,secret=DIR][,tls=DIR[,tls-name=NAME]|,insecure][,on-error=wait|fail][,force]`.
 
 A remote pool is a device pool whose device is a target QEMU's own block
 drivers reach over the network (`remote.py`): an iSCSI LUN (libiscsi in
@@ -18,6 +18,12 @@ names a directory (a mounted Kubernetes Secret) holding `username` and
 (`ca-cert.pem`, `client-cert.pem`, `client-key.pem`); the server's
 certificate must name the URL's host, or `tls-name` (required over a UNIX
 socket, which has no host name to check).
+
+NBD over TCP without `tls=` would carry every volume of the pool in clear
+text to anyone who reaches the port, and let anyone who can answer on it
+pose as the target: it is refused unless the flag says so on purpose
+(`,insecure`). iSCSI has no TLS in QEMU; a pool without CHAP is accepted
+but warned about when it opens (`remote.py`).
 """
 
 from __future__ import annotations
@@ -149,10 +155,11 @@ class RemotePoolSpec:
     on_error: OnError = OnError.WAIT
     force: bool = False
     tls_name: str = ""
+    insecure: bool = False
 
     @classmethod
     def parse(cls, text: str, pool_name_re: re.Pattern[str], reserved: str) -> "RemotePoolSpec":
-        """Parse NAME=URL[,secret=DIR][,tls=DIR[,tls-name=NAME]][,on-error=wait|fail][,force].
+        """Parse NAME=URL[,secret=DIR][,tls=DIR[,tls-name=NAME]|,insecure][,on-error=wait|fail][,force].
 
         Raises ValueError naming the flag.
         """
@@ -170,10 +177,10 @@ class RemotePoolSpec:
         found: dict[str, str] = {}
         for option in options:
             key, has_value, value = option.partition("=")
-            if (key not in ("secret", "tls", "tls-name", "on-error", "force") or key in found
-                    or (key == "force") == bool(has_value)):
+            if (key not in ("secret", "tls", "tls-name", "on-error", "force", "insecure") or key in found
+                    or (key in ("force", "insecure")) == bool(has_value)):
                 raise ValueError(f"{flag}: bad option {option!r} (secret=DIR, tls=DIR, tls-name=NAME, "
-                                 "on-error=wait|fail, force; each once)")
+                                 "insecure, on-error=wait|fail, force; each once)")
             found[key] = value
         for key in ("secret", "tls"):
             if key in found and not found[key].startswith("/"):
@@ -191,9 +198,15 @@ class RemotePoolSpec:
             on_error = OnError(found.get("on-error", OnError.WAIT.value))
         except ValueError:
             raise ValueError(f"{flag}: on-error must be 'wait' or 'fail'") from None
+        if target.scheme is Scheme.NBD and "tls" not in found and "insecure" not in found:
+            raise ValueError(f"{flag}: NBD over TCP needs tls=DIR (QEMU's x509 client directory): without it "
+                             "every volume of the pool crosses the network in clear text and any host that "
+                             "answers on that address can pose as the target; add ',insecure' to accept that")
+        if "insecure" in found and ("tls" in found or target.scheme is not Scheme.NBD):
+            raise ValueError(f"{flag}: insecure is for NBD over TCP without tls=, and nothing else")
         return cls(name, target, Path(found["secret"]) if "secret" in found else None,
                    Path(found["tls"]) if "tls" in found else None, on_error, "force" in found,
-                   found.get("tls-name", ""))
+                   found.get("tls-name", ""), "insecure" in found)
 
     @property
     def flag(self) -> str:

@@ -184,7 +184,7 @@ async def test_nbd_export_over_tls_and_a_server_that_goes_away(box: Sandbox, uni
 
 
 async def test_start_up_refuses_an_unreachable_target_or_a_server_that_wants_tls(box: Sandbox) -> None:
-    nowhere = parse_remote_pool(f"gone=nbd://127.0.0.1:{free_port()}/pool")
+    nowhere = parse_remote_pool(f"gone=nbd://127.0.0.1:{free_port()}/pool,insecure")
     with pytest.raises(StartupError, match=r"--remote-pool gone \(nbd://127\.0\.0\.1:\d+/pool\): target .* "
                                            "is unreachable"):
         async with in_process_driver(box, remote_pools=(nowhere,)):
@@ -192,7 +192,7 @@ async def test_start_up_refuses_an_unreachable_target_or_a_server_that_wants_tls
     server = NbdServer(box.root, TARGET_BYTES, unix=False)
     await server.start()
     try:
-        no_tls = parse_remote_pool(f"plain={server.url}")  # the server requires TLS
+        no_tls = parse_remote_pool(f"plain={server.url},insecure")  # the server requires TLS
         with pytest.raises(StartupError, match=r"--remote-pool plain .*cannot open it"):
             async with in_process_driver(box, remote_pools=(no_tls,)):
                 pass

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from csi_qsd.cli import build_parser, config_from
 from csi_qsd.config import Config, parse_remote_pool
+from csi_qsd.pools.remote import read_credentials
 from csi_qsd.qsd.remote_spec import OnError, RemoteTarget, Scheme
 from csi_qsd.qsd.storage import RemoteDevice
 
@@ -59,11 +61,33 @@ def test_bad_urls_say_what_is_wrong(text: str, says: str) -> None:
     ("san=nbd://h/p,secret=/etc/chap", "for iSCSI CHAP"),
     ("san=nbd+unix:///p?socket=/s,tls=/etc/tls", "tls-name=NAME"),
     ("san=nbd://h/p,tls-name=server", "needs tls="),
+    ("san=nbd://h/p", "NBD over TCP needs tls=DIR"),
+    ("san=nbd://h/p,on-error=fail", "add ',insecure' to accept that"),
+    ("san=nbd://h/p,tls=/etc/tls,insecure", "insecure is for NBD over TCP without tls="),
+    (f"san=iscsi://h/{IQN}/1,insecure", "insecure is for NBD over TCP"),
+    ("san=nbd://h/p,insecure=yes", "bad option"),
 ])
 def test_bad_flags_name_the_flag(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=says) as err:
         parse_remote_pool(text)
     assert str(err.value).startswith("--remote-pool")
+
+
+def test_cleartext_nbd_over_tcp_only_when_the_flag_says_so() -> None:
+    plain = parse_remote_pool("lab=nbd://10.0.0.7/pool,insecure")
+    assert plain.insecure and plain.tls is None
+    assert not parse_remote_pool("nas=nbd://10.0.0.7/pool,tls=/etc/nbd").insecure
+    assert parse_remote_pool("local=nbd+unix:///pool?socket=/run/nbd.sock").tls is None  # a local socket: no network
+
+
+def test_an_iscsi_pool_without_chap_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="csi_qsd.pools.remote"):
+        assert read_credentials(parse_remote_pool(f"san=iscsi://10.0.0.5/{IQN}/1")) == ("", None)
+    assert "event=remote_pool_unauthenticated pool=san" in caplog.text and "CHAP" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="csi_qsd.pools.remote"):
+        read_credentials(parse_remote_pool("nas=nbd://10.0.0.7/pool,tls=/etc/nbd"))
+    assert "remote_pool_unauthenticated" not in caplog.text
 
 
 def test_serve_takes_remote_pools_from_flags_and_environment(
