@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import struct
 import tempfile
 from collections.abc import AsyncIterator
@@ -124,6 +125,13 @@ async def nbd_export(qemu_nbd: str, spec: str, socket: Path, *, read_only: bool)
             await client.close()
 
 
+def private_file(path: Path) -> None:
+    """An empty file at `path`, mode 0600 whatever the umask, for qemu-img to write into (it keeps the mode of a
+    file that exists): a backup holds a whole volume. Replaces a leftover of an earlier run."""
+    path.unlink(missing_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+
+
 @dataclasses.dataclass(frozen=True)
 class BackupReport:
     snapshot_id: str
@@ -146,8 +154,9 @@ async def backup(
     tmp = out.with_name(f".{out.name}.tmp")
     read = zeros = 0
     with tempfile.TemporaryDirectory(prefix="csi-qsd-backup-") as work:
-        await run(qemu_img, "create", "-q", "-f", "qcow2", "-o", BACKUP_OPTIONS, str(tmp), str(capacity))
+        private_file(tmp)
         try:
+            await run(qemu_img, "create", "-q", "-f", "qcow2", "-o", BACKUP_OPTIONS, str(tmp), str(capacity))
             async with (
                 nbd_export(qemu_nbd, qcow2_spec(image, read_only=True), Path(work) / "src.sock", read_only=True) as src,
                 nbd_export(qemu_nbd, qcow2_spec(tmp, read_only=False), Path(work) / "dst.sock", read_only=False) as dst,
@@ -164,8 +173,8 @@ async def backup(
                             await dst.write(at, data)
                 await dst.flush()
             report = BackupReport(snapshot_id, base_snapshot_id, capacity, len(ranges), read, zeros)
-            sidecar = Path(f"{out}.json")
-            sidecar.write_text(json.dumps(dataclasses.asdict(report)) + "\n")
+            text = (json.dumps(dataclasses.asdict(report)) + "\n").encode()
+            await asyncio.to_thread(durable.create, Path(f"{out}.json"), lambda fd: os.write(fd, text))
             await asyncio.to_thread(durable.replace, tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
@@ -212,6 +221,7 @@ async def restore(files: list[Path], out: Path, *, qemu_img: str = "qemu-img", f
     reports = [describe(f) for f in files]
     check_sequence(reports)
     tmp = out.with_name(f".{out.name}.tmp")
+    private_file(tmp)
     try:
         await run(qemu_img, "convert", "-O", fmt, "json:" + json.dumps(layered_spec(files)), str(tmp),
                   timeout=24 * 3600)

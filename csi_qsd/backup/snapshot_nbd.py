@@ -14,12 +14,19 @@ these NBD metadata contexts:
 
 It runs until SIGINT or SIGTERM (`csi_qsd.sys.qemu_nbd` starts and stops
 the server). Only snapshots this node's catalog holds can be served.
+
+`--socket` names a path the server binds; qemu-nbd removes whatever is there
+first, and so does the way out. Both are refused (before qemu-nbd starts)
+unless the path is missing or a socket: a mistyped path must not cost the
+operator a file, and a link must not make the driver remove another one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 from pathlib import Path
 
 from csi_qsd.qcow2 import image_bitmaps
@@ -36,6 +43,19 @@ async def served_contexts(qemu_img: str, image: Path) -> list[str]:
     """The bitmaps worth offering: every consistent persistent bitmap of the snapshot's own image."""
     info = (await image_bitmaps.chain_info(qemu_img, image))[0]
     return sorted(name for name, bitmap in image_bitmaps.bitmaps_of(info).items() if bitmap.consistent)
+
+
+def remove_stale_socket(socket: Path) -> None:
+    """Remove a socket left at `socket` (nothing there is fine). Raises InvalidArgument if something else is,
+    a symbolic link included (never followed)."""
+    try:
+        mode = os.lstat(socket).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise InvalidArgument(f"{socket} exists and is not a socket ({stat.filemode(mode)}): give a path that is "
+                              "free or holds a socket left by an earlier export; nothing was removed")
+    socket.unlink(missing_ok=True)
 
 
 async def snapshot_image(catalog_path: Path, snapshot_id: str) -> Path:
@@ -60,7 +80,7 @@ async def serve(
     """
     image = await snapshot_image(catalog_path, snapshot_id)
     bitmaps = await served_contexts(qemu_img, image)
-    socket.unlink(missing_ok=True)
+    remove_stale_socket(socket)
     try:
         async with qemu_nbd_server.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
                                            clients=16, bitmaps=bitmaps, allocation_depth=True) as server:
@@ -80,5 +100,5 @@ async def serve(
             if not stop.is_set():
                 raise NBDError(f"qemu-nbd serving snapshot {snapshot_id} on {socket} ended by itself")
     finally:
-        socket.unlink(missing_ok=True)
+        remove_stale_socket(socket)
     return 0

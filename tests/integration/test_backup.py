@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -70,10 +71,13 @@ async def test_full_plus_five_incrementals_restore_byte_for_byte(
         reports.append(json.loads(text))
         assert reports[-1]["snapshot_id"] == snaps[-1]
 
+    for made in (*files, *(Path(f"{f}.json") for f in files)):  # each holds a volume, or says whose it is
+        assert stat.S_IMODE(made.stat().st_mode) == 0o600, made
     for upto in (5, 3, 0):
         restored = box.root / f"restored{upto}.raw"
         await cli(box, "restore", *map(str, files[:upto + 1]), "-o", str(restored), "--format", "raw")
         assert restored.stat().st_size == SIZE
+        assert stat.S_IMODE(restored.stat().st_mode) == 0o600
         assert digest(restored) == sums[upto], f"restore up to snapshot {upto} differs"
     # An incremental reads what changed (here a few clusters), not the volume.
     _, delta = await csi.metadata_delta(snaps[4], snaps[5])
