@@ -5,6 +5,15 @@ the socket anew is seen through the same mount. Only root and one group (the
 StorageClass's `vmmGroup`, else the pod's VOLUME_MOUNT_GROUP) may open the
 socket; a publish proves that a process of that group can, as the kernel
 decides it, before the pod gets the socket.
+
+The socket directory is the pod's to see, never to change: root in the pod
+could otherwise swap the socket for a symbolic link between QSD's bind and
+the driver's chown/chmod, which follow links, and have the driver hand a
+host file of its choosing to the VMM's group. So the directory is published
+read-only (a UNIX socket's `connect()` works through a read-only mount;
+nothing in it can be removed or replaced from the pod), and the socket and
+its directory are changed only through a descriptor opened without
+following links and checked to be a socket (a directory), never by name.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.errors import AlreadyExists, FailedPrecondition
@@ -26,16 +36,32 @@ PROBE_TIMEOUT_S = 10.0
 
 
 def prepare_dir(socket_dir: Path, group: str) -> None:
+    """Make the socket directory, root's and `group`'s only. Raises FailedPrecondition if it is not a directory."""
     socket_dir.mkdir(parents=True, exist_ok=True)
-    gid = int(group) if group else 0
-    os.chown(socket_dir, 0, gid)
-    os.chmod(socket_dir, 0o750 if group else 0o700)
+    _restrict(socket_dir, stat.S_ISDIR, "a directory", 0 if not group else int(group), 0o750 if group else 0o700)
 
 
 def restrict_socket(socket: Path, group: str) -> None:
-    gid = int(group) if group else 0
-    os.chown(socket, 0, gid)
-    os.chmod(socket, 0o660 if group else 0o600)
+    """Give QSD's socket to root and `group`. Raises FailedPrecondition, changing nothing, if what is at `socket`
+    is not a socket (a symbolic link put there in place of QSD's, say)."""
+    _restrict(socket, stat.S_ISSOCK, "a socket", int(group) if group else 0, 0o660 if group else 0o600)
+
+
+def _restrict(path: Path, is_kind: Callable[[int], bool], kind: str, gid: int, mode: int) -> None:
+    """chown root:`gid` and chmod `mode` the very inode at `path`, only if `is_kind` of its mode: through an
+    O_PATH descriptor opened without following a link (the kernel resolves /proc/self/fd/N to that inode)."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        found = os.fstat(fd).st_mode
+        if not is_kind(found):
+            raise FailedPrecondition(
+                f"{path} is {stat.filemode(found)}, not {kind}: something replaced what qemu-storage-daemon made "
+                "there (from inside the pod the volume is published to?); its owner and mode were left alone. "
+                "Unpublish and unstage the volume, then stage it again")
+        os.chown(f"/proc/self/fd/{fd}", 0, gid)
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)
 
 
 async def ensure_published(socket_dir: Path, target: Path) -> None:
@@ -46,7 +72,7 @@ async def ensure_published(socket_dir: Path, target: Path) -> None:
         if not entry.root.endswith(str(socket_dir)) and entry.root != str(socket_dir):
             raise AlreadyExists(f"target {target} already has another mount")
         return
-    await mounts.bind(socket_dir, target, readonly=False, options=[])
+    await mounts.bind(socket_dir, target, readonly=True, options=[])  # connect() works; replacing the socket not
 
 
 async def unpublish(target: Path) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -188,6 +189,29 @@ async def test_publish_for_a_pod_of_another_group_than_the_stage_is_refused(
     assert owner(target / SOCKET) == (0, 3000, 0o660)
     await csi.unpublish(vid, str(target))
     await csi.unstage(vid, str(staging))
+
+
+async def test_the_pod_connects_through_its_socket_directory_but_cannot_replace_the_socket(
+    box: Sandbox, driver: tuple[Driver, CSIClient],
+) -> None:
+    """Published read-only: root in the pod cannot swap the socket for a link the driver would then chown."""
+    _, csi = driver
+    vid = (await csi.create_volume("vm-ro-dir", SIZE, {"export": "vhost-user-blk", "vmmGroup": str(VMM)})).volume_id
+    staging, target = box.staging("vm-ro-dir"), box.target("vm-ro-dir")
+    await csi.stage(vid, str(staging))
+    await csi.publish(vid, str(staging), str(target))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(target / SOCKET))  # what a VMM does: allowed
+        for change in (lambda: os.unlink(target / SOCKET), lambda: os.symlink("/etc/shadow", target / "x"),
+                       lambda: os.rename(target / SOCKET, target / "y")):
+            with pytest.raises(OSError) as err:
+                change()
+            assert err.value.errno == errno.EROFS
+        assert stat.S_ISSOCK(os.lstat(target / SOCKET).st_mode)
+    finally:
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
 
 
 async def test_the_access_probe_follows_the_kernels_answer(tmp_path: Path) -> None:
