@@ -64,8 +64,9 @@ class FuseLoopExport(ExportPath):
         fresh_export = not await attach.has_export(client, top.nodes.fuse_export)
         if fresh_export:
             await self._drop_stale_host_state(volume, stage, publishes)
-        spec = (attach.fuse_export(top, export, writable=True, iothreads=self.host.daemon_of(volume.id).fuse_iothreads())
-                if fresh_export else None)
+        daemon = self.host.daemon_of(volume.id)
+        spec = (attach.fuse_export(top, export, writable=True, iothreads=daemon.fuse_iothreads(),
+                                   io_uring=daemon.fuse_paths.io_uring) if fresh_export else None)
         if not await attach.ensure_top(client, top, export=spec) and spec is not None:
             await client.export_add(spec)
         self.host.failpoints.hit("stage.after_export")

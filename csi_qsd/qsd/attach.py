@@ -248,12 +248,13 @@ async def has_export(client: QSDClient, export_id: str) -> bool:
     return export_id in exports and not exports[export_id]["shutting_down"]
 
 
-def fuse_export(top: TopImage, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None) -> graph.QMPArgs:
+def fuse_export(top: TopImage, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None,
+                io_uring: bool = False) -> graph.QMPArgs:
     """The block-export-add arguments of a FUSE export at `mountpoint`, made ready for it (a regular file),
-    served by `iothreads` or QSD's main loop."""
+    served by `iothreads` or QSD's main loop, over io_uring where `io_uring`."""
     mountpoint.parent.mkdir(parents=True, exist_ok=True)
     mountpoint.touch(mode=0o600, exist_ok=True)
-    return graph.fuse_export(top.nodes, mountpoint, writable=writable, iothreads=iothreads)
+    return graph.fuse_export(top.nodes, mountpoint, writable=writable, iothreads=iothreads, io_uring=io_uring)
 
 
 async def ensure_vhost_export(

@@ -33,7 +33,7 @@ from csi_qsd.qsd import features
 from csi_qsd.qsd.settings import QSDMode, QSDSettings
 from csi_qsd.errors import NoAnswer, QSDError, QSDNoAnswer
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.qsd import iothreads
+from csi_qsd.qsd import fuse_paths, iothreads
 from csi_qsd.sys.processes import wait_gone
 from csi_qsd.sys.run import tool_env
 
@@ -166,6 +166,7 @@ class QSDDaemon:
         self.wedges = 0
         self.version: tuple[int, int, int] = (0, 0, 0)
         self.loop_direct_io = False
+        self.fuse_paths = fuse_paths.FusePaths(io_uring_option=False, kernel="absent", async_dio=None)
         self.iothreads = iothreads.IOThreadPool(config.iothreads, config.poll_max_ns)
         self._state = QSDState.STOPPED
         self._state_changed = asyncio.Event()
@@ -288,6 +289,9 @@ class QSDDaemon:
         self.loop_direct_io = features.direct_io(self._config.loop_io, self.version)
         self.iothreads.spread = features.vhost_exports_spread(self.version)
         await self._ensure_iothreads()
+        # QEMU's export before 11 is libfuse's, which always asks for FUSE_ASYNC_DIO: measured where it may not.
+        self.fuse_paths = await fuse_paths.probe(self.client, self._config.qsd_dir / "fuse-probe",
+                                                 measure_async_dio=self.version >= features.FUSE_IOTHREAD_LIST)
         log.info("event=qsd_version version=%s loop_io=%s setting=%s iothreads=%d vhost_exports_in=%s "
                  "fuse_exports_in=%s", ".".join(map(str, self.version)), features.describe(self.loop_direct_io),
                  self._config.loop_io.value, len(self.iothreads.ids),

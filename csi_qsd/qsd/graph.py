@@ -210,9 +210,10 @@ def overlay_blockdev(nodes: VolumeNodes, params: VolumeParameters) -> QMPArgs:
 
 
 def fuse_export(
-    nodes: VolumeNodes, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None,
+    nodes: VolumeNodes, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None, io_uring: bool = False,
 ) -> QMPArgs:
-    """The export's arguments; with `iothreads` (QEMU >= 11) one /dev/fuse queue per thread, else QSD's main loop."""
+    """The export's arguments; with `iothreads` (QEMU >= 11) one /dev/fuse queue per thread, else QSD's main loop;
+    `io_uring` where QSD's export and the kernel offer FUSE over io_uring (`csi_qsd.qsd.fuse_paths`)."""
     spec: QMPArgs = {
         "type": "fuse",
         "id": nodes.fuse_export,
@@ -223,6 +224,8 @@ def fuse_export(
     }
     if iothreads:
         spec["iothread"] = list(iothreads)
+    if io_uring:
+        spec["io-uring"] = True
     return spec
 
 

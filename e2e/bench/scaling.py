@@ -157,11 +157,11 @@ async def run(*argv: str) -> str:
     return out.decode(errors="replace")
 
 
-async def fio_iops(devices: list[Path], rw: str, runtime: int) -> float:
-    """Aggregate IOPS of one fio with a job per device, all at once (4k, QD32 each)."""
+async def fio_iops(devices: list[Path], rw: str, runtime: int, size: int = SIZE) -> float:
+    """Aggregate IOPS of one fio with a job per device or file (its first `size` bytes), all at once (4k, QD32 each)."""
     argv = ["fio", "--output-format=json", "--group_reporting", "--direct=1", "--ioengine=libaio", "--bs=4k",
             f"--rw={rw}", "--iodepth=32", "--time_based", f"--runtime={runtime}", "--randrepeat=0",
-            "--norandommap", f"--size={SIZE}"]
+            "--norandommap", f"--size={size}"]
     for index, device in enumerate(devices):
         argv += [f"--name=j{index}", f"--filename={device}"]
     report = json.loads(await run(*argv))
@@ -376,11 +376,11 @@ def pool_dir(box: Sandbox, under: Path | None, fs_type: str | None) -> Iterator[
 
 
 @contextlib.contextmanager
-def new_filesystem(root: Path, fs_type: str) -> Iterator[Path]:
-    """A fresh `fs_type` filesystem, mounted under `root`, on a direct-I/O loop device over a file in `root`."""
+def new_filesystem(root: Path, fs_type: str, size: int = POOL_FS_BYTES) -> Iterator[Path]:
+    """A fresh `fs_type` filesystem of `size` bytes, mounted under `root`, on a direct-I/O loop device over a file in `root`."""
     image, mountpoint = root / f"pool-{fs_type}.img", root / f"pool-{fs_type}"
     image.touch()
-    os.truncate(image, POOL_FS_BYTES)
+    os.truncate(image, size)
     mountpoint.mkdir()
     device = sh("losetup", "--find", "--show", "--direct-io=on", str(image)).strip()
     try:

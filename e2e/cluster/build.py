@@ -95,13 +95,15 @@ def sidecar_images(root: Path) -> list[Path]:
     return archives
 
 
-def pause_image(root: Path) -> Path:
+def pause_images(root: Path) -> list[Path]:
+    """Kubernetes' pause under the name the sandboxes and examples use, and the one the e2e suite asks for."""
     binary = root / f"pause-{versions.KUBERNETES}"
     if not binary.exists():
         source = _module_dir("k8s.io/kubernetes", versions.KUBERNETES) / "build" / "pause" / "linux" / "pause.c"
         _run(["gcc", "-Os", "-static", "-DVERSION=" + versions.KUBERNETES, "-o", f"{binary}.tmp", str(source)])
         Path(f"{binary}.tmp").rename(binary)
-    return _scratch(root, ScratchImage(versions.PAUSE_IMAGE, (ImageFile("/pause", binary),), ("/pause",)))
+    return [_scratch(root, ScratchImage(name, (ImageFile("/pause", binary),), ("/pause",)))
+            for name in (versions.PAUSE_IMAGE, versions.E2E_PAUSE_IMAGE)]
 
 
 def _busybox_files() -> list[ImageFile]:
@@ -119,6 +121,19 @@ def busybox_image(root: Path) -> Path:
                            mode=0o644))
     files.append(ImageFile("/etc/group", data=b"root:x:0:\nnogroup:x:65534:\n", mode=0o644))
     return _scratch(root, ScratchImage(versions.BUSYBOX_IMAGE, tuple(files), ("/bin/sh",)))
+
+
+def e2e_test_images(root: Path, kubernetes: Path) -> list[Path]:
+    """The e2e suite's test images, built here: busybox-static for its busybox and nginx, plus agnhost.
+
+    The storage tests give the nginx image only shell commands, and run `nsenter` and shell tools in
+    agnhost's host-exec pods: busybox's applets serve both.
+    """
+    files = _busybox_files()
+    agnhost = [*files, ImageFile("/agnhost", kubernetes / "agnhost")]
+    return [_scratch(root, ScratchImage(versions.E2E_BUSYBOX_IMAGE, tuple(files), ("/bin/sh",))),
+            _scratch(root, ScratchImage(versions.E2E_NGINX_IMAGE, tuple(files), ("/bin/sh",))),
+            _scratch(root, ScratchImage(versions.E2E_AGNHOST_IMAGE, tuple(agnhost), ("/agnhost",)))]
 
 
 MOUNTPOINT_SCRIPT = b"""#!/bin/sh
@@ -212,6 +227,6 @@ def build_all(root: Path | None = None) -> Built:
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
     kubernetes = kubernetes_binaries(root)
-    images = [pause_image(root), busybox_image(root), kubectl_image(root, kubernetes), *sidecar_images(root),
-              driver_images(root), qemu_image(root)]
+    images = [*pause_images(root), busybox_image(root), kubectl_image(root, kubernetes), *sidecar_images(root),
+              driver_images(root), qemu_image(root), *e2e_test_images(root, kubernetes)]
     return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests())

@@ -75,7 +75,9 @@ def _keep_logs(base: Path) -> Path:
     kept = cache_root() / "last-run-logs"
     shutil.rmtree(kept, ignore_errors=True)
     kept.mkdir(parents=True)
-    for name, source in (("components", base / "logs"), ("pods", base / "node" / "log" / "pods")):
+    sources = [("components", base / "logs"), ("pods", base / "node" / "log" / "pods")]
+    sources += [(f"pods-{extra.name}", extra / "node" / "log" / "pods") for extra in sorted(base.glob("node-*"))]
+    for name, source in sources:
         if source.exists():
             shutil.copytree(source, kept / name, symlinks=True, dirs_exist_ok=True)
     shutil.rmtree(base, ignore_errors=True)
@@ -144,6 +146,11 @@ def test_namespace(cluster: Cluster) -> Iterator[str]:
     cluster.kubectl("delete", "-n", name, "pods", "--all", "--grace-period=1", "--wait=true", "--timeout=120s",
                     check=False, timeout=150)
     cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=180s", check=False, timeout=200)
+
+
+def report(line: str) -> None:
+    """A line for the session's summary (printed after the results)."""
+    _REPORT.append(line)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

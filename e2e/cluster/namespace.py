@@ -1,8 +1,11 @@
-"""A node's own mount, network and UTS namespaces, its cgroup, and the processes started in them.
+"""A node's own mount, PID, network and UTS namespaces, its cgroup, and the processes started in them.
 
 Everything a node runs (etcd, the control plane, containerd, kubelet, and so
 every pod) is started with `nsenter` into the namespaces of one holder
-process, inside one cgroup nested under the test's own. So every mount
+process, inside one cgroup nested under the test's own. The holder is PID 1
+of the node's PID namespace, so a host-PID pod that enters `/proc/1/ns/mnt`
+(as the Kubernetes e2e suite's host-exec pods do) lands in the node, as it
+would on a real one. So every mount
 kubelet and the driver make lives in the node's mount namespace (shared
 propagation there, private towards the host), and teardown finds every
 process by its cgroup: when they are gone the namespace goes with them, and
@@ -59,12 +62,30 @@ def cgroup_hierarchies(*, unified: bool = False) -> list[Path]:
 
 @dataclass(frozen=True)
 class NodeAddress:
-    """The node's link to the host: a veth pair, the host end and the node end of one /24."""
+    """The node's link: a veth pair whose host end `host_if` is a port of the host's bridge `bridge`.
+
+    Nodes on one bridge reach each other and the host (`host_ip`, the bridge's own address) without
+    the host routing anything.
+    """
 
     host_if: str
+    bridge: str
     host_ip: str
     node_ip: str
     prefix: int = 24
+
+
+def add_bridge(address: NodeAddress) -> None:
+    """The host's bridge for the cluster's nodes, with the host's address on it (made once)."""
+    if subprocess.run(["ip", "link", "show", address.bridge], capture_output=True).returncode == 0:
+        return
+    subprocess.run(["ip", "link", "add", address.bridge, "type", "bridge"], check=True)
+    subprocess.run(["ip", "addr", "add", f"{address.host_ip}/{address.prefix}", "dev", address.bridge], check=True)
+    subprocess.run(["ip", "link", "set", address.bridge, "up"], check=True)
+
+
+def remove_bridge(address: NodeAddress) -> None:
+    subprocess.run(["ip", "link", "del", address.bridge], capture_output=True)
 
 
 class NodeNamespace:
@@ -76,13 +97,15 @@ class NodeNamespace:
         self.address = address
         self.cgroup = f"{_self_cgroup_parent()}/{name}"
         self.holder: subprocess.Popen[bytes] | None = None
+        self._init_pid = 0
         self._made_cgroups: list[Path] = []
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     @property
     def pid(self) -> int:
-        assert self.holder is not None, "the node namespace is not started"
-        return self.holder.pid
+        """The host's PID of the node's PID 1, whose namespaces every node process enters."""
+        assert self._init_pid, "the node namespace is not started"
+        return self._init_pid
 
     def _make_cgroup(self) -> None:
         for hierarchy in cgroup_hierarchies():
@@ -101,23 +124,30 @@ class NodeNamespace:
             (hierarchy / self.cgroup.lstrip("/") / "cgroup.procs").write_text(str(pid))
 
     def start(self) -> None:
-        """Make the namespaces, the cgroup, the veth link and the node's view of /run, /var/lib and /var/log."""
+        """Make the namespaces, the cgroup, the veth link (the bridge must exist) and the node's view of /run, /var/lib and /var/log."""
         for sub in ("kubelet", "csi-qsd", "log", "sysctl"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)
         self._make_cgroup()
         self.holder = subprocess.Popen(
-            ["unshare", "--mount", "--net", "--uts", "--propagation", "private", "sleep", "infinity"],
+            ["unshare", "--mount", "--net", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc",
+             "--propagation", "private", "sleep", "infinity"],
             stdin=subprocess.DEVNULL, start_new_session=True)
         self._join_cgroup(self.holder.pid)
-        wait_for(lambda: os.readlink(f"/proc/{self.pid}/ns/net") != os.readlink("/proc/self/ns/net"),
-                  10, "the node's network namespace")
+        holder = self.holder.pid
+
+        def init_started() -> bool:
+            children = _children(holder)
+            self._init_pid = children[0] if children else 0
+            return bool(self._init_pid) and os.readlink(f"/proc/{self._init_pid}/ns/pid") != os.readlink(
+                "/proc/self/ns/pid") and Path(f"/proc/{self._init_pid}/comm").read_text().strip() == "sleep"
+
+        wait_for(init_started, 10, "the node's PID 1")
         a = self.address
         # A run killed before its teardown (SIGKILL, a CI timeout) leaves its host end behind.
         subprocess.run(["ip", "link", "del", a.host_if], capture_output=True)
         subprocess.run(["ip", "link", "add", a.host_if, "type", "veth", "peer", "name", "eth0",
                         "netns", f"/proc/{self.pid}/ns/net"], check=True)
-        subprocess.run(["ip", "addr", "add", f"{a.host_ip}/{a.prefix}", "dev", a.host_if], check=True)
-        subprocess.run(["ip", "link", "set", a.host_if, "up"], check=True)
+        subprocess.run(["ip", "link", "set", a.host_if, "master", a.bridge, "up"], check=True)
         binds = []
         for key, value in KUBELET_SYSCTLS.items():
             fake = self.base / "sysctl" / key.replace("/", "_")
@@ -142,7 +172,7 @@ class NodeNamespace:
 
     def command(self, argv: list[str]) -> list[str]:
         """`argv` run inside the node's namespaces."""
-        return ["nsenter", "-t", str(self.pid), "-m", "-n", "-u", "--", *argv]
+        return ["nsenter", "-t", str(self.pid), "-m", "-n", "-u", "-p", "--", *argv]
 
     def run(self, argv: list[str], *, check: bool = True, timeout: float = 120,
             input: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -173,6 +203,13 @@ class NodeNamespace:
         if dead:
             raise RuntimeError(f"{self.name}: exited: {', '.join(dead)}")
 
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], signum: int) -> None:
+        """Signal the node program `proc` runs: nsenter forks it into the PID namespace and forwards nothing."""
+        for pid in _children(proc.pid) or [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
     def cgroup_pids(self) -> set[int]:
         """Every process in the node's cgroup and below (pods included)."""
         pids: set[int] = set()
@@ -190,7 +227,7 @@ class NodeNamespace:
         """SIGTERM the named node processes, SIGKILL after `timeout`."""
         for name, proc in self.processes:
             if name == label and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                self._signal(proc, signal.SIGTERM)
                 try:
                     proc.wait(timeout)
                 except subprocess.TimeoutExpired:
@@ -202,7 +239,7 @@ class NodeNamespace:
         problems: list[str] = []
         for label, proc in reversed(self.processes):
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                self._signal(proc, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for label, proc in reversed(self.processes):
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -236,6 +273,14 @@ class NodeNamespace:
                 if not _rmdir(child):
                     problems.append(f"cgroup {child} not removed")
         return problems
+
+
+def _children(pid: int) -> list[int]:
+    """The host's PIDs of `pid`'s children."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _rmdir(directory: Path) -> bool:

@@ -12,13 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KUBERNETES = "v1.34.4"
-KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd")
+KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd",
+                       "e2e.test", "agnhost")
 
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 # Debian's busybox-static under the name deploy/examples/ use, so the examples run unchanged.
 BUSYBOX_IMAGE = "docker.io/library/busybox:1.36"
 # busybox and this cluster's kubectl, under the name deploy/examples/hotplug.yaml's node agent uses.
 KUBECTL_IMAGE = "docker.io/bitnami/kubectl:1.34"
+# The images the e2e suite's storage tests start (k8s.io/kubernetes test/utils/image at KUBERNETES): its
+# busybox, agnhost (the host-exec pods: agnhost and nsenter) and nginx (only ever given a shell command).
+E2E_BUSYBOX_IMAGE = "registry.k8s.io/e2e-test-images/busybox:1.37.0-1"
+E2E_AGNHOST_IMAGE = "registry.k8s.io/e2e-test-images/agnhost:2.56"
+E2E_NGINX_IMAGE = "registry.k8s.io/e2e-test-images/nginx:1.14-4"
+E2E_PAUSE_IMAGE = "registry.k8s.io/pause:3.10.1"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,272 @@
+"""Pods on the default configuration: ext4 in a volume as `csi-qsd serve` makes it, beside ext4 on a loop device, one run.
+
+Run as ``.venv/bin/python -m e2e.bench.pod_default`` (root). It prints
+figures, never pass/fail.
+
+Each configuration gets its own sandbox and a served driver (`csi-qsd
+serve` with its defaults, over its UNIX socket as the external-provisioner
+and kubelet drive it). It makes N filesystem volumes (CreateVolume with the
+configuration's StorageClass parameters, NodeStage and NodePublish: ext4 on
+the driver's loop device over QSD's FUSE export) and, as the baseline, N raw
+files in the pool's own directory, each under a direct-I/O loop device with
+ext4 made as the driver makes it. fio (O_DIRECT, libaio, 4k random, QD32
+each) runs on a file in each filesystem, laid out once beforehand, on 1 and
+then N at once; volumes and baselines alternate which goes first (ABBA) over
+``--rounds``, and a figure is the mean.
+
+Configurations (``--configs``, POOL:CLASS):
+
+  POOL   host  the sandbox's own directory, on the node's filesystem (ext4
+               here): where `csi-qsd serve --pool-dir` points by default;
+         xfs / ext4  a fresh filesystem of that type on a direct-I/O loop
+               device over a file in the sandbox (a machine with one disk
+               has no other way to try one; the baseline pays that layer too)
+  CLASS  default  no parameters: a thin qcow2 image, 64 KiB granularity, an
+               enabled persistent dirty bitmap (what `csi-qsd volume create`
+               makes)
+         raw   format=raw, preallocation=full (the scaling bench's volumes)
+
+Beside each row: the FUSE requests in flight per volume (fusectl's
+`waiting`, sampled every 10 ms), QSD's CPU per thread during the volumes'
+last run (/proc/PID/task/*/stat), and for N volumes a projection for a node
+with more cores: QSD 10 serves every FUSE export from its one main loop, so
+N volumes on a node with a core per QSD shard (``--shards``) reach at most
+the one-volume IOPS per CPU-second of the busiest QSD thread, times the
+shards they use. That is an estimate from this run, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+from csi_qsd.csi.client import CSIClient
+from csi_qsd.exports.fuse_loop import export_file
+from csi_qsd.sys import filesystems, mounts
+from e2e.bench.common import GIB, MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
+from e2e.bench.container_path import ext4_on, lay_out, loop_on_raw, run
+from e2e.bench.scaling import NAMESPACE_KEY, InFlight, fio_iops, namespace_for, new_filesystem
+from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+
+VOLUME_SIZE = 1 * GIB
+REGION = 512 * MIB  # the fio file in each filesystem: half the volume, leaving ext4 its metadata
+CLASSES = {"default": {}, "raw": {"format": "raw", "preallocation": "full"}}
+POOLS = ("host", "xfs", "ext4")
+JOBS = ("randread", "randwrite")
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    pool: str  # host, xfs or ext4
+    klass: str  # default or raw
+
+    @classmethod
+    def parse(cls, text: str) -> "Configuration":
+        pool, _, klass = text.partition(":")
+        if pool not in POOLS or klass not in CLASSES:
+            raise argparse.ArgumentTypeError(f"expected POOL:CLASS with POOL in {', '.join(POOLS)} and CLASS in "
+                                             f"{', '.join(CLASSES)}, got {text!r}")
+        return cls(pool, klass)
+
+    @property
+    def name(self) -> str:
+        return f"{self.pool}:{self.klass}"
+
+
+@dataclasses.dataclass
+class Row:
+    job: str
+    count: int
+    volume: list[float] = dataclasses.field(default_factory=list)
+    baseline: list[float] = dataclasses.field(default_factory=list)
+    threads: str = "-"
+    busiest: list[float] = dataclasses.field(default_factory=list)
+    in_flight: str = "-"
+
+
+class Bench:
+    def __init__(self, box: Sandbox, config: Configuration, pool: Path, counts: list[int], seconds: int,
+                 rounds: int, shards: int) -> None:
+        self.box, self.config, self.pool, self.counts = box, config, pool, counts
+        self.seconds, self.rounds, self.shards = seconds, rounds, shards
+        self.driver = DriverProcess(box, "--log-level", "info", "--pool-dir", str(pool), "--qsd-shards", str(shards))
+        self.rows: list[Row] = []
+        self.staged: dict[str, tuple[Path, Path]] = {}
+        self.volume_ids: list[str] = []
+        self.setting = "?"
+
+    async def run(self) -> None:
+        await self.driver.start(timeout=60)
+        try:
+            found = [line for line in self.driver.log().splitlines() if "event=qsd_version" in line]
+            aio = [line for line in self.driver.log().splitlines() if "event=file_aio" in line]
+            self.setting = " ".join(part for part in (found[-1] if found else "").split()
+                                    if part.startswith(("version=", "loop_io="))) or "?"
+            if aio:
+                self.setting += " " + next((p for p in aio[-1].split() if p.startswith("engine=")), "")
+            async with CSIClient(self.box.endpoint, timeout=600) as csi:
+                try:
+                    await self._measure(csi)
+                finally:
+                    await self._undo(csi)
+        finally:
+            await stop_driver_and_qsd(self.driver)
+
+    async def _volume(self, csi: CSIClient, index: int) -> Path:
+        name = f"pod-{index}"
+        params = {**CLASSES[self.config.klass], NAMESPACE_KEY: namespace_for(index, self.shards)}
+        vid = (await csi.create_volume(name, VOLUME_SIZE, params)).volume_id
+        staging, target = self.box.staging(name), self.box.target(name)
+        self.staged[vid] = (staging, target)
+        self.volume_ids.append(vid)
+        await csi.stage(vid, str(staging))
+        await csi.publish(vid, str(staging), str(target))
+        return target
+
+    async def _measure(self, csi: CSIClient) -> None:
+        count = max(self.counts)
+        targets = [await self._volume(csi, i) for i in range(count)]
+        async with contextlib.AsyncExitStack() as stack:
+            baselines = []
+            for index in range(count):
+                raw = self.pool / f"baseline-{index}.raw"
+                await run("fallocate", "-l", str(VOLUME_SIZE), str(raw))
+                stack.callback(raw.unlink, missing_ok=True)
+                device = await stack.enter_async_context(loop_on_raw(raw))
+                baselines.append(await stack.enter_async_context(ext4_on(device, self.box.root / f"base-{index}")))
+            volume_files = [t / "fio.dat" for t in targets]
+            baseline_files = [b / "fio.dat" for b in baselines]
+            progress(f"{self.config.name}: laying out {REGION // MIB} MiB in each of {2 * count} filesystems")
+            for path in volume_files + baseline_files:
+                await lay_out(path, REGION)
+            for rw in JOBS:
+                for n in self.counts:
+                    await self._compare(Row(f"4k {rw} QD32", n), rw, volume_files[:n], baseline_files[:n])
+
+    async def _compare(self, row: Row, rw: str, volumes: list[Path], baselines: list[Path]) -> None:
+        pids = [qsd_pid(self.box, shard) for shard in range(self.shards)]
+        assert None not in pids
+        exports = [export_file(self.box.state_dir / "exports", vid) for vid in self.volume_ids[:row.count]]
+        progress(f"{self.config.name}: {row.job} x{row.count}, {self.rounds} x {self.seconds} s each side")
+        for turn in range(self.rounds):
+            async def on_volume() -> None:
+                sampler = InFlight(exports)
+                done = asyncio.Event()
+                sampling = asyncio.create_task(sampler.sample(done))
+                before = [ThreadCPU.take(pid or 0) for pid in pids]
+                try:
+                    row.volume.append(await fio_iops(volumes, rw, self.seconds, REGION))
+                finally:
+                    done.set()
+                    await sampling
+                after = [ThreadCPU.take(pid or 0) for pid in pids]
+                row.in_flight = sampler.summary()
+                shares = [a.since(b) for a, b in zip(after, before)]
+                row.threads = shares[0] if len(shares) == 1 else "; ".join(f"s{i}: {s}" for i, s in enumerate(shares))
+                row.busiest.append(max(a.busiest_since(b) for a, b in zip(after, before)))
+
+            async def on_baseline() -> None:
+                row.baseline.append(await fio_iops(baselines, rw, self.seconds, REGION))
+
+            for step in ((on_volume, on_baseline) if turn % 2 == 0 else (on_baseline, on_volume)):
+                await step()
+        self.rows.append(row)
+
+    async def _undo(self, csi: CSIClient) -> None:
+        for vid, (staging, target) in self.staged.items():
+            await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(target)))
+            await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(staging)))
+            await retrying(f"delete {vid}", lambda: csi.delete_volume(vid))
+
+    def render(self) -> str:
+        params = ", ".join(f"{k}={v}" for k, v in CLASSES[self.config.klass].items()) or \
+            "no parameters (thin qcow2, 64 KiB granularity, persistent dirty bitmap)"
+        head = (f"{self.config.name}: pool on {mounts.filesystem_of(self.pool) or '?'} ({self.config.pool}); class: "
+                f"{params}; ext4 in each volume vs ext4 on a direct-I/O loop device on a raw file in the pool; "
+                f"{self.setting}; {self.shards} shard(s); {os.cpu_count()} cores; {self.rounds} x {self.seconds} s, "
+                f"mean; load average {os.getloadavg()[0]:.2f}")
+        rows, projection = [], []
+        ones: dict[str, tuple[float, float]] = {}
+        for row in self.rows:
+            vol, base = statistics.mean(row.volume), statistics.mean(row.baseline)
+            busiest = statistics.mean(row.busiest) if row.busiest else 0.0
+            if row.count == 1:
+                ones[row.job] = (vol, busiest)
+            spread = f"{min(row.volume) / 1000:.1f}-{max(row.volume) / 1000:.1f}k"
+            rows.append([row.job, str(row.count), f"{vol / 1000:.1f}k", spread, f"{base / 1000:.1f}k",
+                         ratio(vol, base), row.in_flight, row.threads])
+            one_vol, one_busiest = ones.get(row.job, (0.0, 0.0))
+            if row.count > 1 and one_busiest > 0:
+                per_cpu = one_vol / max(one_busiest, 0.05)
+                used = min(row.count, self.shards)
+                projection.append([row.job, str(row.count), str(used), f"{per_cpu / 1000:.1f}k",
+                                   f"{used * per_cpu / 1000:.1f}k"])
+        out = [head, table(["job", "N", "volumes", "spread", "baseline", "ratio", "FUSE in flight/vol",
+                            "QSD CPU per thread (volumes' last run)"], rows)]
+        if projection:
+            out += ["projection (an estimate, not measured here): a core per QSD shard; one volume's IOPS per "
+                    "CPU-second of the busiest QSD thread, times the shards N volumes use",
+                    table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], projection)]
+        return "\n".join(out)
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def pool_for(box: Sandbox, config: Configuration, count: int) -> Iterator[Path]:
+    if config.pool == "host":
+        yield box.state_dir / "pool"
+        return
+    # Room for every volume and baseline file, fully written, with ext4's and qcow2's metadata beside them.
+    with new_filesystem(box.root, config.pool, size=2 * count * VOLUME_SIZE + 2 * GIB) as mountpoint:
+        yield mountpoint
+
+
+def in_private_namespace(argv: list[str]) -> int:
+    """This bench again in a mount namespace of its own, so no namespace made meanwhile copies its mounts."""
+    command = ["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-m", "e2e.bench.pod_default",
+               "--in-namespace", *argv]
+    os.execvp(command[0], command)
+    return 1  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench.pod_default", description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", type=lambda t: [Configuration.parse(p) for p in t.split(",")],
+                        default=[Configuration("host", "default"), Configuration("host", "raw"),
+                                 Configuration("xfs", "default"), Configuration("xfs", "raw")],
+                        help="POOL:CLASS, comma-separated (default host:default,host:raw,xfs:default,xfs:raw)")
+    parser.add_argument("--counts", type=lambda t: [int(p) for p in t.split(",")], default=[1, 4])
+    parser.add_argument("--runtime", type=int, default=5, help="seconds per fio run (default 5)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (default 2)")
+    parser.add_argument("--shards", type=int, default=1, help="the driver's --qsd-shards (default 1)")
+    parser.add_argument("--in-namespace", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("needs root (loop devices, FUSE, mounts)", file=sys.stderr)
+        return 2
+    if args.runtime < 1 or args.rounds < 1 or args.shards < 1 or min(args.counts) < 1:
+        parser.error("--runtime, --rounds, --shards and --counts must be at least 1")
+    if not args.in_namespace:
+        return in_private_namespace(sys.argv[1:] if argv is None else argv)
+    status = 0
+    for config in args.configs:
+        with sandbox() as box, pool_for(box, config, max(args.counts)) as pool:
+            bench = Bench(box, config, pool, args.counts, args.runtime, args.rounds, args.shards)
+            status = run_to_end(bench.run(), bench.driver, what=f"pod_default {config.name}") or status
+            print(bench.render() + "\n", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The Kubernetes storage e2e suite (`e2e.test`'s External Storage tests) run against csi-qsd.
+
+`e2e.test` is built from the `k8s.io/kubernetes` module at the cluster's
+version. It learns about the driver from a test-driver file
+(`-storage.testdriver`): the StorageClass and VolumeSnapshotClass deploy/
+ships, the sizes and filesystems the driver takes, and the capabilities it
+claims, each of which turns on the suite's tests for it. Counts come from
+the suite's JUnit report, not from its console output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from csi_qsd.sys import caps
+from e2e.cluster.cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+STORAGE_CLASS = "csi-qsd-fs"
+SNAPSHOT_CLASS = "csi-qsd-snapclass"
+
+# What csi-qsd claims to the suite; each capability enables the suite's tests of it.
+CAPABILITIES = {
+    "persistence": True, "block": True, "fsGroup": True, "exec": True, "snapshotDataSource": True,
+    "pvcDataSource": True, "multipods": True, "controllerExpansion": True, "nodeExpansion": True,
+    "onlineExpansion": True, "offlineExpansion": True, "singleNodeVolume": True, "topology": True,
+    "capacity": True, "RWX": False, "multiplePVsSameID": False,
+}
+
+# Never run: they stop or restart kubelet or the node (the suite expects ssh or a cloud to do it),
+# need Windows, or are marked flaky upstream.
+ALWAYS_SKIP = r"Disruptive|Feature:Windows|Flaky"
+
+# The focused set CI runs: one or two tests of each suite the driver answers to, filesystem and block;
+# each pattern matches exactly one test that runs.
+FOCUSED = (
+    r"\(default fs\)\] provisioning should provision storage with pvc data source$",
+    r"\(block volmode\)\] provisioning should provision storage with snapshot data source \[",
+    r"\(default fs\)\] volumes should store data$",
+    r"\(block volmode\)\] volumes should store data$",
+    r"Dynamic PV \(ext4\)\] volumes should allow exec of files on the volume$",
+    r"\(default fs\)\] volumeIO should write files of various sizes",
+    r"Dynamic Snapshot \(delete policy\)\] snapshottable.*after modifying source data",
+    r"\(block volmode\)\(allowExpansion\)\] volume-expand Verify if offline PVC expansion works",
+    r"\(filesystem volmode\)\] volumeMode should not mount / map unused volumes in a pod",
+    r"\(ext4\)\] multiVolume \[Slow\] should access to two volumes with the same volume mode and retain data "
+    r"across pod recreation on the same node",
+    r"Generic Ephemeral-volume \(default fs\) \(late-binding\)\] ephemeral should create read/write inline",
+)
+# Growing a mounted filesystem, run with a class whose default filesystem grows online on this host.
+ONLINE_EXPANSION = (
+    r"\(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited while pod is "
+    r"using it",
+)
+
+
+def online_growable_fs() -> str:
+    """ext4 if this host lets the plugin grow a mounted ext4 (it needs CAP_SYS_RESOURCE), else xfs.
+
+    The plugin container is privileged, so it has what the host gives the cluster: the test's own set.
+    """
+    return "ext4" if caps.has(caps.CAP_SYS_RESOURCE) else "xfs"
+
+
+def shipped_class_with_fs(fs_type: str) -> dict[str, object]:
+    """deploy/'s filesystem StorageClass with another default filesystem (`csi.storage.k8s.io/fstype`)."""
+    shipped = [d for d in yaml.safe_load_all((REPO / "deploy" / "storageclasses.yaml").read_text())
+               if d and d["metadata"]["name"] == STORAGE_CLASS][0]
+    shipped["metadata"]["name"] = f"{STORAGE_CLASS}-{fs_type}"
+    shipped["parameters"]["csi.storage.k8s.io/fstype"] = fs_type
+    return shipped  # type: ignore[no-any-return]
+
+
+def driver_definition(storage_class_file: Path | None = None) -> dict[str, object]:
+    """The test-driver file's content (`-storage.testdriver`), as JSON, which is YAML too.
+
+    The StorageClass is the one deploy/ ships, or the one in `storage_class_file`.
+    """
+    storage_class = ({"FromFile": str(storage_class_file)} if storage_class_file
+                     else {"FromExistingClassName": STORAGE_CLASS})
+    return {
+        "StorageClass": storage_class,
+        "SnapshotClass": {"FromExistingClassName": SNAPSHOT_CLASS},
+        "DriverInfo": {
+            "Name": "csi-qsd.io",
+            "SupportedSizeRange": {"Min": "1Mi", "Max": "10Gi"},
+            "SupportedFsType": {"": {}, "ext4": {}, "xfs": {}},
+            "TopologyKeys": ["topology.csi-qsd.io/node"],
+            "NumAllowedTopologies": 1,
+            "Capabilities": CAPABILITIES,
+        },
+    }
+
+
+@dataclass
+class SuiteResult:
+    """What one run of the suite did, from its JUnit report."""
+
+    passed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    skipped: int = 0
+    seconds: float = 0.0
+    exit_code: int = 0
+    output: Path | None = None
+
+    def counts(self) -> str:
+        return (f"{len(self.passed)} passed, {len(self.failed)} failed, {self.skipped} skipped "
+                f"in {self.seconds:.0f} s")
+
+
+def read_junit(report: Path) -> SuiteResult:
+    """Passed, failed and skipped specs of a JUnit report (the suite's own setup nodes left out)."""
+    result = SuiteResult()
+    for case in ElementTree.parse(report).iter("testcase"):
+        name = case.get("name", "")
+        if not name.startswith("[It]"):
+            continue
+        if case.find("skipped") is not None:
+            result.skipped += 1
+        elif case.find("failure") is not None or case.find("error") is not None:
+            result.failed.append(name)
+        else:
+            result.passed.append(name)
+    return result
+
+
+def run_suite(cluster: Cluster, e2e_test: Path, work: Path, *, focus: str, skip: str = ALWAYS_SKIP,
+              fs_type: str = "", timeout_minutes: int = 30) -> SuiteResult:
+    """Run the External Storage tests matching `focus` against the deployed driver, one at a time.
+
+    With `fs_type`, the shipped filesystem class is used with that default filesystem instead.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    class_file = None
+    if fs_type:
+        class_file = work / f"storageclass-{fs_type}.yaml"
+        class_file.write_text(json.dumps(shipped_class_with_fs(fs_type), indent=1))
+    driver = work / "csi-qsd-driver.yaml"
+    driver.write_text(json.dumps(driver_definition(class_file), indent=1))
+    report = work / "report"
+    argv = [
+        str(e2e_test), f"-kubeconfig={cluster.admin_kubeconfig}", f"-kubectl-path={cluster.bin['kubectl']}",
+        f"-storage.testdriver={driver}", "-provider=skeleton", "-minStartupPods=0",
+        f"-ginkgo.focus=External.Storage.*({focus})", f"-ginkgo.skip={skip}",
+        f"-ginkgo.timeout={timeout_minutes}m", "-ginkgo.no-color", f"-report-dir={report}",
+    ]
+    output = work / "e2e.log"
+    started = time.monotonic()
+    with open(output, "w") as log:
+        finished = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=work,
+                                  env={**os.environ, "LC_ALL": "C"}, timeout=timeout_minutes * 60 + 120)
+    reports = sorted(report.glob("junit*.xml"))
+    if not reports:
+        raise RuntimeError(f"e2e.test exited {finished.returncode} without a report (see {output})")
+    result = read_junit(reports[0])
+    result.seconds = time.monotonic() - started
+    result.exit_code = finished.returncode
+    result.output = output
+    return result
