@@ -45,12 +45,12 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
-from csi_qsd.sys import filesystems, mounts
+from csi_qsd.sys import mounts
 from e2e.bench.common import GIB, MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
 from e2e.bench.container_path import ext4_on, lay_out, loop_on_raw, run
 from e2e.bench.scaling import NAMESPACE_KEY, InFlight, fio_iops, namespace_for, new_filesystem
