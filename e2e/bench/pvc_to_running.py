@@ -1,0 +1,221 @@
+"""PersistentVolumeClaim created to pod Running, in a real cluster: p50 and p99, split by step.
+
+Starts the cluster tier's cluster (`e2e/cluster/`, built or taken from the
+cache), deploys csi-qsd with `kubectl apply -k`, and then, one at a time,
+creates a claim of the shipped filesystem class and a pod using it, and
+times the pod from the claim's creation to Running. The baseline, measured
+in the same cluster and the same run, is the same pod with an `emptyDir`
+volume instead: what scheduling and starting the container cost without a
+CSI volume. The reference, csi-driver-host-path, is printed beside it when
+its module can be built here (`HOSTPATH_MODULE`); otherwise the error the Go
+module proxy gave is printed in its place.
+
+The split, per pod (seconds from the claim's creation, by the host's clock
+as kubectl's watch delivers each change; the driver's own calls from its
+Prometheus histogram, `csi_qsd_rpc_duration_seconds`, scraped before and after):
+
+    bound         claim Bound: the scheduler picks a node (late binding), that node's
+                  external-provisioner calls CreateVolume (the driver's share printed)
+    mounted       NodeStageVolume + NodePublishVolume (the driver's calls; no attach:
+                  the CSIDriver says attachRequired: false)
+    running       the pod Running; what is left after `bound` and the driver's mount calls
+                  is kubelet's volume manager and the container's start
+
+Usage:
+
+    .venv/bin/python -m e2e.bench.pvc_to_running [--claims 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from e2e.cluster import deploy
+from e2e.cluster.build import build_all
+from e2e.cluster.cluster import Cluster
+from e2e.cluster.session import deployed_cluster
+from e2e.cluster.versions import BUSYBOX_IMAGE
+
+HOSTPATH_MODULE = "github.com/kubernetes-csi/csi-driver-host-path"
+DRIVER_CALLS = ("CreateVolume", "NodeStageVolume", "NodePublishVolume")
+
+
+@dataclass
+class Sample:
+    """One pod's times, seconds from its claim's (or, for the baseline, its own) creation."""
+
+    bound: float = 0.0
+    running: float = 0.0
+    driver: dict[str, float] = field(default_factory=dict)
+
+
+class Watch:
+    """`kubectl get --watch` of one namespace's claims or pods; when each first reached a phase, by the host's clock."""
+
+    def __init__(self, cluster: Cluster, namespace: str, kind: str) -> None:
+        self.first: dict[tuple[str, str], float] = {}
+        self._process = subprocess.Popen(
+            [cluster.bin["kubectl"], f"--kubeconfig={cluster.admin_kubeconfig}", "get", kind, "-n", namespace,
+             "--watch", "--output-watch-events", "-o", "json"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        buffer = ""
+        decoder = json.JSONDecoder()
+        for line in self._process.stdout:
+            buffer += line
+            try:
+                event, end = decoder.raw_decode(buffer.strip())
+            except ValueError:
+                continue
+            buffer = buffer.strip()[end:]
+            obj = event["object"]
+            key = (obj["metadata"]["name"], (obj.get("status") or {}).get("phase", ""))
+            self.first.setdefault(key, time.monotonic())
+
+    def wait(self, name: str, phase: str, timeout: float = 180) -> float:
+        deadline = time.monotonic() + timeout
+        while (name, phase) not in self.first:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not {phase} after {timeout:.0f}s")
+            time.sleep(0.01)
+        return self.first[(name, phase)]
+
+    def stop(self) -> None:
+        self._process.kill()
+        self._process.wait()
+
+
+def _pod(name: str, volume: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "app", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                                     "command": ["sleep", "3600"],
+                                     "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                     "volumes": [{"name": "data", **volume}]}}
+
+
+def _claim(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+            "spec": {"storageClassName": "csi-qsd-fs", "accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": "1Gi"}}}}
+
+
+def _driver_seconds(cluster: Cluster) -> dict[str, float]:
+    """The driver's summed call time per CSI method, from its metrics (through the API server's pod proxy)."""
+    pod = deploy.driver_pod(cluster)["metadata"]["name"]
+    text = cluster.kubectl("get", "--raw", f"/api/v1/namespaces/{deploy.DRIVER_NAMESPACE}/pods/{pod}:9810/proxy/metrics").stdout
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("csi_qsd_rpc_duration_seconds_sum{"):
+            labels, value = line.rsplit(" ", 1)
+            method = labels.split('method="', 1)[1].split('"', 1)[0]
+            sums[method] = sums.get(method, 0.0) + float(value)
+    return sums
+
+
+def _apply(cluster: Cluster, namespace: str, *docs: dict[str, Any]) -> float:
+    """Create `docs`; the host's clock when kubectl returned (the objects exist from then)."""
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+    return time.monotonic()
+
+
+def measure_csi(cluster: Cluster, namespace: str, claims: int) -> list[Sample]:
+    pvc_watch, pod_watch = Watch(cluster, namespace, "pvc"), Watch(cluster, namespace, "pods")
+    samples = []
+    try:
+        for i in range(claims):
+            before = _driver_seconds(cluster)
+            name = f"claim-{i}"
+            started = time.monotonic()
+            _apply(cluster, namespace, _claim(name), _pod(name, {"persistentVolumeClaim": {"claimName": name}}))
+            bound = pvc_watch.wait(name, "Bound") - started
+            running = pod_watch.wait(name, "Running") - started
+            after = _driver_seconds(cluster)
+            samples.append(Sample(bound, running, {m: after.get(m, 0.0) - before.get(m, 0.0) for m in DRIVER_CALLS}))
+    finally:
+        pvc_watch.stop()
+        pod_watch.stop()
+    return samples
+
+
+def measure_baseline(cluster: Cluster, namespace: str, pods: int) -> list[Sample]:
+    watch = Watch(cluster, namespace, "pods")
+    samples = []
+    try:
+        for i in range(pods):
+            name = f"empty-{i}"
+            started = time.monotonic()
+            _apply(cluster, namespace, _pod(name, {"emptyDir": {}}))
+            samples.append(Sample(0.0, watch.wait(name, "Running") - started))
+    finally:
+        watch.stop()
+    return samples
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def hostpath_available() -> str:
+    """'' if csi-driver-host-path's module can be fetched here, else the Go module proxy's answer."""
+    result = subprocess.run(["go", "list", "-m", "-json", f"{HOSTPATH_MODULE}@latest"], capture_output=True,
+                            text=True, cwd="/", env={"GOFLAGS": "-mod=mod", "PATH": "/usr/local/go/bin:/usr/bin:/bin",
+                                                     "HOME": str(Path.home())})
+    return "" if result.returncode == 0 else " ".join(result.stderr.split()) or f"go list exited {result.returncode}"
+
+
+def report(csi: list[Sample], baseline: list[Sample], hostpath_error: str) -> None:
+    def row(label: str, values: list[float]) -> str:
+        return f"  {label:<34} p50 {_p(values, 0.5):6.2f} s   p99 {_p(values, 0.99):6.2f} s"
+    running = [s.running for s in csi]
+    base = [s.running for s in baseline]
+    print(f"PVC created -> pod Running, {len(csi)} claims, one at a time (csi-qsd-fs, ext4 in a thin qcow2)")
+    print(row("csi-qsd", running))
+    print(row("baseline: the pod with an emptyDir", base))
+    print(f"  ratio csi-qsd / emptyDir pod       p50 {_p(running, 0.5) / _p(base, 0.5):.2f}x   "
+          f"p99 {_p(running, 0.99) / _p(base, 0.99):.2f}x")
+    if hostpath_error:
+        print(f"  csi-driver-host-path: not measured, its module cannot be fetched here: {hostpath_error}")
+    print("split (p50 over the claims):")
+    print(row("claim Bound (schedule + provision)", [s.bound for s in csi]))
+    print(row("  of which CreateVolume (driver)", [s.driver["CreateVolume"] for s in csi]))
+    mount = [s.driver["NodeStageVolume"] + s.driver["NodePublishVolume"] for s in csi]
+    print(row("NodeStage + NodePublish (driver)", mount))
+    print(row("  NodeStageVolume", [s.driver["NodeStageVolume"] for s in csi]))
+    print(row("  NodePublishVolume", [s.driver["NodePublishVolume"] for s in csi]))
+    print(row("kubelet and container start (rest)", [s.running - s.bound - m for s, m in zip(csi, mount)]))
+    share = statistics.median((s.driver["CreateVolume"] + m) / s.running for s, m in zip(csi, mount))
+    print(f"  the driver's share of PVC -> Running: {share:.0%} (p50)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--claims", type=int, default=20)
+    args = parser.parse_args()
+    with deployed_cluster(build_all()) as cluster:
+        namespace = f"bench-{uuid.uuid4().hex[:6]}"
+        cluster.kubectl("create", "namespace", namespace)
+        deploy.wait_until(lambda: cluster.kubectl("get", "-n", namespace, "serviceaccount", "default",
+                                                  check=False).returncode == 0, 60, "the default service account")
+        baseline = measure_baseline(cluster, namespace, args.claims)
+        csi = measure_csi(cluster, namespace, args.claims)
+        report(csi, baseline, hostpath_available())
+        cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s", timeout=330)
+        deploy.wait_until(lambda: not deploy.get_json(cluster, "pv")["items"], 300, "every PV to be deleted")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""The Kubernetes storage e2e suite's full External Storage set against csi-qsd, beside csi-driver-host-path.
+
+Starts the cluster tier's cluster (`e2e/cluster/`), deploys csi-qsd with
+`kubectl apply -k`, and runs every External Storage test of `e2e.test` the
+driver's test-driver file enables (`e2e/cluster/storage_e2e.py`), one at a
+time, except those that stop the node or kubelet (`[Disruptive]`), need
+Windows or are marked flaky upstream. It prints passed, failed and skipped,
+then each failed test. csi-driver-host-path's column is filled when its
+module can be fetched here; otherwise the Go module proxy's answer is printed
+in its place. Two to three seconds of setup per skipped test and 10-60 s per
+test that runs: expect about an hour on two cores.
+
+Usage:
+
+    .venv/bin/python -m e2e.bench.storage_e2e [--focus REGEX] [--fs-type xfs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from e2e.bench.pvc_to_running import hostpath_available
+from e2e.cluster import storage_e2e
+from e2e.cluster.build import build_all
+from e2e.cluster.session import deployed_cluster
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--focus", default=".", help="only the External Storage tests matching this")
+    parser.add_argument("--fs-type", default="", help="the shipped filesystem class with this default filesystem")
+    parser.add_argument("--timeout-minutes", type=int, default=150)
+    args = parser.parse_args()
+    built = build_all()
+    keep = Path(tempfile.mkdtemp(prefix="csi-qsd-storage-e2e-", dir="/var/tmp"))
+    with deployed_cluster(built) as cluster:
+        result = storage_e2e.run_suite(cluster, built.kubernetes / "e2e.test", keep, focus=args.focus,
+                                       fs_type=args.fs_type, timeout_minutes=args.timeout_minutes)
+    hostpath = hostpath_available()
+    print(f"Kubernetes storage e2e (External Storage, focus {args.focus!r}, skipping {storage_e2e.ALWAYS_SKIP!r}):")
+    print(f"  csi-qsd               {result.counts()}")
+    print("  csi-driver-host-path  " + (f"not run: its module cannot be fetched here: {hostpath}" if hostpath
+                                       else "its module is fetchable now, but this bench does not deploy it yet"))
+    for name in result.failed:
+        print(f"  FAILED {name}")
+    print(f"  the suite's log and JUnit report: {keep}")
+
+if __name__ == "__main__":
+    main()
