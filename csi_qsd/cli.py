@@ -269,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "a certificate whose common name and a DNS name are its node name; uses the --metadata-* "
                             f"TLS files (repeatable; env {env_name('--peer')}, space-separated)")
     _option(serve, "--copy-address", "", "address on which this node serves its snapshots to copies on other "
-            "nodes (NBD with TLS); default the --metadata-address host")
+            "nodes (NBD with TLS); default the --metadata-address host; the host other nodes name this node by "
+            "in their --peer (a lease served elsewhere is refused), and never loopback while a --peer is on "
+            "another host")
     _option(serve, "--copy-ports", "10900-10999", "TCP ports for those NBD servers, LOW-HIGH (one per copy)",
             type=_port_range)
     _option(serve, "--copy-rate", "0", "bytes per second a copy from another node may stream (0: no limit)",

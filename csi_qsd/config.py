@@ -7,6 +7,7 @@ variables, and passed down explicitly: no module reads the environment.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import socket
 from pathlib import Path
 
@@ -36,6 +37,23 @@ POLL_MAX_NS_RANGE = range(0, 1_000_001)
 def parse_remote_pool(text: str) -> RemotePoolSpec:
     """`--remote-pool NAME=URL[,...]` (`csi_qsd.qsd.remote_spec`); raises ValueError naming the flag."""
     return RemotePoolSpec.parse(text, POOL_NAME_RE, DEFAULT_POOL_NAME)
+
+
+def bracketed(address: str) -> str:
+    """HOST:PORT with an IPv6 host in brackets (`fd00::5:9811` -> `[fd00::5]:9811`), as gRPC wants it."""
+    host, colon, port = address.rpartition(":")
+    return f"[{host}]:{port}" if colon and ":" in host and not host.startswith("[") else address
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address (or the name localhost) that only this host reaches."""
+    host = host.strip("[]").lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +109,8 @@ class Config:
         names = [spec.name for spec in self.device_pools] + [spec.name for spec in self.remote_pools]
         if len(set(names)) != len(names):
             raise ValueError(f"device and remote pool names must be unique: {names}")
+        # $(POD_IP):PORT from the downward API is an IPv6 address without brackets on an IPv6 cluster.
+        object.__setattr__(self, "metadata_address", bracketed(self.metadata_address))
         if self.metadata_address and self.metadata_tls is None:
             raise ValueError("--metadata-address needs --metadata-cert, --metadata-key and --metadata-client-ca")
         if not self.endpoint:
@@ -98,6 +118,14 @@ class Config:
         if self.peers and self.metadata_tls is None:
             raise ValueError("--peer needs the node-to-node TLS files: --metadata-cert, --metadata-key and "
                              "--metadata-client-ca")
+        remote = [name for name, address in self.peers if not is_loopback(address.rpartition(":")[0])]
+        if remote and is_loopback(self.copy_host):
+            raise ValueError(
+                f"--peer {remote[0]} is another host, but this node would serve its copies on {self.copy_host}, "
+                "which no other host reaches: set --copy-address to this node's own address (deploy/node.yaml "
+                "gives the pod's IP from the downward API)" + ("" if self.copy_address else
+                                                              f", or a --metadata-address host other than "
+                                                              f"{self.metadata_address or 'none'}"))
         if not self.copy_ports or self.copy_ports.start < 1 or self.copy_ports.stop > 65536:
             raise ValueError(f"--copy-ports {self.copy_ports.start}-{self.copy_ports.stop - 1}: not a port range")
         if self.copy_rate < 0:

@@ -20,8 +20,10 @@ checking that the certificate it is shown names that peer.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -33,6 +35,7 @@ from csi_qsd import validate
 from csi_qsd.controller.copies import Lease, SourceLeases, parse_source
 from csi_qsd.csi.client import LEASES_SERVICE
 from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
+from csi_qsd.router.config import check_address
 from csi_qsd.errors import Code, DriverError, Forwarded, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from csi_qsd.sys.pem import PemFiles
 
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 SERVICE = "csi_qsd.v1.Copies"
 CALL_SECONDS = 60.0  # a lease of a volume cuts a snapshot first
 _NODE_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,251}[A-Za-z0-9])?\Z")
+MAX_LEASE_BYTES = 1 << 63  # qcow2's limit is far below; anything above is no volume
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -62,12 +66,46 @@ def _text(request: dict[str, Any], key: str) -> str:
     return value
 
 
+def same_host(a: str, b: str) -> bool:
+    """True if two hosts (names or addresses, IPv6 with or without brackets) are the same one as written."""
+    a, b = a.strip("[]"), b.strip("[]")
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower().rstrip(".") == b.lower().rstrip(".")
+
+
+def checked_lease(name: str, peer_address: str, copy_volume_id: str, answer: dict[str, Any]) -> Lease:
+    """The lease peer `name` (at `peer_address`, its --peer) granted for `copy_volume_id`, checked as a request is
+    before anything of it is stored or dialled: IDs by their patterns, the export is the copy's own, the NBD
+    server is on that peer's host (the one this node already trusts by --peer) at a port, the sizes are sizes.
+
+    Raises ValueError saying what is wrong.
+    """
+    snapshot_id, address, export = answer.get("snapshot_id"), answer.get("address"), answer.get("export")
+    size, ttl = answer.get("size"), answer.get("ttl", 0)
+    if not isinstance(snapshot_id, str) or not validate.SNAPSHOT_ID_RE.match(snapshot_id):
+        raise ValueError(f"snapshot_id {snapshot_id!r} is not a snapshot ID")
+    if export != copy_volume_id:
+        raise ValueError(f"export {export!r} is not the copy's own ({copy_volume_id})")
+    address = check_address(address if isinstance(address, str) else repr(address), "address")
+    host = address.rpartition(":")[0]
+    if not same_host(host, peer_address.rpartition(":")[0]):
+        raise ValueError(f"address {address} is not on the peer's host ({peer_address}, --peer {name}): a node "
+                         "serves its copies on its own address (--copy-address must be the host its --peer names)")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_LEASE_BYTES:
+        raise ValueError(f"size {size!r} is not a volume size")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl < math.inf:
+        raise ValueError(f"ttl {ttl!r} is not a number of seconds")
+    return Lease(name, snapshot_id, address, copy_volume_id, size, float(ttl))
+
+
 class PeerNodes:
     """The other node plugins, as `csi_qsd.controller.copies.Peers`: one channel each, opened when first used."""
 
     def __init__(self, peers: tuple[tuple[str, str], ...], tls: PemFiles | None, node_id: str,
                  timeout: float = CALL_SECONDS) -> None:
-        self._peers = dict(peers)
+        self._peers = {name: address for name, address in peers if name != node_id}  # one list serves every node
         self._tls = tls
         self._node_id = node_id
         self._timeout = timeout
@@ -109,8 +147,12 @@ class PeerNodes:
                                   grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
                     return f"{name} ({self._peers[name]}): {exc.code().name}: {exc.details()}"
                 raise _forwarded(name, exc) from None
-            return Lease(name, str(answer["snapshot_id"]), str(answer["address"]), str(answer["export"]),
-                         int(answer["size"]), float(answer.get("ttl", 0)))
+            try:
+                return checked_lease(name, self._peers[name], copy_volume_id, answer)
+            except ValueError as exc:
+                log.warning("event=copy_lease_answer_refused node=%s copy_volume_id=%s error=%r", name,
+                            copy_volume_id, str(exc))
+                return f"{name} ({self._peers[name]}): refused its answer: {exc}"
 
         answers = await asyncio.gather(*(ask(name) for name in self._peers), return_exceptions=True)
         leases = [a for a in answers if isinstance(a, Lease)]

@@ -19,10 +19,11 @@ import pytest
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord, VolumeState
 from csi_qsd.cli import build_parser
+from csi_qsd.config import Config
 from csi_qsd.controller.copies import (
     PEER_TLS_OBJECT, CopySettings, Lease, LinkCheck, RemoteCopies, SourceLeases, nbd_backing, parse_source,
 )
-from csi_qsd.csi.peers import PeerNodes, copies_handler
+from csi_qsd.csi.peers import SERVICE, PeerNodes, checked_lease, copies_handler
 from csi_qsd.csi.tls import PemFiles, server_credentials
 from csi_qsd.errors import (
     Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, SourceLost,
@@ -88,6 +89,24 @@ def test_flags() -> None:
     assert [(p.name, p.address) for p in args.peer] == [("node-a", "10.0.0.1:9811")]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--copy-ports", "9-1"])
+
+
+def test_a_peer_on_another_host_is_refused_with_a_loopback_copy_address(tmp_path: Path) -> None:
+    """A lease would send the other node to its own loopback: the start is refused, saying what to set."""
+    tls = PemFiles(tmp_path / "c", tmp_path / "k", tmp_path / "ca")
+    for copy_address, listener in (("", "[::]:9811"), ("", "127.0.0.1:9811"), ("127.0.0.1", "10.0.0.2:9811"),
+                                   ("::1", ""), ("localhost", "")):
+        with pytest.raises(ValueError, match="--peer node-a is another host.*--copy-address"):
+            Config(state_dir=tmp_path, metadata_tls=tls, metadata_address=listener, copy_address=copy_address,
+                   peers=(("node-a", "10.0.0.1:9811"),))
+    served = Config(state_dir=tmp_path, metadata_tls=tls, metadata_address="[::]:9811", copy_address="10.0.0.2",
+                    peers=(("node-a", "10.0.0.1:9811"),))
+    assert served.copy_host == "10.0.0.2"
+    assert Config(state_dir=tmp_path, metadata_tls=tls, metadata_address="10.0.0.2:9811",
+                  peers=(("node-a", "10.0.0.1:9811"),)).copy_host == "10.0.0.2"
+    # Every peer on this very host (one machine playing several nodes): loopback reaches them all.
+    assert Config(state_dir=tmp_path, metadata_tls=tls, metadata_address="127.0.0.1:9811",
+                  peers=(("node-a", "127.0.0.1:9812"), ("node-c", "localhost:9813"))).copy_host == "127.0.0.1"
 
 
 async def test_copy_rows_round_trip(tmp_path: Path) -> None:
@@ -332,6 +351,77 @@ async def test_a_node_dials_a_peer_only_if_its_certificate_names_that_peer(tmp_p
     try:
         with pytest.raises(Unavailable, match="node-a"):
             await peers.lease("snapshot:snap-" + "0" * 24, COPY)
+    finally:
+        await peers.close()
+        await server.stop(None)
+
+
+GOOD_ANSWER = {"snapshot_id": "snap-" + "1" * 24, "address": "10.0.0.5:10900", "export": COPY, "size": 1 << 26,
+               "ttl": 60.0}
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"snapshot_id": "../../etc"}, "not a snapshot ID"),
+    ({"snapshot_id": None}, "not a snapshot ID"),
+    ({"export": "vol-0123456789abcdef0123aaaa"}, "not the copy's own"),
+    ({"export": "x;rm"}, "not the copy's own"),
+    ({"address": "10.0.0.66:10900"}, "not on the peer's host"),
+    ({"address": "127.0.0.1:10900"}, "not on the peer's host"),
+    ({"address": "evil.example:10900"}, "not on the peer's host"),
+    ({"address": "10.0.0.5:0"}, "expected HOST:PORT"),
+    ({"address": "10.0.0.5:99999"}, "expected HOST:PORT"),
+    ({"address": "10.0.0.5"}, "expected HOST:PORT"),
+    ({"address": 5}, "expected HOST:PORT"),
+    ({"size": 0}, "not a volume size"),
+    ({"size": "64M"}, "not a volume size"),
+    ({"size": True}, "not a volume size"),
+    ({"ttl": -1}, "not a number of seconds"),
+    ({"ttl": float("inf")}, "not a number of seconds"),
+])
+def test_a_peers_lease_is_checked_before_it_is_stored_or_dialled(change: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        checked_lease("node-a", "10.0.0.5:9811", COPY, {**GOOD_ANSWER, **change})
+
+
+def test_a_peers_lease_on_its_own_host_is_taken() -> None:
+    lease = checked_lease("node-a", "10.0.0.5:9811", COPY, GOOD_ANSWER)
+    assert (lease.node, lease.address, lease.export, lease.size, lease.ttl) == (
+        "node-a", "10.0.0.5:10900", COPY, 1 << 26, 60.0)
+    v6 = checked_lease("node-a", "[fd00::5]:9811", COPY, {**GOOD_ANSWER, "address": "[fd00:0::5]:10900"})
+    assert v6.address == "[fd00:0::5]:10900"
+    assert checked_lease("node-a", "Node-A.example:9811", COPY,
+                         {**GOOD_ANSWER, "address": "node-a.example:10900"}).node == "node-a"
+
+
+async def test_a_node_named_in_its_own_peer_list_never_asks_itself(tmp_path: Path) -> None:
+    """One list of peers (the ConfigMap csi-qsd-peers) serves every node, each finding itself in it."""
+    peers = PeerNodes((("node-b", "10.0.0.2:9811"),), None, "node-b")
+    with pytest.raises(NotFound, match="no other node is known"):
+        await peers.lease("snapshot:snap-" + "1" * 24, COPY)
+
+
+async def test_a_peer_that_answers_a_lease_pointing_elsewhere_is_not_followed(tmp_path: Path) -> None:
+    """Node A (its certificate, at the address B names it by) grants a lease served on another host: B refuses
+    the answer, says which node gave it and why, and stores nothing of it."""
+    pki = mint(tmp_path / "pki")
+    answers = [{**GOOD_ANSWER, "address": "192.0.2.77:10900"},
+               {**GOOD_ANSWER, "address": "127.0.0.1:10900", "export": "vol-0123456789abcdef0123aaaa"}]
+
+    async def lease(request: dict[str, object], context: grpc.aio.ServicerContext) -> dict[str, object]:
+        return answers.pop(0)
+
+    handler = grpc.method_handlers_generic_handler(SERVICE, {"Lease": grpc.unary_unary_rpc_method_handler(
+        lease, request_deserializer=json.loads, response_serializer=lambda m: json.dumps(m).encode())})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
+    await server.start()
+    peers = PeerNodes((("node-a", f"127.0.0.1:{port}"),), pki.for_node("node-b"), "node-b", timeout=5)
+    try:
+        for says in ("192.0.2.77:10900 is not on the peer's host", "not the copy's own"):
+            with pytest.raises(Unavailable, match="refused its answer") as err:
+                await peers.lease("snapshot:snap-" + "1" * 24, COPY)
+            assert "node-a" in str(err.value) and says in str(err.value)
     finally:
         await peers.close()
         await server.stop(None)
