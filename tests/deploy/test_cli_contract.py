@@ -64,6 +64,8 @@ def container_env(spec: Obj) -> dict[str, str]:
     for item in spec.get("env") or []:
         if "value" in item:
             env[item["name"]] = str(item["value"])
+        elif "configMapKeyRef" in item["valueFrom"]:  # an optional ConfigMap the base does not ship: unset
+            assert item["valueFrom"]["configMapKeyRef"].get("optional") is True, item
         else:
             env[item["name"]] = SAMPLE_FIELD_VALUES[item["valueFrom"]["fieldRef"]["fieldPath"]]
     return env
@@ -137,3 +139,55 @@ def test_flag_check_would_notice_an_unknown_flag() -> None:
     assert "--no-such-flag" not in serve._option_string_actions
     assert env_flag("CSI_QSD_MAX_VOLUMES") == "--max-volumes"
     assert re.fullmatch(r"--[a-z][a-z-]*", env_flag("CSI_QSD_NODE_ID"))
+
+
+@pytest.mark.parametrize("pod_ip", ["10.244.1.7", "fd00:10:244::7"])
+def test_listeners_bind_the_pod_ip_and_peers_come_from_their_config_map(
+    pod: Obj, monkeypatch: pytest.MonkeyPatch, pod_ip: str
+) -> None:
+    """Metrics, the mutual-TLS listener and the copy servers answer on the pod's IP only (none on every
+    interface, none on loopback); `--peer` comes from the optional ConfigMap csi-qsd-peers, and a start with
+    peers there is accepted (its copy address is not loopback)."""
+    from csi_qsd.cli import config_from
+
+    spec = container(pod, "csi-qsd")
+    for key in list(os.environ):
+        if key.startswith(ENV_PREFIX):
+            monkeypatch.delenv(key)
+    env = {**container_env(spec), "POD_IP": pod_ip}
+    peers_ref = next(item for item in spec["env"] if item["name"] == "CSI_QSD_PEER")["valueFrom"]["configMapKeyRef"]
+    assert (peers_ref["name"], peers_ref["key"], peers_ref["optional"]) == ("csi-qsd-peers", "peers", True)
+    env["CSI_QSD_PEER"] = "node-2=10.244.2.9:9811 node-3=[fd00:10:244::9]:9811"
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = config_from(build_parser().parse_args(expanded_args(spec, env)))
+    wanted = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    assert config.metadata_address == f"{wanted}:9811"
+    assert config.metrics_address.rpartition(":")[0].strip("[]") == pod_ip
+    assert config.copy_host == pod_ip
+    assert [name for name, _ in config.peers] == ["node-2", "node-3"]
+
+
+def test_a_network_policy_guards_every_port_of_the_node_pod(base: list[Obj], pod: Obj) -> None:
+    """Every declared port is in the node pods' NetworkPolicy: the listener for the router and the node pods,
+    the copy ports for node pods only, metrics for labelled namespaces; nothing open to all but /healthz."""
+    from csi_qsd.cli import build_parser as parser
+
+    policy = one(base, "NetworkPolicy", "csi-qsd-node")
+    daemonset = one(base, "DaemonSet", "csi-qsd-node")
+    assert policy["spec"]["podSelector"]["matchLabels"] == daemonset["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules: dict[int, list[Obj]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            for number in range(port["port"], port.get("endPort", port["port"]) + 1):
+                rules[number] = rule.get("from", [])
+    declared = {p["containerPort"] for c in pod["containers"] for p in c.get("ports") or []}
+    assert declared <= set(rules), declared - set(rules)
+    copy_ports = subcommand(parser(), "serve")._option_string_actions["--copy-ports"].default
+    low, high = map(int, str(copy_ports).split("-"))
+    node = {"podSelector": {"matchLabels": daemonset["spec"]["selector"]["matchLabels"]}}
+    assert all(rules[port] == [node] for port in (low, high))
+    assert node in rules[9811] and len(rules[9811]) == 2
+    assert rules[9810] == [{"namespaceSelector": {"matchLabels": {"csi-qsd.io/metrics-scraper": "true"}}}]
+    assert sorted(port for port, sources in rules.items() if not sources) == [9808, 9809, 9813]
