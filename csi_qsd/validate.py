@@ -132,3 +132,14 @@ def _resolve_existing(path: Path) -> Path:
         rest.insert(0, existing.name)
         existing = existing.parent
     return existing.resolve().joinpath(*rest)
+
+
+# host:port or [v6]:port.
+_ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}\Z")
+
+
+def check_address(text: str, what: str) -> str:
+    """Return host:port, or raise ValueError naming `what`."""
+    if not _ADDRESS_RE.match(text) or not 0 < int(text.rsplit(":", 1)[1]) < 65536:
+        raise ValueError(f"{what} {text!r}: expected HOST:PORT")
+    return text

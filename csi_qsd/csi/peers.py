@@ -35,7 +35,6 @@ from csi_qsd import validate
 from csi_qsd.controller.copies import Lease, SourceLeases, parse_source
 from csi_qsd.csi.client import LEASES_SERVICE
 from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
-from csi_qsd.router.config import check_address
 from csi_qsd.errors import Code, DriverError, Forwarded, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from csi_qsd.sys.pem import PemFiles
 
@@ -88,7 +87,7 @@ def checked_lease(name: str, peer_address: str, copy_volume_id: str, answer: dic
         raise ValueError(f"snapshot_id {snapshot_id!r} is not a snapshot ID")
     if export != copy_volume_id:
         raise ValueError(f"export {export!r} is not the copy's own ({copy_volume_id})")
-    address = check_address(address if isinstance(address, str) else repr(address), "address")
+    address = validate.check_address(address if isinstance(address, str) else repr(address), "address")
     host = address.rpartition(":")[0]
     if not same_host(host, peer_address.rpartition(":")[0]):
         raise ValueError(f"address {address} is not on the peer's host ({peer_address}, --peer {name}): a node "

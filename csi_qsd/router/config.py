@@ -6,20 +6,13 @@ import dataclasses
 import re
 
 from csi_qsd.config import DEFAULT_DRIVER_NAME
+from csi_qsd.validate import check_address
 from csi_qsd.sys import endpoint as unix_endpoint
 from csi_qsd.sys.pem import PemFiles
 
 DEFAULT_SERVER_NAME = "csi-qsd-node"
-# A node name as Kubernetes allows it (DNS subdomain), and host:port or [v6]:port.
+# A node name as Kubernetes allows it (DNS subdomain).
 _NODE_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")
-_ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}\Z")
-
-
-def check_address(text: str, what: str) -> str:
-    """Return host:port, or raise ValueError naming `what`."""
-    if not _ADDRESS_RE.match(text) or not 0 < int(text.rsplit(":", 1)[1]) < 65536:
-        raise ValueError(f"{what} {text!r}: expected HOST:PORT")
-    return text
 
 
 @dataclasses.dataclass(frozen=True)
