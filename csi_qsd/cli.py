@@ -268,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "; only the nodes named here may lease this node's snapshots, each for itself, proven by "
                             "a certificate whose common name and a DNS name are its node name; uses the --metadata-* "
                             f"TLS files (repeatable; env {env_name('--peer')}, space-separated)")
+    _option(serve, "--peers-from-pods", "", "find the other node plugins in the Kubernetes API instead of --peer: "
+            "the running pods of this pod's namespace matching this label selector, each at its pod IP and the "
+            "--metadata-address port, read again (at most every 5 s) whenever a copy needs them, so a pod made "
+            "again is found at its new IP; needs the service account's permission to list pods there")
     _option(serve, "--copy-address", "", "address on which this node serves its snapshots to copies on other "
             "nodes (NBD with TLS); default the --metadata-address host; the host other nodes name this node by "
             "in their --peer (a lease served elsewhere is refused), and never loopback while a --peer is on "
@@ -451,11 +455,19 @@ def config_from(args: argparse.Namespace) -> Config:
         metadata_tls=_pem_files(getattr(args, "metadata_cert", ""), getattr(args, "metadata_key", ""),
                                 getattr(args, "metadata_client_ca", "")),
         peers=tuple((peer.name, peer.address) for peer in getattr(args, "peer", None) or ()),
+        peers_from_pods=getattr(args, "peers_from_pods", ""),
+        kubernetes_api=_kubernetes_api(),
         copy_address=getattr(args, "copy_address", ""),
         copy_ports=getattr(args, "copy_ports", range(10900, 11000)),
         copy_rate=int(getattr(args, "copy_rate", 0)),
         copy_lease_ttl=float(getattr(args, "copy_lease_ttl", DEFAULT_COPY_LEASE_TTL)),
     )
+
+
+def _kubernetes_api() -> str:
+    """The API server's host:port Kubernetes gives every pod ('' outside a pod)."""
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST", ""), os.environ.get("KUBERNETES_SERVICE_PORT", "")
+    return f"{host}:{port}" if host and port else ""
 
 
 def router_config_from(args: argparse.Namespace) -> RouterConfig:

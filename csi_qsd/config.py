@@ -92,6 +92,10 @@ class Config:
     # where this node serves its snapshots to them over NBD (host; default the listener's), on which ports,
     # and how fast a copy streams (bytes/s, 0: no limit). They use the listener's TLS files.
     peers: tuple[tuple[str, str], ...] = ()
+    # Or found in the Kubernetes API: the running pods of this namespace that match this label selector
+    # (`csi_qsd.csi.peer_pods`), through the API server at `kubernetes_api` (host:port, given to every pod).
+    peers_from_pods: str = ""
+    kubernetes_api: str = ""
     copy_address: str = ""
     copy_ports: range = range(10900, 11000)
     copy_rate: int = 0
@@ -118,10 +122,12 @@ class Config:
         if self.peers and self.metadata_tls is None:
             raise ValueError("--peer needs the node-to-node TLS files: --metadata-cert, --metadata-key and "
                              "--metadata-client-ca")
-        remote = [name for name, address in self.peers if not is_loopback(address.rpartition(":")[0])]
+        self._check_peers_from_pods()
+        remote = [f"--peer {name} is" for name, address in self.peers if not is_loopback(address.rpartition(":")[0])]
+        remote += ["--peers-from-pods finds pods on other hosts"] if self.peers_from_pods else []
         if remote and is_loopback(self.copy_host):
             raise ValueError(
-                f"--peer {remote[0]} is another host, but this node would serve its copies on {self.copy_host}, "
+                f"{remote[0]} another host, but this node would serve its copies on {self.copy_host}, "
                 "which no other host reaches: set --copy-address to this node's own address (deploy/node.yaml "
                 "gives the pod's IP from the downward API)" + ("" if self.copy_address else
                                                               f", or a --metadata-address host other than "
@@ -132,6 +138,30 @@ class Config:
             raise ValueError("--copy-rate must not be negative")
         if self.copy_lease_ttl < 0:
             raise ValueError("--copy-lease-ttl must not be negative")
+
+    def _check_peers_from_pods(self) -> None:
+        if not self.peers_from_pods:
+            return
+        if self.peers:
+            raise ValueError("give the other nodes either with --peer or with --peers-from-pods, not both")
+        if not self.metadata_address:
+            raise ValueError("--peers-from-pods needs --metadata-address: the other nodes' plugins are called "
+                             "at its port on their pod IPs")
+        if self.metadata_tls is None:
+            raise ValueError("--peers-from-pods needs the node-to-node TLS files: --metadata-cert, --metadata-key "
+                             "and --metadata-client-ca")
+        if not self.kubernetes_api:
+            raise ValueError("--peers-from-pods asks the Kubernetes API, and this is not a pod: "
+                             "KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are not set")
+
+    @property
+    def copies_with_peers(self) -> bool:
+        """True if this node restores and clones from other nodes (it knows them one way or the other)."""
+        return bool(self.peers or self.peers_from_pods)
+
+    @property
+    def metadata_port(self) -> int:
+        return int(self.metadata_address.rpartition(":")[2]) if self.metadata_address else 0
 
     @property
     def copy_host(self) -> str:

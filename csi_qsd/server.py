@@ -46,7 +46,8 @@ from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.controller.copies import CopySettings, LinkCheck, RemoteCopies, SourceLeases
-from csi_qsd.csi.peers import PeerNodes, copies_handler, leases_handler
+from csi_qsd.csi.peer_pods import InCluster, PodPeers
+from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
 from csi_qsd.node.copies import CopyStreams, CrossNodeCopies
 from csi_qsd.sys.tools import bundled
 
@@ -57,9 +58,10 @@ class Driver:
 
     def __init__(
         self, config: Config, catalog: Catalog, qsd: QSDShards, volumes: Volumes, node: NodeVolumes,
-        snapshots: Snapshots, health: HealthView, limits: VolumeLimits, copies: CrossNodeCopies,
+        snapshots: Snapshots, health: HealthView, limits: VolumeLimits, copies: CrossNodeCopies, peers: PeerList,
     ) -> None:
         self.copies = copies
+        self.peers = peers
         self.health = health
         self.limits = limits
         self.snapshots = snapshots
@@ -140,7 +142,8 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
             state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
             tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
             qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl)
-        peers = PeerNodes(config.peers, tls, config.node_id)
+        peer_list = known_peers(config)
+        peers = PeerNodes(peer_list, tls, config.node_id)
         streams = CopyStreams(catalog, exports, locks, peers, settings)
         copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, volumes.name_locks,
                                               on_copy=streams.start),
@@ -153,7 +156,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         try:
             copies.leases.start_expiry()
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports, node.stalled),
-                         VolumeLimits(catalog, qsd, locks), copies)
+                         VolumeLimits(catalog, qsd, locks), copies, peer_list)
         finally:
             await node.close()
             await streams.close()
@@ -162,6 +165,14 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
             await snapshots.close()
             await volumes.close()
             await qsd.close()
+
+
+def known_peers(config: Config) -> PeerList:
+    """The other node plugins as this node finds them: listed by --peer, or in the Kubernetes API."""
+    if not config.peers_from_pods:
+        return StaticPeers(config.peers)
+    host, _, port = config.kubernetes_api.rpartition(":")
+    return PodPeers(InCluster.from_pod(host.strip("[]"), port), config.peers_from_pods, config.metadata_port)
 
 
 @contextlib.asynccontextmanager
@@ -184,6 +195,5 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         async with unix_socket.serving(server, config.endpoint):
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata,
-                                                 handlers=(copies_handler(driver.copies.leases,
-                                                                         [name for name, _ in config.peers]),)):
+                                                 handlers=(copies_handler(driver.copies.leases, driver.peers),)):
                 yield driver

@@ -101,7 +101,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             record = await self._volumes.create(name, required, limit, params, caps, qos=qos)
         elif source.WhichOneof("type") == "snapshot":
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
-            if self._copies is not None and self._config.peers and await self._snapshots.get(snapshot_id) is None:
+            if self._copies is not None and self._config.copies_with_peers and await self._snapshots.get(snapshot_id) is None:
                 record = await self._copies.remote.create(
                     name, required, limit, params, caps, source=f"snapshot:{snapshot_id}", qos=qos)
             else:
@@ -109,7 +109,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos)
         else:
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
-            if self._copies is not None and self._config.peers and await self._volumes.get(volume_id) is None:
+            if self._copies is not None and self._config.copies_with_peers and await self._volumes.get(volume_id) is None:
                 record = await self._copies.remote.create(
                     name, required, limit, params, caps, source=f"volume:{volume_id}", qos=qos)
             else:

@@ -1,6 +1,7 @@
 """Node to node: the copy calls one node plugin makes of another, over the mutual-TLS listener.
 
-A copy's target asks its peers (`--peer NAME=HOST:PORT`, their metadata
+A copy's target asks its peers (`--peer NAME=HOST:PORT`, or the node plugin
+pods the Kubernetes API lists, `csi_qsd.csi.peer_pods`: their metadata
 listeners) to lease a snapshot or volume for it (`Lease`), and gives the lease
 back when its copy is whole or its volume deleted (`Release`). These two
 methods are the service `csi_qsd.v1.Copies`, which the listener serves beside
@@ -10,7 +11,7 @@ small JSON objects.
 Each node has a certificate of its own, from the cluster CA, whose common
 name and a DNS name are its node name (`csi_qsd.csi.tls`), for TLS server and
 client use. A caller proves which node it is by that certificate: the
-service answers only a node this node names with `--peer`, and only for
+service answers only a node this node knows as a peer, and only for
 itself (a Lease whose `node` is another, or a Lease or Release of a copy
 leased to another node, is PERMISSION_DENIED naming both). The router's
 certificate names no node, so it is refused here. A node dials a peer
@@ -26,8 +27,8 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Collection
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import grpc
 
@@ -99,61 +100,92 @@ def checked_lease(name: str, peer_address: str, copy_volume_id: str, answer: dic
     return Lease(name, snapshot_id, address, copy_volume_id, size, float(ttl))
 
 
+class PeerList(Protocol):
+    """Who the other node plugins are now: node name -> HOST:PORT of their listener."""
+
+    async def current(self) -> dict[str, str]: ...
+
+    def described(self) -> str:
+        """Where the list comes from, for messages (a flag and its value)."""
+        ...
+
+
+class StaticPeers:
+    """The peers `--peer` names."""
+
+    def __init__(self, peers: tuple[tuple[str, str], ...]) -> None:
+        self._peers = dict(peers)
+
+    async def current(self) -> dict[str, str]:
+        return dict(self._peers)
+
+    def described(self) -> str:
+        return "--peer"
+
+
 class PeerNodes:
     """The other node plugins, as `csi_qsd.controller.copies.Peers`: one channel each, opened when first used."""
 
-    def __init__(self, peers: tuple[tuple[str, str], ...], tls: PemFiles | None, node_id: str,
-                 timeout: float = CALL_SECONDS) -> None:
-        self._peers = {name: address for name, address in peers if name != node_id}  # one list serves every node
+    def __init__(self, peers: PeerList, tls: PemFiles | None, node_id: str, timeout: float = CALL_SECONDS) -> None:
+        self._list = peers
         self._tls = tls
         self._node_id = node_id
         self._timeout = timeout
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._retired: list[grpc.aio.Channel] = []  # made with an older certificate; closed with the rest
+        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}  # node name -> (address, channel)
+        self._retired: list[grpc.aio.Channel] = []  # an older certificate or address; closed with the rest
         self._credentials: ReloadingCredentials | None = None  # read when first needed: the files may come later
 
-    def _call(self, name: str, method: str) -> Callable[..., Awaitable[dict[str, Any]]]:
-        """A call on `name`'s channel; OSError while this node's TLS files cannot be read."""
+    async def _others(self) -> dict[str, str]:
+        """The peers now, without this node (one list serves every node)."""
+        return {name: address for name, address in (await self._list.current()).items() if name != self._node_id}
+
+    def _call(self, name: str, address: str, method: str) -> Callable[..., Awaitable[dict[str, Any]]]:
+        """A call on `name`'s channel to `address`; OSError while this node's TLS files cannot be read."""
         if self._credentials is None:
             assert self._tls is not None
             self._credentials = ReloadingCredentials(self._tls)
         elif self._credentials.refresh():  # a renewed certificate: new channels present it
-            self._retired.extend(self._channels.values())
+            self._retired.extend(channel for _, channel in self._channels.values())
             self._channels = {}
-        channel = self._channels.get(name)
-        if channel is None:
+        known = self._channels.get(name)
+        if known is not None and known[0] != address:  # the peer's pod was made again elsewhere
+            self._retired.append(known[1])
+            known = None
+        if known is None:
             # The peer must show a certificate for its own node name, not just any of the CA's.
             options = (("grpc.ssl_target_name_override", name), *RECONNECT_OPTIONS)
-            channel = grpc.aio.secure_channel(self._peers[name], self._credentials.credentials, options=options)
-            self._channels[name] = channel
-        return channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=_encode,  # type: ignore[no-any-return]
-                                   response_deserializer=_decode)
+            known = self._channels[name] = (address, grpc.aio.secure_channel(
+                address, self._credentials.credentials, options=options))
+        return known[1].unary_unary(f"/{SERVICE}/{method}", request_serializer=_encode,  # type: ignore[no-any-return]
+                                    response_deserializer=_decode)
 
     async def lease(self, source: str, copy_volume_id: str) -> Lease:
         """Ask every peer at once; the one that holds `source` serves it. Raises NotFound, Unavailable."""
         parse_source(source)
-        if not self._peers:
-            raise NotFound(f"{source.replace(':', ' ')} is not on this node, and no other node is known (--peer)")
+        peers = await self._others()
+        if not peers:
+            raise NotFound(f"{source.replace(':', ' ')} is not on this node, and no other node is known "
+                           f"({self._list.described()})")
         request = {"source": source, "copy_volume_id": copy_volume_id, "node": self._node_id}
 
         async def ask(name: str) -> Lease | str | None:
             try:
-                answer = await self._call(name, "Lease")(request, timeout=self._timeout)
+                answer = await self._call(name, peers[name], "Lease")(request, timeout=self._timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     return None
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                   grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED):
-                    return f"{name} ({self._peers[name]}): {exc.code().name}: {exc.details()}"
+                    return f"{name} ({peers[name]}): {exc.code().name}: {exc.details()}"
                 raise _forwarded(name, exc) from None
             try:
-                return checked_lease(name, self._peers[name], copy_volume_id, answer)
+                return checked_lease(name, peers[name], copy_volume_id, answer)
             except ValueError as exc:
                 log.warning("event=copy_lease_answer_refused node=%s copy_volume_id=%s error=%r", name,
                             copy_volume_id, str(exc))
-                return f"{name} ({self._peers[name]}): refused its answer: {exc}"
+                return f"{name} ({peers[name]}): refused its answer: {exc}"
 
-        answers = await asyncio.gather(*(ask(name) for name in self._peers), return_exceptions=True)
+        answers = await asyncio.gather(*(ask(name) for name in peers), return_exceptions=True)
         leases = [a for a in answers if isinstance(a, Lease)]
         failures = [a for a in answers if isinstance(a, BaseException)]
         unreachable = [a for a in answers if isinstance(a, str)]
@@ -165,21 +197,22 @@ class PeerNodes:
             raise Unavailable(f"{source.replace(':', ' ')} is on none of the nodes that answered; could not ask: "
                               + "; ".join(unreachable))
         raise NotFound(f"{source.replace(':', ' ')} does not exist on this node nor on any of the "
-                       f"{len(self._peers)} others")
+                       f"{len(peers)} others")
 
     async def release(self, node: str, copy_volume_id: str) -> None:
         """Give the lease back on `node` ('' or unknown: on every peer). Raises Unavailable."""
-        names = [node] if node in self._peers else list(self._peers)
+        peers = await self._others()
+        names = [node] if node in peers else list(peers)
         for name in names:
             try:
-                await self._call(name, "Release")({"copy_volume_id": copy_volume_id, "node": self._node_id},
+                await self._call(name, peers[name], "Release")({"copy_volume_id": copy_volume_id, "node": self._node_id},
                                                   timeout=self._timeout)
             except grpc.aio.AioRpcError as exc:
                 raise Unavailable(f"cannot give the lease of copy {copy_volume_id} back to node {name}: "
                                   f"{exc.code().name}: {exc.details()}") from None
 
     async def close(self) -> None:
-        channels = [*self._channels.values(), *self._retired]
+        channels = [*(channel for _, channel in self._channels.values()), *self._retired]
         self._channels, self._retired = {}, []
         await asyncio.gather(*(channel.close() for channel in channels))
 
@@ -189,26 +222,26 @@ def _forwarded(name: str, exc: grpc.aio.AioRpcError) -> Forwarded:
     return Forwarded(Code[code] if code in Code.__members__ else Code.UNAVAILABLE, f"{exc.details()} (node {name})")
 
 
-def copies_handler(leases: SourceLeases, peers: Collection[str]) -> grpc.GenericRpcHandler:
+def copies_handler(leases: SourceLeases, peers: PeerList) -> grpc.GenericRpcHandler:
     """`csi_qsd.v1.Copies` for the listener: Lease and Release for the nodes `peers` names, each for itself only.
 
     Errors are answered with their codes; a caller whose certificate names
     no node of `peers`, or asks for another node, is PERMISSION_DENIED.
     """
-    known = frozenset(peers)
 
-    def caller(context: grpc.aio.ServicerContext) -> str:
+    async def caller(context: grpc.aio.ServicerContext) -> str:
         name = caller_name(context)
+        known = await peers.current()
         if name not in known:
             raise PermissionDenied(
                 f"the caller's certificate names {name or 'nothing'!r}, not a node this node copies with "
-                f"(--peer: {', '.join(sorted(known)) or 'none'}); each node needs a certificate whose common "
-                "name is its node name")
+                f"({peers.described()}: {', '.join(sorted(known)) or 'none'}); each node needs a certificate "
+                "whose common name is its node name")
         return name
 
     async def lease(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def grant() -> dict[str, Any]:
-            asking = caller(context)
+            asking = await caller(context)
             copy_volume_id = validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id")
             node = _text(request, "node")
             if not _NODE_RE.match(node):
@@ -223,7 +256,7 @@ def copies_handler(leases: SourceLeases, peers: Collection[str]) -> grpc.Generic
 
     async def release(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def give_back() -> dict[str, Any]:
-            asking = caller(context)
+            asking = await caller(context)
             node = request.get("node", asking)
             if node != asking:
                 raise PermissionDenied(f"node {asking} asked to release a lease for node {node}: a node releases "

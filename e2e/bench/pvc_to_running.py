@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import threading
@@ -175,7 +176,9 @@ def hostpath_available() -> str:
     result = subprocess.run(["go", "list", "-m", "-json", f"{HOSTPATH_MODULE}@latest"], capture_output=True,
                             text=True, cwd="/", env={"GOFLAGS": "-mod=mod", "PATH": "/usr/local/go/bin:/usr/bin:/bin",
                                                      "HOME": str(Path.home())})
-    return "" if result.returncode == 0 else " ".join(result.stderr.split()) or f"go list exited {result.returncode}"
+    # The proxy's own address is the host's business: the answer is what matters.
+    answer = re.sub(r"reading \S+: ", "", " ".join(result.stderr.split()))
+    return "" if result.returncode == 0 else answer or f"go list exited {result.returncode}"
 
 
 def report(csi: list[Sample], baseline: list[Sample], hostpath_error: str) -> None:

@@ -33,7 +33,12 @@ CAPABILITIES = {
     "pvcDataSource": True, "multipods": True, "controllerExpansion": True, "nodeExpansion": True,
     "onlineExpansion": True, "offlineExpansion": True, "singleNodeVolume": True, "topology": True,
     "capacity": True, "RWX": False, "multiplePVsSameID": False,
+    # The node plugin applies a pod's fsGroup itself (VOLUME_MOUNT_GROUP); the suite skips what assumes
+    # kubelet's own recursive chown (fsGroupChangePolicy).
+    "volumeMountGroup": True,
 }
+# A test that fails leaves its pod holding the claim, and its cleanup waits for the volume to go: bound it.
+TIMEOUTS = {"PVDelete": "2m", "PVDeleteSlow": "3m", "PodDelete": "2m"}
 
 # Never run: they stop or restart kubelet or the node (the suite expects ssh or a cloud to do it),
 # need Windows, or are marked flaky upstream.
@@ -97,6 +102,7 @@ def driver_definition(storage_class_file: Path | None = None) -> dict[str, objec
             "NumAllowedTopologies": 1,
             "Capabilities": CAPABILITIES,
         },
+        "Timeouts": TIMEOUTS,
     }
 
 

@@ -142,22 +142,20 @@ def test_flag_check_would_notice_an_unknown_flag() -> None:
 
 
 @pytest.mark.parametrize("pod_ip", ["10.244.1.7", "fd00:10:244::7"])
-def test_listeners_bind_the_pod_ip_and_peers_come_from_their_config_map(
-    pod: Obj, monkeypatch: pytest.MonkeyPatch, pod_ip: str
+def test_listeners_bind_the_pod_ip_and_peers_are_the_daemonsets_pods(
+    pod: Obj, base: list[Obj], monkeypatch: pytest.MonkeyPatch, pod_ip: str
 ) -> None:
     """Metrics, the mutual-TLS listener and the copy servers answer on the pod's IP only (none on every
-    interface, none on loopback); `--peer` comes from the optional ConfigMap csi-qsd-peers, and a start with
-    peers there is accepted (its copy address is not loopback)."""
+    interface, none on loopback); the peers are this DaemonSet's own pods, found with a selector that matches
+    its pod template, which the plugin's service account may list in its namespace."""
     from csi_qsd.cli import config_from
 
     spec = container(pod, "csi-qsd")
     for key in list(os.environ):
         if key.startswith(ENV_PREFIX):
             monkeypatch.delenv(key)
-    env = {**container_env(spec), "POD_IP": pod_ip}
-    peers_ref = next(item for item in spec["env"] if item["name"] == "CSI_QSD_PEER")["valueFrom"]["configMapKeyRef"]
-    assert (peers_ref["name"], peers_ref["key"], peers_ref["optional"]) == ("csi-qsd-peers", "peers", True)
-    env["CSI_QSD_PEER"] = "node-2=10.244.2.9:9811 node-3=[fd00:10:244::9]:9811"
+    env = {**container_env(spec), "POD_IP": pod_ip, "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+           "KUBERNETES_SERVICE_PORT": "443"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     config = config_from(build_parser().parse_args(expanded_args(spec, env)))
@@ -165,7 +163,15 @@ def test_listeners_bind_the_pod_ip_and_peers_come_from_their_config_map(
     assert config.metadata_address == f"{wanted}:9811"
     assert config.metrics_address.rpartition(":")[0].strip("[]") == pod_ip
     assert config.copy_host == pod_ip
-    assert [name for name, _ in config.peers] == ["node-2", "node-3"]
+    assert config.copies_with_peers and config.kubernetes_api == "10.96.0.1:443"
+    selector = dict(term.split("=") for term in config.peers_from_pods.split(","))
+    daemonset = one(base, "DaemonSet", "csi-qsd-node")
+    assert selector.items() <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    account = pod["serviceAccountName"]
+    bound = [b["roleRef"]["name"] for b in base if b["kind"] == "RoleBinding"
+             and any(s["name"] == account for s in b["subjects"])]
+    assert any("list" in rule["verbs"] and "pods" in rule["resources"]
+               for r in base if r["kind"] == "Role" and r["metadata"]["name"] in bound for rule in r["rules"])
 
 
 def test_a_network_policy_guards_every_port_of_the_node_pod(base: list[Obj], pod: Obj) -> None:

@@ -23,7 +23,7 @@ from csi_qsd.config import Config
 from csi_qsd.controller.copies import (
     PEER_TLS_OBJECT, CopySettings, Lease, LinkCheck, RemoteCopies, SourceLeases, nbd_backing, parse_source,
 )
-from csi_qsd.csi.peers import SERVICE, PeerNodes, checked_lease, copies_handler
+from csi_qsd.csi.peers import SERVICE, PeerNodes, StaticPeers, checked_lease, copies_handler
 from csi_qsd.csi.tls import PemFiles, server_credentials
 from csi_qsd.errors import (
     Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, SourceLost,
@@ -314,7 +314,8 @@ async def test_the_copy_service_answers_each_peer_for_itself_only(
     snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
     pki = mint(tmp_path / "pki")
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((copies_handler(leases, ["node-b", "node-c"]),))
+    known = StaticPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
+    server.add_generic_rpc_handlers((copies_handler(leases, known),))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
     await server.start()
     try:
@@ -347,7 +348,7 @@ async def test_a_node_dials_a_peer_only_if_its_certificate_names_that_peer(tmp_p
     server = grpc.aio.server()
     port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-c")))
     await server.start()
-    peers = PeerNodes((("node-a", f"127.0.0.1:{port}"),), pki.for_node("node-b"), "node-b", timeout=5)
+    peers = PeerNodes(StaticPeers((("node-a", f"127.0.0.1:{port}"),)), pki.for_node("node-b"), "node-b", timeout=5)
     try:
         with pytest.raises(Unavailable, match="node-a"):
             await peers.lease("snapshot:snap-" + "0" * 24, COPY)
@@ -395,7 +396,7 @@ def test_a_peers_lease_on_its_own_host_is_taken() -> None:
 
 async def test_a_node_named_in_its_own_peer_list_never_asks_itself(tmp_path: Path) -> None:
     """One list of peers (the ConfigMap csi-qsd-peers) serves every node, each finding itself in it."""
-    peers = PeerNodes((("node-b", "10.0.0.2:9811"),), None, "node-b")
+    peers = PeerNodes(StaticPeers((("node-b", "10.0.0.2:9811"),)), None, "node-b")
     with pytest.raises(NotFound, match="no other node is known"):
         await peers.lease("snapshot:snap-" + "1" * 24, COPY)
 
@@ -416,7 +417,7 @@ async def test_a_peer_that_answers_a_lease_pointing_elsewhere_is_not_followed(tm
     server.add_generic_rpc_handlers((handler,))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
     await server.start()
-    peers = PeerNodes((("node-a", f"127.0.0.1:{port}"),), pki.for_node("node-b"), "node-b", timeout=5)
+    peers = PeerNodes(StaticPeers((("node-a", f"127.0.0.1:{port}"),)), pki.for_node("node-b"), "node-b", timeout=5)
     try:
         for says in ("192.0.2.77:10900 is not on the peer's host", "not the copy's own"):
             with pytest.raises(Unavailable, match="refused its answer") as err:
@@ -663,10 +664,10 @@ async def test_a_node_presents_its_renewed_certificate_to_peers_without_a_restar
     for source_file, target in zip((b_old.cert, b_old.key, new.cluster.ca_path), (files.cert, files.key, files.ca)):
         shutil.copyfile(source_file, target)
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((copies_handler(leases, ["node-b"]),))
+    server.add_generic_rpc_handlers((copies_handler(leases, StaticPeers((("node-b", "127.0.0.1:1"),))),))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(new.for_node("node-a")))
     await server.start()
-    peers = PeerNodes((("node-a", f"127.0.0.1:{port}"),), files, "node-b", timeout=5)
+    peers = PeerNodes(StaticPeers((("node-a", f"127.0.0.1:{port}"),)), files, "node-b", timeout=5)
     try:
         with pytest.raises(Unavailable, match="node-a"):  # A does not trust the old CA
             await peers.lease("snapshot:snap-" + "0" * 24, COPY)
@@ -678,3 +679,50 @@ async def test_a_node_presents_its_renewed_certificate_to_peers_without_a_restar
     finally:
         await peers.close()
         await server.stop(None)
+
+
+def test_peers_from_pods_is_checked_at_start(tmp_path: Path) -> None:
+    """Found in the Kubernetes API, the peers are other hosts: everything they need is asked for by name."""
+    tls = PemFiles(tmp_path / "c", tmp_path / "k", tmp_path / "ca")
+    pods = {"peers_from_pods": "app.kubernetes.io/component=node", "kubernetes_api": "10.96.0.1:443"}
+    config = Config(state_dir=tmp_path, metadata_tls=tls, metadata_address="10.244.0.5:9811", **pods)
+    assert config.copies_with_peers and config.metadata_port == 9811 and config.copy_host == "10.244.0.5"
+    assert not Config(state_dir=tmp_path).copies_with_peers
+    for wrong, message in (
+            ({"metadata_address": ""}, "needs --metadata-address"),
+            ({"kubernetes_api": ""}, "this is not a pod: KUBERNETES_SERVICE_HOST"),
+            ({"peers": (("node-a", "10.0.0.1:9811"),)}, "either with --peer or with --peers-from-pods"),
+            ({"metadata_address": "127.0.0.1:9811"}, "--peers-from-pods finds pods on other hosts.*--copy-address")):
+        with pytest.raises(ValueError, match=message):
+            Config(state_dir=tmp_path, **{"metadata_tls": tls, "metadata_address": "10.244.0.5:9811", **pods, **wrong})
+
+
+class _ChangingPeers:
+    """A peer list that changes between calls, as the API's does when a pod is made again."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, str] = {}
+
+    async def current(self) -> dict[str, str]:
+        return dict(self.now)
+
+    def described(self) -> str:
+        return "--peers-from-pods app=x"
+
+
+async def test_the_peer_list_is_read_again_for_each_copy(tmp_path: Path) -> None:
+    """No peer yet: NotFound naming where peers come from; then the new entry is the one dialled."""
+    pki = mint(tmp_path / "pki")
+    changing = _ChangingPeers()
+    peers = PeerNodes(changing, pki.for_node("node-b"), "node-b", timeout=2)
+    try:
+        with pytest.raises(NotFound, match=r"no other node is known \(--peers-from-pods app=x\)"):
+            await peers.lease("snapshot:snap-" + "1" * 24, COPY)
+        changing.now = {"node-a": "127.0.0.1:1", "node-b": "10.0.0.2:9811"}
+        with pytest.raises(Unavailable, match=r"node-a \(127\.0\.0\.1:1\): UNAVAILABLE"):
+            await peers.lease("snapshot:snap-" + "1" * 24, COPY)
+        changing.now = {"node-a": "127.0.0.1:2"}
+        with pytest.raises(Unavailable, match=r"node-a \(127\.0\.0\.1:2\): UNAVAILABLE"):
+            await peers.lease("snapshot:snap-" + "1" * 24, COPY)
+    finally:
+        await peers.close()
