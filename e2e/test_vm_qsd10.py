@@ -20,7 +20,9 @@ Two layers, each with a real TCG guest on a vhost-user-blk socket:
   never answered.
 * The driver through CSI: NodeExpandVolume of a published VM volume grows
   the disk under the running guest without touching its export, and a retry
-  with the size it already has changes nothing the guest can notice.
+  with the size it already has changes nothing the guest can notice; the
+  growth of a volume whose connected client set up no back-end channel
+  (libblkio) is refused while a guest beside it, on the same QSD, grows.
 
 Not pinned here because it is rare: on QSD 10.0.13 ``block_resize`` under
 connected guests sometimes never answers. 7 of 74 first resizes hung where
@@ -49,6 +51,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import grpc
 import pytest
 from qemu.qmp import EventListener
 
@@ -73,7 +76,7 @@ from e2e.guest import (
     write_summaries,
 )
 from e2e.test_vm_volumes import Served, provision, serving_vm_volumes
-from tests.harness import qsd_pid
+from tests.harness import qemu_io_session, qsd_pid
 
 pytestmark = e2e_marks()
 
@@ -391,6 +394,47 @@ async def test_online_expansion_seen_by_running_guest(served: Served, guest_imag
     assert "KERNEL_IO_ERRORS 0" in result.lines
     assert busy_gap < MAX_GAP_S, f"the other VM's writes stalled {busy_gap:.2f}s during the expansion"
     assert qsd_pid(served.box) == qsd_before
+
+
+def libblkio_client(socket: Path) -> contextlib.AbstractAsyncContextManager[None]:
+    """qemu-io on `socket` through libblkio's virtio-blk-vhost-user driver, connected until the block ends."""
+    return qemu_io_session(
+        [bundled("qemu-io"), "--image-opts", f"driver=virtio-blk-vhost-user,path={socket},cache.direct=on"], "read 0 1M")
+
+
+@needs_live_resize
+async def test_growth_under_a_libblkio_client_is_refused_while_a_guest_beside_it_grows_live(
+    served: Served, guest_image: GuestImage,
+) -> None:
+    """Two volumes of one QSD: libblkio (no back-end channel) on one, a guest's QEMU on the other.
+
+    The first's NodeExpandVolume is FAILED_PRECONDITION and QSD lives (before
+    the check it died, SIGSEGV, taking the guest's disk too); the guest's
+    grows under it as before, seen live with no reconnect.
+    """
+    grown = await provision(served, "vm-beside-grown")
+    held = await provision(served, "vm-beside-blkio")
+    qsd_before = qsd_pid(served.box)
+    watcher = await start_vm(guest_image, [VhostUserDisk(grown.socket)], guest_script(size_watch(2 * SIZE // SECTOR)),
+                             timeout=VM_TIMEOUT_S)
+    async with watcher, clocked(watcher) as watched, libblkio_client(held.socket):
+        await watched.first(SIZE_LINE, VM_TIMEOUT_S)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await served.csi.expand(held.id, str(held.target), 2 * SIZE)
+        details = info.value.details() or ""
+        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION, details
+        assert held.id in details and "back-end channel" in details, details
+        assert qsd_pid(served.box) == qsd_before, "qemu-storage-daemon died"
+        started = time.monotonic()
+        assert await served.csi.expand(grown.id, str(grown.target), 2 * SIZE) == 2 * SIZE
+        await watched.first(re.compile(rf"^SIZE {2 * SIZE // SECTOR} "),
+                            max(0.0, started + SEE_GROWTH_S - time.monotonic()))
+        result = await watcher.wait()
+    assert result.exit_code == 0, result.output
+    assert not [m.group(0) for _, m in watched.matches(SIZE_LINE) if m.group(3) != "ok"], "the guest saw read errors"
+    assert_no_reconnect(watcher, "the growing guest")
+    assert qsd_pid(served.box) == qsd_before
+    assert await served.csi.expand(held.id, str(held.target), 2 * SIZE) == 2 * SIZE  # the client gone: it grows
 
 
 @needs_live_resize

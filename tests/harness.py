@@ -319,3 +319,30 @@ async def wait_restored(csi: CSIClient, vid: str, path: Path, timeout: float = 6
         return not stats.volume_condition.abnormal
 
     await until(healthy, f"volume {vid} healthy again at {path}", timeout, interval=0.2)
+
+
+@contextlib.asynccontextmanager
+async def qemu_io_session(argv: list[str], first: str, cwd: Path | None = None,
+                          timeout: float = 60.0) -> AsyncIterator[None]:
+    """qemu-io (`argv`, reading commands) kept open until the block ends; its `first` command must read 1 MiB,
+    so the block starts once it is connected and did I/O."""
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(first.encode() + b"\n")
+        await proc.stdin.drain()
+        async with asyncio.timeout(timeout):
+            while b"read 1048576/1048576 bytes" not in (line := await proc.stdout.readline()):
+                assert line, "qemu-io ended before it read 1 MiB"
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.write(b"quit\n")
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()

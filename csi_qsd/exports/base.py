@@ -136,7 +136,7 @@ class ExportPath(abc.ABC):
     async def stats(self, volume: VolumeRecord, stage: StageRecord, path: Path) -> VolumeStats:
         """Usage at a staging or target path. Raises NotFound."""
 
-    def check_expand(
+    async def check_expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
     ) -> None:
         """Refuse a growth this kind cannot do now, before anything changes. Raises FailedPrecondition."""

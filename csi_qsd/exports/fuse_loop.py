@@ -166,7 +166,7 @@ class FuseLoopExport(ExportPath):
             available_inodes=st.f_favail, used_inodes=st.f_files - st.f_ffree, abnormal=abnormal, message=message,
         )
 
-    def check_expand(
+    async def check_expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
     ) -> None:
         """ext4 grows in use only with CAP_SYS_RESOURCE (the kernel refuses root without it)."""

@@ -16,6 +16,7 @@ CO's retry succeeds once the VM let go of the disk.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from csi_qsd.publish import vhost_user
 from csi_qsd.qsd import attach, graph, move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.iothreads import IOThreadPool
-from csi_qsd.sys import unix_peers
+from csi_qsd.sys import unix_peers, vhost_channels
 
 log = logging.getLogger(__name__)
 
@@ -149,11 +150,17 @@ class VhostUserExport(ExportPath):
         return VolumeStats(block=True, total_bytes=volume.capacity, available_bytes=0, used_bytes=0,
                            abnormal=abnormal, message=message)
 
-    def check_expand(
+    async def check_expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
     ) -> None:
-        """A published disk grows only where a running VM is told of it: QSD >= 10, and not a fixed window."""
-        if size <= volume.capacity or not publishes or self._live(volume):
+        """A published disk grows only where a running VM is told of it: QSD >= 10, and not a fixed window;
+        and never under a connected client that set up no back-end channel (QSD would die telling it)."""
+        if size <= volume.capacity:
+            return
+        if self._live(volume):
+            await self._refuse_client_without_channel(volume)
+            return
+        if not publishes:
             return
         if self._fixed(volume):
             raise FailedPrecondition(
@@ -166,6 +173,49 @@ class VhostUserExport(ExportPath):
             f"{'.'.join(map(str, self.host.qsd.version))} cannot grow a disk under a running VM; "
             "stop the VM and unpublish the volume, or upgrade QSD to 10.0 or newer"
         )
+
+    async def _refuse_client_without_channel(self, volume: VolumeRecord) -> None:
+        """Raises FailedPrecondition while a client connected to the volume's socket has no back-end channel,
+        or while one is connected and that cannot be told.
+
+        QSD 10.0.13 tells a connected client of a growth over the back-end
+        channel whether or not the client set one up, and dies where it did
+        not (libblkio's driver): measured, SIGSEGV after "vu_panic: Error
+        while writing: Bad file descriptor", while a guest's QEMU on another
+        export of the same QSD saw 131072 -> 262144 sectors live. The CO
+        retries the call; it succeeds once that client is gone (it sees the
+        new size when it connects again). A client that connects between
+        this check and the resize is not caught.
+        """
+        socket = self.socket_dir(volume.id) / vhost_user.SOCKET_NAME
+        if not (await asyncio.to_thread(unix_peers.peers, socket)).clients:
+            return
+        pid = self.host.daemon_of(volume.id).pid
+        try:
+            if pid is None:
+                raise OSError(errno.ESRCH, "qemu-storage-daemon's process is not visible from the plugin")
+            verdict = await asyncio.to_thread(_channels, pid, socket)
+        except OSError as error:
+            raise FailedPrecondition(
+                f"volume {volume.id} cannot grow while a vhost-user client is connected to its socket {socket}: "
+                f"whether that client can be told of a new size cannot be checked ({error}); reading "
+                "qemu-storage-daemon's descriptors needs its PID namespace and CAP_SYS_PTRACE. Disconnect the "
+                "client (stop the VM) and retry"
+            ) from error
+        log.info("event=expand_clients volume_id=%s clients=%d without_channel=%d exact=%s", volume.id,
+                 verdict.clients, verdict.without_channel, verdict.exact)
+        if verdict.without_channel:
+            pids = f" (PID {', '.join(map(str, verdict.pids))})" if verdict.pids else ""
+            apart = "" if verdict.exact else (
+                " (clients cannot be told apart on this kernel: one without a channel on any volume of this "
+                "qemu-storage-daemon is enough to refuse)")
+            raise FailedPrecondition(
+                f"volume {volume.id} cannot grow now: a vhost-user client connected to its socket {socket}{pids} "
+                "set up no back-end channel (libblkio's virtio-blk-vhost-user driver, as in qemu-io or qemu-img, "
+                "sets up none), and qemu-storage-daemon would crash telling it of the new size, taking every "
+                f"volume of the node down{apart}. Disconnect that client and retry: it sees the new size when it "
+                "connects again. A VM's QEMU (vhost-user-blk-pci) takes the growth live"
+            )
 
     def _live(self, volume: VolumeRecord) -> bool:
         """True if a resize under the export reaches a connected guest (block_resize on QSD >= 10)."""
@@ -214,3 +264,9 @@ class VhostUserExport(ExportPath):
         await client.export_del(top.nodes.vhost_export)
         await attach.resize(client, top, size)
         await self.bring_up(volume, stage, publishes, client)
+
+
+def _channels(pid: int, socket: Path) -> vhost_channels.Verdict:
+    """Which clients of `socket` lack a back-end channel, from QSD's (`pid`) descriptors. Raises OSError."""
+    suffix = "/" + vhost_user.SOCKET_NAME
+    return vhost_channels.inspect(pid, socket, lambda name: name.endswith(suffix), unix_peers.closed_by_peer())

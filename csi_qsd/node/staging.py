@@ -220,7 +220,7 @@ class NodeVolumes:
             self._client(stage)
             kind = self._exports.of(volume)
             publishes = await self._catalog.publishes(volume_id)
-            kind.check_expand(volume, stage, publishes, size)
+            await kind.check_expand(volume, stage, publishes, size)
             if size > volume.capacity and not await pool.grow(volume.image, size):
                 # No room where it lies: move it, live, to a home with room (committed before QSD sees it).
                 volume = await moves.move(self._exports.host, kind, volume, stage, publishes, size)

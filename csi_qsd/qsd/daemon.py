@@ -181,6 +181,11 @@ class QSDDaemon:
         return self._state
 
     @property
+    def pid(self) -> int | None:
+        """QSD's PID as this PID namespace sees it; None where it is not visible (or QSD is not running)."""
+        return running_pid(self._config)
+
+    @property
     def ready(self) -> bool:
         """True only while RUNNING with a live session: the one state in which calls are served."""
         return self._state is QSDState.RUNNING and self.client.connected

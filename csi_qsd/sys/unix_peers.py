@@ -42,11 +42,12 @@ _ATTR = struct.Struct("=HH")
 
 @dataclasses.dataclass(frozen=True)
 class SocketEnd:
-    """One UNIX socket of the table: its address, state and what is shut on it."""
+    """One UNIX socket of the table: its address, state, what is shut on it, and its inode."""
 
     path: str
     state: int
     shutdown: int
+    inode: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,11 @@ def peers(path: Path) -> Peers:
     ends = [end for end in table() if end.path == name]
     clients = [e for e in ends if e.state == TCP_ESTABLISHED and e.shutdown != SHUTDOWN_BOTH]
     return Peers(listening=any(e.state == TCP_LISTEN for e in ends), clients=len(clients))
+
+
+def closed_by_peer() -> frozenset[int]:
+    """Inodes of the bound sockets whose peer has closed (both directions shut). Raises OSError."""
+    return frozenset(e.inode for e in table() if e.shutdown == SHUTDOWN_BOTH)
 
 
 def table() -> list[SocketEnd]:
@@ -93,7 +99,7 @@ def table() -> list[SocketEnd]:
 
 def parse_message(payload: bytes) -> SocketEnd | None:
     """One unix_diag_msg and its attributes; None for an unbound socket (no path)."""
-    _family, _type, state, _pad, _ino = _MESSAGE.unpack_from(payload)
+    _family, _type, state, _pad, inode = _MESSAGE.unpack_from(payload)
     offset, path, shutdown = _MESSAGE.size, "", 0
     while offset + _ATTR.size <= len(payload):
         length, kind = _ATTR.unpack_from(payload, offset)
@@ -105,4 +111,4 @@ def parse_message(payload: bytes) -> SocketEnd | None:
         elif kind == UNIX_DIAG_SHUTDOWN and value:
             shutdown = value[0]
         offset += (length + 3) & ~3
-    return SocketEnd(path, state, shutdown) if path else None
+    return SocketEnd(path, state, shutdown, inode) if path else None

@@ -10,12 +10,13 @@ pod's fsGroup; a publish for a pod of another group than the stage's, without
 `vmmGroup`, is refused. While a client is connected, NodeUnpublishVolume is
 FAILED_PRECONDITION; the retry after it left succeeds.
 
-Measured on QSD 10.0.13 (pinned below): a `block_resize` under the export
-while a libblkio client is connected kills QSD (it logs "vu_panic: Error while
-writing: Bad file descriptor" and exits): libblkio sets up no back-end channel
-and QSD writes the config-change message to it anyway. A guest's QEMU sets
-one up and sees the growth live; a libblkio client sees it when it connects
-after the growth.
+Measured on QSD 10.0.13: a `block_resize` under the export while a libblkio
+client is connected kills QSD (SIGSEGV after "vu_panic: Error while writing:
+Bad file descriptor"): libblkio sets up no back-end channel and QSD writes
+the config-change message to it anyway. So NodeExpandVolume is refused while
+such a client is connected (pinned below); a guest's QEMU sets one up and
+sees the growth live (e2e/test_vm_qsd10.py); a libblkio client sees it when
+it connects after the growth.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import signal
 import socket
 import stat
 import subprocess
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from pathlib import Path
 
 import grpc
@@ -40,7 +41,7 @@ from csi_qsd.publish import vhost_user
 from csi_qsd.server import Driver
 from csi_qsd.sys import unix_peers
 from csi_qsd.sys.tools import bundled
-from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd
+from tests.harness import Sandbox, qemu_io_session, qsd_pid, until, wait_new_qsd
 
 MIB = 1 << 20
 SIZE = 64 * MIB
@@ -85,31 +86,9 @@ async def verified(target: Path, *commands: str) -> str:
     return out
 
 
-@contextlib.asynccontextmanager
-async def connected_client(target: Path) -> AsyncIterator[None]:
+def connected_client(target: Path) -> contextlib.AbstractAsyncContextManager[None]:
     """A libblkio client that stays connected (qemu-io reading commands) until the block ends."""
-    proc = await asyncio.create_subprocess_exec(
-        *client_argv(VMM, VMM), cwd=target, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        proc.stdin.write(b"read -P 0x5a 0 1M\n")
-        await proc.stdin.drain()
-        async with asyncio.timeout(TIMEOUT_S):
-            while b"read 1048576/1048576 bytes" not in await proc.stdout.readline():
-                pass
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            proc.stdin.write(b"quit\n")
-            proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), TIMEOUT_S)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    return qemu_io_session(client_argv(VMM, VMM), "read -P 0x5a 0 1M", cwd=target, timeout=TIMEOUT_S)
 
 
 def owner(path: Path) -> tuple[int, int, int]:
@@ -117,7 +96,7 @@ def owner(path: Path) -> tuple[int, int, int]:
     return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)
 
 
-async def refused(call: Awaitable[None]) -> grpc.aio.AioRpcError:
+async def refused(call: Awaitable[object]) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     return info.value
@@ -171,6 +150,42 @@ async def test_libblkio_client_does_verified_io_through_a_qsd_restart_and_growth
     await csi.unstage(vid, str(staging))
     assert not target.exists()
     assert not unix_peers.peers(export).listening
+
+
+@needs_blkio
+async def test_growth_under_a_connected_libblkio_client_is_refused_and_qsd_lives(
+    box: Sandbox, driver: tuple[Driver, CSIClient],
+) -> None:
+    """No back-end channel, no growth: FAILED_PRECONDITION naming the volume and the cure, QSD untouched.
+
+    Before the check, the same call killed QSD (SIGSEGV after "vu_panic:
+    Error while writing: Bad file descriptor") and every volume with it.
+    Once the client left, the retry grows the volume and the next client
+    sees the new size.
+    """
+    _, csi = driver
+    vid = (await csi.create_volume("vm-blkio-grow", SIZE, {"export": "vhost-user-blk", "vmmGroup": str(VMM)})).volume_id
+    staging, target = box.staging("vm-blkio-grow"), box.target("vm-blkio-grow")
+    await csi.stage(vid, str(staging))
+    await csi.publish(vid, str(staging), str(target))
+    export = box.state_dir / "exports" / vid / "vhost" / SOCKET
+    await verified(target, "write -P 0x5a 0 4M")
+    before = qsd_pid(box)
+    async with connected_client(target):
+        assert unix_peers.peers(export).clients == 1
+        error = await refused(csi.expand(vid, str(target), 2 * SIZE))
+        assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        details = error.details() or ""
+        assert vid in details and "back-end channel" in details and "Disconnect that client" in details, details
+        assert qsd_pid(box) == before, "qemu-storage-daemon died"
+        assert unix_peers.peers(export).clients == 1, "the client was cut off"
+    await until(lambda: unix_peers.peers(export).clients == 0, "the client gone from QSD", TIMEOUT_S)
+    assert await csi.expand(vid, str(target), 2 * SIZE) == 2 * SIZE
+    out = await verified(target, "length", "read -P 0x5a 0 4M", "write -P 0x3c 127M 1M", "read -P 0x3c 127M 1M")
+    assert "128 MiB" in out.splitlines(), out
+    assert qsd_pid(box) == before
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
 
 
 async def test_publish_for_a_pod_of_another_group_than_the_stage_is_refused(
