@@ -118,6 +118,18 @@ class NodeNamespace:
                     for knob in ("cpuset.cpus", "cpuset.mems"):
                         (directory / knob).write_text((directory.parent / knob).read_text())
 
+    def _kill_leftovers(self) -> None:
+        """Kill what a run stopped before its teardown (SIGKILL, a CI timeout) left in this node's cgroup."""
+        for _ in range(50):
+            pids = self.cgroup_pids()
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name}: a previous run's processes will not die: {sorted(self.cgroup_pids())}")
+
     def _join_cgroup(self, pid: int = 0) -> None:
         """Move `pid` (0: the calling process) into the node's cgroup; what it starts follows it."""
         for hierarchy in cgroup_hierarchies():
@@ -127,6 +139,7 @@ class NodeNamespace:
         """Make the namespaces, the cgroup, the veth link (the bridge must exist) and the node's view of /run, /var/lib and /var/log."""
         for sub in ("kubelet", "csi-qsd", "log", "sysctl"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)
+        self._kill_leftovers()
         self._make_cgroup()
         self.holder = subprocess.Popen(
             ["unshare", "--mount", "--net", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc",
