@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import struct
 from pathlib import Path
@@ -64,6 +65,14 @@ def names_backing(image: Path) -> bool:
     return offset != 0
 
 
+def _fingerprint(directory: Path) -> bytes:
+    """A digest of the TLS files QEMU reads from `directory`. Raises OSError."""
+    digest = hashlib.sha256()
+    for entry in sorted(directory.iterdir()):
+        digest.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
+    return digest.digest()
+
+
 def job_id(volume_id: str) -> str:
     return "cqcopy-" + volume_id.removeprefix("vol-")
 
@@ -92,13 +101,17 @@ class CopyStreams:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._status: dict[str, CopyStatus] = {}
         self._lost: dict[str, CopyStatus] = {}  # copies whose source no longer holds their snapshot
+        # What each QSD's TLS client object was read from (a digest of the files), so renewed files are loaded
+        # before the next copy opens its link. Unknown after a driver restart: loaded again once.
+        self._loaded: dict[QSDClient, bytes] = {}
 
     @property
     def tls_dir(self) -> Path:
         return self._settings.copies_dir / "tls-client"
 
     async def prepare(self, client: QSDClient, *, required: bool = False) -> None:
-        """Give a (re)started QSD the TLS client credentials copies' backing files name, before any volume opens.
+        """Give a (re)started QSD the TLS client credentials copies' backing files name, before any volume opens,
+        and load them again where the node's files changed since (a renewed certificate), before a copy opens.
 
         The files come from an optional Secret that may appear after the driver starts (deploy/node.yaml):
         while they are missing, a QSD start goes on without them (logged), and a copy that needs them
@@ -116,7 +129,18 @@ class CopyStreams:
             log.warning("event=copy_tls_missing file=%s hint=copies from other nodes wait for the node's "
                         "metadata TLS Secret", error.filename)
             return
-        await attach.ensure_tls_client(client, PEER_TLS_OBJECT, directory)
+        files = await asyncio.to_thread(_fingerprint, directory)
+        reload = self._loaded.get(client) != files and await attach.has_object(client, PEER_TLS_OBJECT)
+        try:
+            if await attach.ensure_tls_client(client, PEER_TLS_OBJECT, directory, reload=reload):
+                log.info("event=copy_tls_loaded directory=%s", directory)
+        except QSDError as error:
+            if not reload:
+                raise
+            # QEMU refused the renewed files: the credentials loaded before stay, and the next copy tries again.
+            log.warning("event=copy_tls_reload_refused directory=%s error=%r", directory, str(error))
+            return
+        self._loaded[client] = files
 
     def start(self, volume_id: str) -> None:
         """Run (or keep running) the copy of `volume_id`: fill, then give the lease back."""

@@ -413,16 +413,41 @@ async def node_reading(client: QSDClient, image: Path) -> str:
     return _format_node_of(nodes, str(image))
 
 
-async def ensure_tls_client(client: QSDClient, object_id: str, directory: Path) -> None:
-    """Give QSD the x509 client credentials `object_id` from `directory` (QEMU's file names), unless it has them.
+async def has_object(client: QSDClient, object_id: str) -> bool:
+    """True if QSD has the user-created object `object_id`."""
+    return object_id in {str(item["name"]) for item in await client.execute("qom-list", {"path": "/objects"})}
+
+
+async def ensure_tls_client(client: QSDClient, object_id: str, directory: Path, *, reload: bool = False) -> bool:
+    """Give QSD the x509 client credentials `object_id` from `directory` (QEMU's file names), unless it has them;
+    with `reload`, replace the ones it has by what the files hold now. True if QSD read the files.
 
     Nodes whose backing files reach another node over NBD name this object (`tls-creds`), so it must exist
-    before any of them is opened.
+    before any of them is opened. QEMU reads the files once, at object-add, and has no reload for it; but
+    measured on QSD 10.0.13, `object-del` of the object while NBD nodes use it answers `{}` (each node holds
+    the credentials it opened with, and keeps working on them), and an `object-add` under the same ID is
+    what the next NBD node opened presents. The renewed files are tried first under a scratch ID, so files
+    QEMU refuses (a key that is not the certificate's, a certificate the CA did not sign, or expired) raise
+    QSDError and leave the loaded object as it was. Between the delete and the add (two QMP commands) an
+    NBD node opened by another call would find no object and fail; a retry succeeds.
     """
     objects = {str(item["name"]) for item in await client.execute("qom-list", {"path": "/objects"})}
-    if object_id not in objects:
-        await client.execute("object-add", {"qom-type": "tls-creds-x509", "id": object_id, "dir": str(directory),
-                                            "endpoint": "client", "verify-peer": True})
+    if object_id in objects and not reload:
+        return False
+
+    def spec(ident: str) -> dict[str, object]:
+        return {"qom-type": "tls-creds-x509", "id": ident, "dir": str(directory), "endpoint": "client",
+                "verify-peer": True}
+
+    if object_id in objects:
+        scratch = object_id + "-new"
+        if scratch in objects:
+            await client.execute("object-del", {"id": scratch})
+        await client.execute("object-add", spec(scratch))
+        await client.execute("object-del", {"id": scratch})
+        await client.execute("object-del", {"id": object_id})
+    await client.execute("object-add", spec(object_id))
+    return True
 
 
 async def start_fill(client: QSDClient, job_id: str, node: str, speed: int) -> None:
