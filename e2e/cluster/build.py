@@ -124,15 +124,16 @@ def busybox_image(root: Path) -> Path:
 
 
 def e2e_test_images(root: Path, kubernetes: Path) -> list[Path]:
-    """The e2e suite's test images, built here: busybox-static for its busybox and nginx, plus agnhost.
+    """The e2e suite's test images, built here: busybox-static for its busybox, nginx and jessie-dnsutils,
+    plus agnhost.
 
-    The storage tests give the nginx image only shell commands, and run `nsenter` and shell tools in
-    agnhost's host-exec pods: busybox's applets serve both.
+    The storage tests give the nginx and jessie-dnsutils images only shell commands, and run `nsenter` and
+    shell tools in agnhost's host-exec pods: busybox's applets serve them all.
     """
     files = _busybox_files()
     agnhost = [*files, ImageFile("/agnhost", kubernetes / "agnhost")]
-    return [_scratch(root, ScratchImage(versions.E2E_BUSYBOX_IMAGE, tuple(files), ("/bin/sh",))),
-            _scratch(root, ScratchImage(versions.E2E_NGINX_IMAGE, tuple(files), ("/bin/sh",))),
+    shells = (versions.E2E_BUSYBOX_IMAGE, versions.E2E_NGINX_IMAGE, versions.E2E_JESSIE_IMAGE)
+    return [*(_scratch(root, ScratchImage(name, tuple(files), ("/bin/sh",))) for name in shells),
             _scratch(root, ScratchImage(versions.E2E_AGNHOST_IMAGE, tuple(agnhost), ("/agnhost",)))]
 
 
