@@ -24,8 +24,8 @@ from google.protobuf.message import Message
 
 from csi_qsd import __version__
 from csi_qsd.config import (
-    DEFAULT_COPY_LEASE_TTL, DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT, POLL_MAX_NS_RANGE, Config,
-    parse_remote_pool,
+    DEFAULT_COPY_CALLS_PER_NODE, DEFAULT_COPY_LEASE_TTL, DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT,
+    POLL_MAX_NS_RANGE, Config, parse_remote_pool,
 )
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.settings import QSDMode
@@ -38,6 +38,7 @@ from csi_qsd.kubelet import liveness, registrar
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.qsd import iothreads, shards
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
+from csi_qsd.sys.runtime import DEFAULT_RUNTIME_DIR
 from csi_qsd.sys.pem import PemFiles
 from csi_qsd.sys.endpoint import socket_path
 from csi_qsd.sys.signals import stop_event
@@ -187,6 +188,12 @@ def _port_range(text: str) -> range:
     return ports
 
 
+def _count(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    return int(text)
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -283,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     _option(serve, "--copy-lease-ttl", "86400", "seconds a lease this node serves lasts after its copy last asked "
             "for it (copies renew theirs while they stream); then it is dropped and its snapshot freed (0: never)",
             type=_seconds_or_never)
+    _option(serve, "--copy-leases-per-node", "0", "leases one other node may hold on this node at once, so no "
+            "node takes every copy port; a lease beyond it is refused (RESOURCE_EXHAUSTED) until one of that "
+            "node's copies is done (0: half of --copy-ports)", type=_count)
+    _option(serve, "--copy-calls-per-node", str(DEFAULT_COPY_CALLS_PER_NODE), "copy service calls (Lease, "
+            "Release) one other node may have in flight on this node at once; more are refused "
+            "(RESOURCE_EXHAUSTED) and retried by that node", type=_count)
+    _option(serve, "--runtime-dir", str(DEFAULT_RUNTIME_DIR), "private directory on tmpfs where QEMU's copies of "
+            "the node's TLS files (its private key) live only while QEMU loads them; in a pod, mounted at the "
+            "same path in QSD's container (deploy/node.yaml)")
 
     router = sub.add_parser("snapshot-metadata-router", help="serve CSI SnapshotMetadata for the cluster on a UNIX "
                             "socket (for the external-snapshot-metadata sidecar), relaying each call to the node "
@@ -461,6 +477,9 @@ def config_from(args: argparse.Namespace) -> Config:
         copy_ports=getattr(args, "copy_ports", range(10900, 11000)),
         copy_rate=int(getattr(args, "copy_rate", 0)),
         copy_lease_ttl=float(getattr(args, "copy_lease_ttl", DEFAULT_COPY_LEASE_TTL)),
+        copy_leases_per_node=int(getattr(args, "copy_leases_per_node", 0)),
+        copy_calls_per_node=int(getattr(args, "copy_calls_per_node", DEFAULT_COPY_CALLS_PER_NODE)),
+        runtime_dir=Path(getattr(args, "runtime_dir", str(DEFAULT_RUNTIME_DIR))),
     )
 
 

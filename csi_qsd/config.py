@@ -20,6 +20,7 @@ from csi_qsd.qsd.settings import QSDMode
 from csi_qsd.qsd.shards import check_count as check_shards
 from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
 from csi_qsd.sys.pem import PemFiles
+from csi_qsd.sys.runtime import DEFAULT_RUNTIME_DIR
 from csi_qsd.sys.tools import bundled
 
 DEFAULT_DRIVER_NAME = "csi-qsd.io"
@@ -27,6 +28,7 @@ DEFAULT_STATE_DIR = Path("/var/lib/csi-qsd")
 DEFAULT_TARGET_ROOT = Path("/var/lib/kubelet")
 TOPOLOGY_KEY_NODE = "topology.csi-qsd.io/node"
 DEFAULT_COPY_LEASE_TTL = 86400.0  # a day: a copy's node away that long loses its copy (docs/security.md)
+DEFAULT_COPY_CALLS_PER_NODE = 16  # copy calls one node may have in flight here (docs/security.md)
 TOPOLOGY_KEY_FUSE = "topology.csi-qsd.io/fuse"
 TOPOLOGY_KEY_VHOST_USER = "topology.csi-qsd.io/vhost-user-blk"
 # An iothread's adaptive polling budget, as the StorageClass's iothreadPollMaxNs allows it.
@@ -100,6 +102,12 @@ class Config:
     copy_ports: range = range(10900, 11000)
     copy_rate: int = 0
     copy_lease_ttl: float = DEFAULT_COPY_LEASE_TTL  # seconds a served lease outlives its copy's last request (0: ever)
+    # What one calling node may hold of this node's copy service: leases (0: half of --copy-ports) and calls
+    # in flight, so that one node, or one stolen certificate, cannot take every port (docs/security.md).
+    copy_leases_per_node: int = 0
+    copy_calls_per_node: int = DEFAULT_COPY_CALLS_PER_NODE
+    # tmpfs where QEMU's copies of the node's TLS files live while QEMU loads them (`csi_qsd.sys.runtime`).
+    runtime_dir: Path = DEFAULT_RUNTIME_DIR
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", self.state_dir.resolve())
@@ -138,6 +146,25 @@ class Config:
             raise ValueError("--copy-rate must not be negative")
         if self.copy_lease_ttl < 0:
             raise ValueError("--copy-lease-ttl must not be negative")
+        if not 0 <= self.copy_leases_per_node <= len(self.copy_ports):
+            raise ValueError(f"--copy-leases-per-node {self.copy_leases_per_node}: must be 0 (half of --copy-ports) "
+                             f"to {len(self.copy_ports)} (the number of --copy-ports)")
+        if self.copy_calls_per_node < 1:
+            raise ValueError(f"--copy-calls-per-node {self.copy_calls_per_node}: must be at least 1")
+        self._check_runtime_dir()
+
+    def _check_runtime_dir(self) -> None:
+        """--runtime-dir: absolute, and apart from every persistent directory (a key written there stays)."""
+        if not self.runtime_dir.is_absolute():
+            raise ValueError(f"--runtime-dir {self.runtime_dir}: must be an absolute path")
+        runtime_dir = self.runtime_dir.resolve()
+        object.__setattr__(self, "runtime_dir", runtime_dir)
+        for flag, persistent in (("--state-dir", self.state_dir), ("--pool-dir", self.pool),
+                                 ("--target-root", self.target_root)):
+            if runtime_dir.is_relative_to(persistent) or persistent.is_relative_to(runtime_dir):
+                raise ValueError(f"--runtime-dir {runtime_dir} overlaps {flag} {persistent}: it holds private keys "
+                                 "while QEMU loads them and belongs on tmpfs apart from persistent directories "
+                                 f"(default {DEFAULT_RUNTIME_DIR})")
 
     def _check_peers_from_pods(self) -> None:
         if not self.peers_from_pods:

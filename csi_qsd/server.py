@@ -7,6 +7,7 @@ uses. Stopping the driver leaves QSD and every export running.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -49,6 +50,7 @@ from csi_qsd.controller.copies import CopySettings, LinkCheck, RemoteCopies, Sou
 from csi_qsd.csi.peer_pods import InCluster, PodPeers
 from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
 from csi_qsd.node.copies import CopyStreams, CrossNodeCopies
+from csi_qsd.sys import mounts, runtime
 from csi_qsd.sys.tools import bundled
 
 log = logging.getLogger(__name__)
@@ -141,7 +143,10 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         settings = CopySettings(
             state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
             tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
-            qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl)
+            qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl,
+            leases_per_node=config.copy_leases_per_node, runtime_dir=config.runtime_dir)
+        if tls is not None:
+            await prepare_runtime_dir(config.runtime_dir)
         peer_list = known_peers(config)
         peers = PeerNodes(peer_list, tls, config.node_id)
         streams = CopyStreams(catalog, exports, locks, peers, settings)
@@ -165,6 +170,17 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
             await snapshots.close()
             await volumes.close()
             await qsd.close()
+
+
+async def prepare_runtime_dir(runtime_dir: Path) -> None:
+    """Make the runtime directory and empty it of what a killed load left; warn unless it is on tmpfs."""
+    for path in await asyncio.to_thread(runtime.prepare, runtime_dir):
+        log.info("event=runtime_leftover_removed path=%s", path)
+    filesystem = await asyncio.to_thread(mounts.filesystem_of, runtime_dir)
+    if filesystem not in runtime.MEMORY_FILESYSTEMS:
+        log.warning("event=runtime_dir_on_disk runtime_dir=%s filesystem=%s hint=QEMU's copies of this node's TLS "
+                    "files pass through it while QEMU loads them: mount tmpfs there (deploy/node.yaml: an emptyDir "
+                    "of medium Memory)", runtime_dir, filesystem or "unknown")
 
 
 def known_peers(config: Config) -> PeerList:
@@ -195,5 +211,6 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         async with unix_socket.serving(server, config.endpoint):
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata,
-                                                 handlers=(copies_handler(driver.copies.leases, driver.peers),)):
+                                                 handlers=(copies_handler(driver.copies.leases, driver.peers,
+                                                                          config.copy_calls_per_node),)):
                 yield driver

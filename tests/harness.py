@@ -115,12 +115,17 @@ class Sandbox:
         self.kubelet.mkdir(parents=True, exist_ok=True)
 
     @property
+    def runtime_dir(self) -> Path:
+        """The driver's own runtime directory (`--runtime-dir`), beside its state, not the host's /run."""
+        return self.root / "run"
+
+    @property
     def endpoint(self) -> str:
         return f"unix://{self.state_dir / 'csi.sock'}"
 
     def config(self, **overrides: object) -> Config:
         values: dict[str, object] = dict(
-            state_dir=self.state_dir, target_root=self.kubelet, node_id="node-a",
+            state_dir=self.state_dir, target_root=self.kubelet, node_id="node-a", runtime_dir=self.runtime_dir,
             qsd_binary=os.environ.get("CSI_QSD_QSD_BINARY", bundled("qemu-storage-daemon")),
             qemu_img=os.environ.get("CSI_QSD_QEMU_IMG", bundled("qemu-img")),
         )
@@ -218,7 +223,8 @@ class DriverProcess:
         """Start `csi-qsd serve` and wait until Probe says ready; `failpoints` arms crash points."""
         argv = [
             sys.executable, "-m", "csi_qsd.cli", "serve", "--state-dir", str(self.box.state_dir),
-            "--target-root", str(self.box.kubelet), "--node-id", "node-a", "--log-level", "debug", *self.extra,
+            "--target-root", str(self.box.kubelet), "--runtime-dir", str(self.box.runtime_dir), "--node-id", "node-a",
+            "--log-level", "debug", *self.extra,
         ]
         log = open(self.log_path, "ab")
         env = dict(os.environ, CSI_QSD_FAILPOINTS=failpoints)

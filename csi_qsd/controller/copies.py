@@ -56,7 +56,7 @@ from csi_qsd.params import ImageFormat, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.qcow2.imagemap import qcow2_spec
-from csi_qsd.sys import durable, nbd_tcp
+from csi_qsd.sys import durable, nbd_tcp, runtime
 from csi_qsd.sys.run import run
 from csi_qsd.sys.locks import KeyedLocks
 
@@ -119,6 +119,14 @@ class CopySettings:
     qemu_img: str = "qemu-img"
     rate: int = 0  # bytes/s a stream may copy (0: as fast as it goes)
     lease_ttl: float = 0.0  # seconds a lease this node serves lasts unless its copy renews it (0: for good)
+    # Where QEMU's copies of the TLS files live while it loads them, and only then (tmpfs: `csi_qsd.sys.runtime`).
+    runtime_dir: Path = runtime.DEFAULT_RUNTIME_DIR
+    leases_per_node: int = 0  # leases one other node may hold here at once (0: half of the ports, at least one)
+
+    @property
+    def lease_limit(self) -> int:
+        """The most leases one node may hold here: --copy-leases-per-node, else half of --copy-ports."""
+        return self.leases_per_node or max(1, len(self.ports) // 2)
 
     @property
     def copies_dir(self) -> Path:
@@ -211,11 +219,13 @@ class SourceLeases:
         self._clock = clock
         self._renewed: dict[str, float] = {}
         self._expiry: asyncio.Task[None] | None = None
+        # One node's new leases are granted one at a time, so its count against the limit is exact.
+        self._granting: dict[str, asyncio.Lock] = {}
 
     async def lease(self, copy_volume_id: str, node: str, source: str) -> Lease:
         """Serve `source` for the copy `copy_volume_id` on `node` (idempotent). Raises NotFound,
-        FailedPrecondition (no TLS files), ResourceExhausted (no free port), PermissionDenied (the copy's
-        lease belongs to another node)."""
+        FailedPrecondition (no TLS files), ResourceExhausted (no free port, or `node` holds as many leases as
+        one node may), PermissionDenied (the copy's lease belongs to another node)."""
         validate.volume_id(copy_volume_id, "copy volume_id")
         kind, ident = parse_source(source)
         if self._settings.tls is None:
@@ -225,7 +235,9 @@ class SourceLeases:
         async with self._locks.hold(copy_volume_id):
             record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
             if record is None:
-                record = await self._new_lease(copy_volume_id, node, source, kind, ident)
+                async with self._granting.setdefault(node, asyncio.Lock()):
+                    await self._refuse_beyond_limit(node)
+                    record = await self._new_lease(copy_volume_id, node, source, kind, ident)
             elif record.node != node:
                 raise _not_yours(copy_volume_id, record.node, node, "lease")
             elif record.state is CopyState.REVOKED:
@@ -242,6 +254,21 @@ class SourceLeases:
                 raise NotFound(f"snapshot {record.snapshot_id} does not exist")
             self._renewed[copy_volume_id] = self._clock()
             return Lease("", record.snapshot_id, record.address, copy_volume_id, size.size, self._settings.lease_ttl)
+
+    async def _refuse_beyond_limit(self, node: str) -> None:
+        """ResourceExhausted if `node` already holds as many leases here as one node may (a renewal is never
+        refused: it holds its lease already). Leases an operator dropped hold nothing and do not count."""
+        limit = self._settings.lease_limit
+        held = sorted(r.volume_id for r in await self._catalog.copies(CopyRole.SOURCE)
+                      if r.node == node and r.state is not CopyState.REVOKED)
+        if len(held) >= limit:
+            ports = self._settings.ports
+            raise ResourceExhausted(
+                f"node {node} holds {len(held)} leases on this node, the most one node may hold "
+                f"(--copy-leases-per-node {limit}, of the {len(ports)} copy ports {ports.start}-{ports.stop - 1}); "
+                f"it gets another once one of its copies is done or its lease released or expired "
+                f"(`csi-qsd volume leases` on this node lists them: {', '.join(held[:5])}"
+                f"{', ...' if len(held) > 5 else ''})")
 
     async def _new_lease(self, copy_volume_id: str, node: str, source: str, kind: str, ident: str) -> CopyRecord:
         """Record a lease of a snapshot (or of a hidden cut of a volume) that still exists.
@@ -421,7 +448,14 @@ class SourceLeases:
                     "delete it once that copy is done (or that volume is deleted)")
 
     async def reconcile(self) -> None:
-        """Serve again every lease whose server is gone; drop leases whose snapshot is gone."""
+        """Serve again every lease whose server is gone; drop leases whose snapshot is gone.
+
+        Also removes the copies of the node's TLS files, private key included, that earlier versions kept in
+        the state directory (`copies/tls-*`): nothing reads them, and the servers that did have them loaded.
+        """
+        for path in await asyncio.to_thread(sorted, self._settings.copies_dir.glob(runtime.SCRATCH_PREFIX + "*")):
+            await asyncio.to_thread(runtime.remove, path)
+            log.info("event=copy_tls_copy_removed path=%s", path)
         for record in await self._catalog.copies(CopyRole.SOURCE):
             self._renewed.setdefault(record.volume_id, self._clock())
             if record.state is CopyState.REVOKED:
@@ -452,8 +486,8 @@ class SourceLeases:
         return int(record.address.rpartition(":")[2])
 
     async def _serve(self, record: CopyRecord) -> CopyRecord:
-        """Serve the lease if its server is gone (or read other TLS files than the node's now, or lets in any
-        node of the CA); the record, with a new address if the old one is lost.
+        """Serve the lease if its server is gone (or started before the node's TLS files last changed, or lets
+        in any node of the CA); the record, with a new address if the old one is lost.
 
         Called at every Lease, so a renewed certificate reaches a running
         server the next time its copy renews the lease (a few times per
@@ -466,35 +500,36 @@ class SourceLeases:
         pid = nbd_tcp.serving_pid(pid_file, port)
         assert self._settings.tls is not None
         cert, key, ca = self._settings.tls
-        try:  # rewritten only when the node's files changed (a renewed certificate)
-            tls = await asyncio.to_thread(nbd_tcp.tls_dir, self._settings.copies_dir / "tls-server", cert, key, ca,
-                                          endpoint="server")
-        except OSError as exc:
-            if pid is None:
-                raise
-            log.warning("event=copy_tls_unreadable copy_volume_id=%s error=%r", record.volume_id, str(exc))
-            return record  # serving with what it read at its start
         reason = "" if pid is None else (
             "authz" if not nbd_tcp.admits_only(pid, record.node)  # from a driver that let any node of the CA in
-            else "certificate" if nbd_tcp.started_before(pid, tls) else "")
+            else "certificate" if nbd_tcp.started_before(pid, (cert, key, ca)) else "")
         if pid is not None and not reason:
             return record
-        if pid is not None:  # the copy's NBD client reconnects to the same port (QEMU's reconnect-delay)
-            log.warning("event=copy_server_restarted copy_volume_id=%s node=%s reason=%s", record.volume_id,
-                        record.node, reason)
-            await nbd_tcp.stop(pid_file, port)
-        host = record.address.rpartition(":")[0]
-        if host != self._settings.host or not await asyncio.to_thread(nbd_tcp.port_free, host, port):
-            moved = dataclasses.replace(
-                record, address=f"{self._settings.host}:{await self._free_port(record.volume_id)}")
-            log.warning("event=copy_lease_moved copy_volume_id=%s node=%s old=%s new=%s reason=%s",
-                        record.volume_id, record.node, record.address, moved.address,
-                        "address_changed" if host != self._settings.host else "port_taken")
-            await self._catalog.put_copy(moved)
-            record, port = moved, self._port(moved)
-        pid = await nbd_tcp.start(
-            self._settings.qemu_nbd, qcow2_spec(Path(record.image), read_only=True), host=self._settings.host,
-            port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=record.node)
+        async with contextlib.AsyncExitStack() as stack:
+            try:  # QEMU's copy of the files lives only until the server has read them (`csi_qsd.sys.runtime`)
+                tls = await stack.enter_async_context(
+                    nbd_tcp.credentials(self._settings.runtime_dir, cert, key, ca, endpoint="server"))
+            except OSError as exc:
+                if pid is None:
+                    raise
+                log.warning("event=copy_tls_unreadable copy_volume_id=%s error=%r", record.volume_id, str(exc))
+                return record  # serving with what it read at its start
+            if pid is not None:  # the copy's NBD client reconnects to the same port (QEMU's reconnect-delay)
+                log.warning("event=copy_server_restarted copy_volume_id=%s node=%s reason=%s", record.volume_id,
+                            record.node, reason)
+                await nbd_tcp.stop(pid_file, port)
+            host = record.address.rpartition(":")[0]
+            if host != self._settings.host or not await asyncio.to_thread(nbd_tcp.port_free, host, port):
+                moved = dataclasses.replace(
+                    record, address=f"{self._settings.host}:{await self._free_port(record.volume_id)}")
+                log.warning("event=copy_lease_moved copy_volume_id=%s node=%s old=%s new=%s reason=%s",
+                            record.volume_id, record.node, record.address, moved.address,
+                            "address_changed" if host != self._settings.host else "port_taken")
+                await self._catalog.put_copy(moved)
+                record, port = moved, self._port(moved)
+            pid = await nbd_tcp.start(
+                self._settings.qemu_nbd, qcow2_spec(Path(record.image), read_only=True), host=self._settings.host,
+                port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=record.node)
         log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
                  record.volume_id, record.snapshot_id, record.address, pid)
         return record

@@ -16,27 +16,38 @@ itself (a Lease whose `node` is another, or a Lease or Release of a copy
 leased to another node, is PERMISSION_DENIED naming both). The router's
 certificate names no node, so it is refused here. A node dials a peer
 checking that the certificate it is shown names that peer.
+
+No node may take more than its share: each caller has at most
+--copy-calls-per-node calls in flight here (`InFlight`) and holds at most
+--copy-leases-per-node leases (`SourceLeases`); beyond either it is
+RESOURCE_EXHAUSTED, naming the limit and the caller, and the other nodes
+are served as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import ipaddress
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import grpc
 
 from csi_qsd import validate
+from csi_qsd.config import DEFAULT_COPY_CALLS_PER_NODE
 from csi_qsd.controller.copies import Lease, SourceLeases, parse_source
 from csi_qsd.csi.client import LEASES_SERVICE
 from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
-from csi_qsd.errors import Code, DriverError, Forwarded, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from csi_qsd.errors import (
+    Code, DriverError, Forwarded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
+)
 from csi_qsd.sys.pem import PemFiles
 
 log = logging.getLogger(__name__)
@@ -222,12 +233,39 @@ def _forwarded(name: str, exc: grpc.aio.AioRpcError) -> Forwarded:
     return Forwarded(Code[code] if code in Code.__members__ else Code.UNAVAILABLE, f"{exc.details()} (node {name})")
 
 
-def copies_handler(leases: SourceLeases, peers: PeerList) -> grpc.GenericRpcHandler:
-    """`csi_qsd.v1.Copies` for the listener: Lease and Release for the nodes `peers` names, each for itself only.
+class InFlight:
+    """The copy calls each node has in flight here, at most `limit` at once per node."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._calls: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def call(self, node: str) -> Iterator[None]:
+        """One call of `node` while the block runs. Raises ResourceExhausted if it has `limit` in flight."""
+        if self._calls[node] >= self._limit:
+            raise ResourceExhausted(
+                f"node {node} has {self._calls[node]} copy calls in flight on this node, the most one node may "
+                f"have (--copy-calls-per-node {self._limit}); it may call again once some have answered")
+        self._calls[node] += 1
+        try:
+            yield
+        finally:
+            self._calls[node] -= 1
+            if not self._calls[node]:
+                del self._calls[node]
+
+
+def copies_handler(leases: SourceLeases, peers: PeerList,
+                   calls_per_node: int = DEFAULT_COPY_CALLS_PER_NODE) -> grpc.GenericRpcHandler:
+    """`csi_qsd.v1.Copies` for the listener: Lease and Release for the nodes `peers` names, each for itself only,
+    at most `calls_per_node` of them in flight per node.
 
     Errors are answered with their codes; a caller whose certificate names
-    no node of `peers`, or asks for another node, is PERMISSION_DENIED.
+    no node of `peers`, or asks for another node, is PERMISSION_DENIED; one
+    with as many calls in flight as a node may have, RESOURCE_EXHAUSTED.
     """
+    in_flight = InFlight(calls_per_node)
 
     async def caller(context: grpc.aio.ServicerContext) -> str:
         name = caller_name(context)
@@ -242,6 +280,10 @@ def copies_handler(leases: SourceLeases, peers: PeerList) -> grpc.GenericRpcHand
     async def lease(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def grant() -> dict[str, Any]:
             asking = await caller(context)
+            with in_flight.call(asking):
+                return await granted(asking)
+
+        async def granted(asking: str) -> dict[str, Any]:
             copy_volume_id = validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id")
             node = _text(request, "node")
             if not _NODE_RE.match(node):
@@ -257,6 +299,10 @@ def copies_handler(leases: SourceLeases, peers: PeerList) -> grpc.GenericRpcHand
     async def release(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def give_back() -> dict[str, Any]:
             asking = await caller(context)
+            with in_flight.call(asking):
+                return await given_back(asking)
+
+        async def given_back(asking: str) -> dict[str, Any]:
             node = request.get("node", asking)
             if node != asking:
                 raise PermissionDenied(f"node {asking} asked to release a lease for node {node}: a node releases "

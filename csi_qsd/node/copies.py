@@ -65,11 +65,11 @@ def names_backing(image: Path) -> bool:
     return offset != 0
 
 
-def _fingerprint(directory: Path) -> bytes:
-    """A digest of the TLS files QEMU reads from `directory`. Raises OSError."""
+def _fingerprint(files: tuple[Path, ...]) -> bytes:
+    """A digest of the node's TLS files. Raises OSError (FileNotFoundError naming the first one missing)."""
     digest = hashlib.sha256()
-    for entry in sorted(directory.iterdir()):
-        digest.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
+    for path in files:
+        digest.update(path.read_bytes() + b"\0")
     return digest.digest()
 
 
@@ -105,14 +105,12 @@ class CopyStreams:
         # before the next copy opens its link. Unknown after a driver restart: loaded again once.
         self._loaded: dict[QSDClient, bytes] = {}
 
-    @property
-    def tls_dir(self) -> Path:
-        return self._settings.copies_dir / "tls-client"
-
     async def prepare(self, client: QSDClient, *, required: bool = False) -> None:
         """Give a (re)started QSD the TLS client credentials copies' backing files name, before any volume opens,
         and load them again where the node's files changed since (a renewed certificate), before a copy opens.
 
+        QEMU reads the files once, at object-add: they are laid out for it in the runtime directory and
+        removed as soon as QSD answered (`csi_qsd.sys.runtime`), so no key file stays behind.
         The files come from an optional Secret that may appear after the driver starts (deploy/node.yaml):
         while they are missing, a QSD start goes on without them (logged), and a copy that needs them
         (`required`) raises Unavailable naming the missing file.
@@ -120,8 +118,14 @@ class CopyStreams:
         if self._settings.tls is None:
             return
         cert, key, ca = self._settings.tls
+        present = False
         try:
-            directory = await asyncio.to_thread(nbd_tcp.tls_dir, self.tls_dir, cert, key, ca, endpoint="client")
+            files = await asyncio.to_thread(_fingerprint, (ca, cert, key))  # in the order QEMU reads them
+            present = await attach.has_object(client, PEER_TLS_OBJECT)
+            if present and self._loaded.get(client) == files:
+                return
+            async with nbd_tcp.credentials(self._settings.runtime_dir, cert, key, ca, endpoint="client") as directory:
+                await attach.ensure_tls_client(client, PEER_TLS_OBJECT, directory, reload=present)
         except FileNotFoundError as error:
             if required:
                 raise Unavailable(f"copies between nodes need this node's TLS files, missing: {error.filename}") \
@@ -129,17 +133,13 @@ class CopyStreams:
             log.warning("event=copy_tls_missing file=%s hint=copies from other nodes wait for the node's "
                         "metadata TLS Secret", error.filename)
             return
-        files = await asyncio.to_thread(_fingerprint, directory)
-        reload = self._loaded.get(client) != files and await attach.has_object(client, PEER_TLS_OBJECT)
-        try:
-            if await attach.ensure_tls_client(client, PEER_TLS_OBJECT, directory, reload=reload):
-                log.info("event=copy_tls_loaded directory=%s", directory)
         except QSDError as error:
-            if not reload:
+            if not present:
                 raise
             # QEMU refused the renewed files: the credentials loaded before stay, and the next copy tries again.
-            log.warning("event=copy_tls_reload_refused directory=%s error=%r", directory, str(error))
+            log.warning("event=copy_tls_reload_refused error=%r", str(error))
             return
+        log.info("event=copy_tls_loaded reload=%s", present)
         self._loaded[client] = files
 
     def start(self, volume_id: str) -> None:

@@ -8,8 +8,9 @@ again on the same port, which the copy's NBD client keeps reconnecting to.
 
 TLS: QEMU's `tls-creds-x509` reads fixed file names from one directory
 (`ca-cert.pem`, `server-cert.pem`, `server-key.pem` for a server,
-`client-*.pem` for a client); `tls_dir` lays the node's PEM files out that
-way, private to root. Both ends verify the peer against the CA, and the
+`client-*.pem` for a client); `credentials` lays the node's PEM files out
+that way in a directory of the runtime directory (`csi_qsd.sys.runtime`:
+tmpfs, private to root) only while QEMU loads them. Both ends verify the peer against the CA, and the
 server lets in only the one node its lease is for: an `authz-list` object
 (`--tls-authz`) on the distinguished name of the client's certificate,
 which QEMU (GnuTLS) writes in the certificate's order, as `CN=node-b` or
@@ -34,9 +35,10 @@ import signal
 import socket
 import struct
 import time
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
-from csi_qsd.sys import durable
+from csi_qsd.sys import durable, runtime
 from csi_qsd.sys.run import run
 
 START_SECONDS = 30.0
@@ -79,6 +81,21 @@ def tls_dir(directory: Path, cert: Path, key: Path, ca: Path, *, endpoint: str) 
     return directory
 
 
+@contextlib.asynccontextmanager
+async def credentials(runtime_dir: Path, cert: Path, key: Path, ca: Path, *, endpoint: str) -> AsyncIterator[Path]:
+    """`cert`, `key` and `ca` laid out for QEMU (`tls_dir`) in a new private directory of `runtime_dir`, for the
+    block that has QEMU load them; the directory and every file in it are gone when the block ends.
+
+    Raises OSError (FileNotFoundError naming a missing file).
+    """
+    directory = await asyncio.to_thread(runtime.new_scratch, runtime_dir)
+    try:
+        await asyncio.to_thread(tls_dir, directory, cert, key, ca, endpoint=endpoint)
+        yield directory
+    finally:  # in a thread that ends its work even when the caller is cancelled
+        await asyncio.to_thread(runtime.remove, directory)
+
+
 def port_free(host: str, port: int) -> bool:
     """True if nothing listens on host:port now (a bind succeeds)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -115,14 +132,14 @@ def serving_pid(pid_file: Path, port: int) -> int | None:
     return pid
 
 
-def started_before(pid: int, directory: Path) -> bool:
-    """True if process `pid` started before the newest file in `directory` was written (a renewed certificate
-    that a running server has not read); False if either cannot be told."""
+def started_before(pid: int, files: Iterable[Path]) -> bool:
+    """True if process `pid` started before the newest of `files` was written (a renewed certificate that a
+    running server has not read); False if either cannot be told."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])  # btime is whole seconds only
         started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks
-        newest = max(entry.stat().st_mtime for entry in directory.iterdir())
+        newest = max(path.stat().st_mtime for path in files)  # through links: a Secret's files are links
     except (OSError, ValueError, IndexError):
         return False
     return started < newest

@@ -112,6 +112,22 @@ def test_state_dir_is_shared(pod: Obj, plugin: Obj, qsd: Obj) -> None:
         resolve_mount(pod, qsd, pool)
 
 
+def test_runtime_dir_is_memory_shared_with_qsd(pod: Obj, plugin: Obj, qsd: Obj) -> None:
+    """QEMU's copies of the node's TLS files (a private key) pass through --runtime-dir: it must be tmpfs (an
+    emptyDir of medium Memory, never the persistent state hostPath), and QSD, which loads the path QMP names in
+    its own container, must see it at the same path."""
+    runtime_dir = flag_value(plugin["args"], "--runtime-dir")
+    assert runtime_dir and not posixpath.commonpath([runtime_dir, flag_value(plugin["args"], "--state-dir")]) \
+        .startswith(runtime_dir.rstrip("/") + "/")
+    volumes = []
+    for spec in (plugin, qsd):
+        mount, volume, relative = resolve_mount(pod, spec, runtime_dir)
+        assert relative == "." and mount["mountPath"] == runtime_dir
+        assert volume.get("emptyDir", {}).get("medium") == "Memory", volume
+        volumes.append(volume["name"])
+    assert volumes[0] == volumes[1], f"the plugin and qsd mount different runtime volumes: {volumes}"
+
+
 def test_kubelet_dir(pod: Obj, plugin: Obj) -> None:
     target_root = flag_value(plugin["args"], "--target-root")
     mount, volume, relative = resolve_mount(pod, plugin, target_root)
@@ -246,6 +262,9 @@ def test_volumes_are_hostpaths_that_exist_or_are_created(pod: Obj) -> None:
     for volume in pod["volumes"]:
         if "secret" in volume:  # only the optional metadata listener's certificate: the pod starts without it
             assert volume["secret"] == {"secretName": "csi-qsd-node-metadata-tls", "optional": True}
+            continue
+        if "emptyDir" in volume:  # only --runtime-dir: memory, for files that must never reach a disk
+            assert volume == {"name": "runtime-dir", "emptyDir": {"medium": "Memory", "sizeLimit": "4Mi"}}
             continue
         host = volume["hostPath"]
         assert posixpath.isabs(host["path"])

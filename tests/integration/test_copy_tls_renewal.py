@@ -83,7 +83,7 @@ async def test_the_next_copy_presents_the_renewed_certificate(
     await nbd_tcp.start(bundled("qemu-nbd"), str(image), host="127.0.0.1", port=port, export="copy",
                         tls=server_tls, pid_file=pid_file, admit="node-b")
     streams = CopyStreams(cast(Catalog, None), cast(ExportPaths, None), KeyedLocks("volume"), cast(Peers, None),
-                          CopySettings(state_dir=tmp_path / "state", tls=(cert, key, ca)))
+                          CopySettings(state_dir=tmp_path / "state", tls=(cert, key, ca), runtime_dir=tmp_path / "run"))
     try:
         await streams.prepare(client)
         assert PEER_TLS_OBJECT in await _objects(client)
@@ -100,6 +100,7 @@ async def test_the_next_copy_presents_the_renewed_certificate(
         assert await _opens(client, address, "cqtest-link-2")
         objects = await _objects(client)
         assert PEER_TLS_OBJECT in objects and PEER_TLS_OBJECT + "-new" not in objects
+        assert list((tmp_path / "run").iterdir()) == [], "QEMU's copies of the files went once it loaded them"
     finally:
         await nbd_tcp.stop(pid_file, port)
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -511,6 +512,48 @@ async def test_only_the_node_a_copy_is_for_may_lease_release_or_read_it(pair: Pa
     assert not ok, "node C read the export A serves node B"
 
     await _whole_and_released((a, b), vid, snapshot, data)
+
+
+def _key_files(node: Node, keys: list[bytes]) -> list[str]:
+    """Files of `node`'s state and runtime directories that hold one of `keys` (a private key's PEM bytes)."""
+    found = []
+    for root in (node.box.state_dir, node.box.runtime_dir):
+        for path in root.rglob("*") if root.exists() else ():
+            with contextlib.suppress(OSError):
+                if path.is_file() and not path.is_symlink() and path.stat().st_size < MIB and any(
+                        key in path.read_bytes() for key in keys):
+                    found.append(str(path))
+    return found
+
+
+async def test_no_private_key_stays_on_disk_once_a_copy_is_set_up(pair: Pair) -> None:
+    """QEMU's copies of the node's TLS files (qemu-nbd serving A's snapshot, QSD's `cqpeer-tls` on B) live in the
+    runtime directory only while QEMU loads them: with the copy set up (A serving, B's QSD linked), neither node
+    holds a file with a private key in its state or runtime directory; the copies earlier versions kept in
+    state/copies/tls-* are removed when the driver starts."""
+    a, b, pki = pair.a, pair.b, pair.pki
+    keys = [pki.for_node(name).key.read_bytes() for name in ("node-a", "node-b")]
+    data = _pattern(53)
+    source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
+    snapshot = (await a.csi.create_snapshot("snap", source_vid)).snapshot_id
+    vid = (await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)).volume_id
+    await until(lambda: "event=copy_tls_loaded" in b.process.log(), "node-b's QSD loaded its TLS client object", 60,
+                interval=0.2)
+    assert _copy_servers(a.box), "node-a serves the copy"
+    assert _key_files(a, keys) == [] and _key_files(b, keys) == []
+    for node in (a, b):
+        assert sorted(p.name for p in node.box.runtime_dir.iterdir()) == []
+        assert node.box.runtime_dir.stat().st_mode & 0o777 == 0o700
+
+    # What an earlier version left: the key copied into the state directory, removed at start.
+    legacy = a.box.state_dir / "copies" / "tls-server"
+    legacy.mkdir(mode=0o700, exist_ok=True)
+    shutil.copyfile(pki.for_node("node-a").key, legacy / "server-key.pem")
+    await a.process.stop()
+    await a.process.start(timeout=60)
+    assert not legacy.exists() and _key_files(a, keys) == []
+    await _whole_and_released((a, b), vid, snapshot, data)
+    assert _key_files(a, keys) == [] and _key_files(b, keys) == []
 
 
 async def _nbd_info(address: str, export: str, files: PemFiles, directory: Path) -> tuple[bool, str]:

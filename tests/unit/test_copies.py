@@ -342,6 +342,88 @@ async def test_the_copy_service_answers_each_peer_for_itself_only(
         await server.stop(None)
 
 
+# No node takes more than its share ----------------------------------------------------------------------
+
+
+def _copy(n: int) -> str:
+    return f"vol-0123456789abcdef0123{n:04x}"
+
+
+async def test_one_node_holds_at_most_its_share_of_leases(source: tuple[FakeNode, SourceLeases]) -> None:
+    """Node B (or a thief with B's certificate) may not take every copy port: beyond --copy-leases-per-node it is
+    RESOURCE_EXHAUSTED naming the limit and B, also when it asks many at once; C is served; a renewal of a
+    lease B holds is never refused, and B gets another once it gives one back."""
+    node, leases = source
+    limited = SourceLeases(node.catalog, node.snapshots, dataclasses.replace(leases._settings, leases_per_node=2),
+                           node.volumes._volume_locks)
+    snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
+    source_name = f"snapshot:{snapshot.id}"
+    asked = await asyncio.gather(*(limited.lease(_copy(n), "node-b", source_name) for n in range(6)),
+                                 return_exceptions=True)
+    refused = [a for a in asked if isinstance(a, BaseException)]
+    assert len(refused) == 4 and all(isinstance(a, ResourceExhausted) for a in refused), asked
+    message = str(refused[0])
+    assert "node node-b" in message and "--copy-leases-per-node 2" in message and "40000-40099" in message, message
+    held = [_copy(n) for n, a in enumerate(asked) if not isinstance(a, BaseException)]
+    await limited.lease(held[0], "node-b", source_name)  # a renewal
+    await limited.lease(_copy(100), "node-c", source_name)
+    await limited.release(held[0], "node-b")
+    await limited.lease(_copy(5), "node-b", source_name)
+    assert sorted(r.node for r in await node.catalog.copies(CopyRole.SOURCE)) == ["node-b", "node-b", "node-c"]
+
+
+def test_the_default_share_is_half_of_the_copy_ports(tmp_path: Path) -> None:
+    assert CopySettings(state_dir=tmp_path, ports=range(10900, 11000)).lease_limit == 50
+    assert CopySettings(state_dir=tmp_path, ports=range(10900, 10901)).lease_limit == 1
+    assert CopySettings(state_dir=tmp_path, leases_per_node=7).lease_limit == 7
+    with pytest.raises(ValueError, match="--copy-leases-per-node 101"):
+        Config(state_dir=tmp_path, copy_leases_per_node=101, runtime_dir=tmp_path / "run-x")
+    with pytest.raises(ValueError, match="--copy-calls-per-node 0"):
+        Config(state_dir=tmp_path / "s", copy_calls_per_node=0, runtime_dir=tmp_path / "run-x")
+
+
+async def test_one_node_has_at_most_its_share_of_calls_in_flight(
+        source: tuple[FakeNode, SourceLeases], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While node B has --copy-calls-per-node calls in flight, its next call is RESOURCE_EXHAUSTED naming the limit
+    and B; node C is answered meanwhile, and B may call again once its call answered."""
+    node, leases = source
+    snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
+    entered, go_on = asyncio.Event(), asyncio.Event()
+    granting = leases.lease
+
+    async def slow(copy_volume_id: str, asking: str, source_name: str) -> Lease:
+        if asking == "node-b":
+            entered.set()
+            await go_on.wait()
+        return await granting(copy_volume_id, asking, source_name)
+
+    monkeypatch.setattr(leases, "lease", slow)
+    pki = mint(tmp_path / "pki")
+    server = grpc.aio.server()
+    known = StaticPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
+    server.add_generic_rpc_handlers((copies_handler(leases, known, calls_per_node=1),))
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
+    await server.start()
+    try:
+        address, b, c = f"127.0.0.1:{port}", pki.for_node("node-b"), pki.for_node("node-c")
+
+        def lease(n: int, name: str) -> dict[str, str]:
+            return {"source": f"snapshot:{snapshot.id}", "copy_volume_id": _copy(n), "node": name}
+
+        first = asyncio.create_task(copies_call(address, b, "Lease", lease(1, "node-b")))
+        await asyncio.wait_for(entered.wait(), 10)
+        for method, request in (("Lease", lease(2, "node-b")), ("Release", {"copy_volume_id": _copy(1)})):
+            code, message = await copies_call(address, b, method, request)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (method, code, message)
+            assert "node node-b" in message and "--copy-calls-per-node 1" in message, message
+        assert await copies_call(address, c, "Lease", lease(3, "node-c")) == (grpc.StatusCode.OK, "")
+        go_on.set()
+        assert await first == (grpc.StatusCode.OK, "")
+        assert await copies_call(address, b, "Lease", lease(2, "node-b")) == (grpc.StatusCode.OK, "")
+    finally:
+        await server.stop(None)
+
+
 async def test_a_node_dials_a_peer_only_if_its_certificate_names_that_peer(tmp_path: Path) -> None:
     """Node C's certificate (same CA) listening where B thinks node-a is: B does not ask it."""
     pki = mint(tmp_path / "pki")
@@ -645,10 +727,11 @@ def test_a_server_older_than_its_certificate_files_is_known(tmp_path: Path) -> N
     (tmp_path / "server-cert.pem").write_text("x")
     pid = os.getpid()
     os.utime(tmp_path / "server-cert.pem", (time.time() + 3600,) * 2)  # written after this process started
-    assert nbd_tcp.started_before(pid, tmp_path)
+    files = [tmp_path / "server-cert.pem"]
+    assert nbd_tcp.started_before(pid, files)
     os.utime(tmp_path / "server-cert.pem", (1.0, 1.0))  # long before
-    assert not nbd_tcp.started_before(pid, tmp_path)
-    assert not nbd_tcp.started_before(2 ** 22 + 1, tmp_path)  # no such process: cannot tell
+    assert not nbd_tcp.started_before(pid, files)
+    assert not nbd_tcp.started_before(2 ** 22 + 1, files)  # no such process: cannot tell
 
 
 async def test_a_node_presents_its_renewed_certificate_to_peers_without_a_restart(
