@@ -18,6 +18,7 @@ from csi_qsd.errors import (
     Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted,
 )
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.filesystems import MINIMUM_BYTES
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ExportKind, QoS, VolumeParameters
 from csi_qsd.pools.base import NewImage, Pool
@@ -90,6 +91,18 @@ def choose_size(required: int, limit: int) -> int:
                 f"no size in [{required}, {limit}] is a multiple of the {SIZE_GRANULARITY}-byte granularity"
             )
     return size
+
+
+def _room_for_filesystem(wanted: int, limit: int, caps: list[Capability]) -> int:
+    """`wanted` bytes (0: the default size), raised to the least a filesystem the capabilities name can be
+    made on, so that the volume can be staged (CSI lets a volume be larger than required, within the limit).
+    Raises OutOfRange if the limit leaves no room for it."""
+    fs_type, least = max(((cap.fs_type, MINIMUM_BYTES.get(cap.fs_type, 0)) for cap in caps if not cap.block),
+                         key=lambda pair: pair[1], default=("", 0))
+    if least and limit and limit < least:
+        raise OutOfRange(f"a {fs_type} filesystem needs at least {least} bytes, above limit_bytes {limit}: "
+                         "allow a larger volume or use ext4")
+    return max(wanted, least) if wanted else 0
 
 
 async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> None:
@@ -174,7 +187,7 @@ class Volumes:
                     await self._wait_deleted(existing.id, name)
                 else:
                     await self._discard(existing)  # a crashed earlier attempt
-            size = choose_size(required or base_size, limit)
+            size = choose_size(_room_for_filesystem(required or base_size, limit, caps), limit)
             if size < base_size:
                 raise OutOfRange(f"volume {name!r} must hold at least the {base_size} bytes of its source")
             if make_base is not None:

@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -277,10 +278,31 @@ def _is_loop_over(source: str, export: Path) -> bool:
 
 
 def _apply_group(root: Path, group: str) -> None:
-    """Give the filesystem's root to the pod's group (setgid, group-writable): VOLUME_MOUNT_GROUP."""
+    """Give the filesystem to the pod's group, VOLUME_MOUNT_GROUP, as kubelet gives it a pod's fsGroup.
+
+    kubelet leaves a pod's fsGroup to a driver that takes VOLUME_MOUNT_GROUP, so the driver does what
+    kubelet would (fsGroupChangePolicy OnRootMismatch): when the root is not the group's yet (a new volume,
+    or a pod of another fsGroup after the last one left), every file and directory on this filesystem goes
+    to the group, group-readable and writable, directories setgid, so files made later inherit it. Links
+    are not followed, and nothing on another filesystem mounted below is touched.
+    """
     gid = int(group)
     st = os.stat(root)
     if st.st_gid != gid:
-        os.chown(root, -1, gid)
-    os.chmod(root, (st.st_mode & 0o7777) | 0o2070)
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = Path(dirpath)
+            dirnames[:] = [d for d in dirnames if os.lstat(here / d).st_dev == st.st_dev]
+            for name in [*dirnames, *filenames]:
+                _give_to_group(here / name, gid)
+    os.chown(root, -1, gid)
+    os.chmod(root, (os.stat(root).st_mode & 0o7777) | 0o2070)
+
+
+def _give_to_group(path: Path, gid: int) -> None:
+    os.lchown(path, -1, gid)
+    entry = os.lstat(path)  # after: the kernel drops a file's setuid and setgid bits on chown
+    if stat.S_ISDIR(entry.st_mode):
+        os.chmod(path, (entry.st_mode & 0o7777) | 0o2070)
+    elif stat.S_ISREG(entry.st_mode):
+        os.chmod(path, (entry.st_mode & 0o7777) | 0o060)
 

@@ -14,8 +14,9 @@ from csi_qsd.sys.run import run
 
 SUPPORTED = ("ext4", "xfs")
 DEFAULT = "ext4"
-# mkfs.xfs (xfsprogs >= 5.19) refuses filesystems smaller than this; ext4 fits any volume we make.
-MINIMUM_BYTES = {"xfs": 300 * 1000 * 1000}
+# mkfs.xfs (xfsprogs >= 5.19) refuses filesystems smaller than this ("larger than 300MB": MiB); ext4 fits any
+# volume we make.
+MINIMUM_BYTES = {"xfs": 300 * 1024 * 1024}
 
 
 def check_fs_type(fs_type: str) -> str:

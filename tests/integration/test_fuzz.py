@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.csi.client import capability
 from csi_qsd.sys import mounts
 from tests.harness import Sandbox
 from tests.leftovers import host_leftovers, qsd_leftovers
@@ -613,3 +614,19 @@ async def test_stage_as_xfs_below_its_minimum_size(box: Sandbox, csi: Any) -> No
         await csi.stage(volume, str(staging), fs_type="xfs")
     assert info.value.code() == Code.FAILED_PRECONDITION, info.value.details()
     assert "xfs" in (info.value.details() or "") and volume in (info.value.details() or "")
+
+
+async def test_an_xfs_claim_too_small_for_xfs_gets_room_for_it(box: Sandbox, csi: Any) -> None:
+    """A 1 MiB claim of an xfs class (the Kubernetes e2e suite's size): CreateVolume gives the least XFS can be
+    made on, so the volume stages; with a limit below that, OUT_OF_RANGE saying why."""
+    created = await csi.create_volume("pvc-tiny-xfs", MIB, fs_type="xfs")
+    assert created.capacity_bytes >= 300 * MIB
+    staging = box.staging("tiny-xfs")
+    await csi.stage(created.volume_id, str(staging), fs_type="xfs")
+    await csi.unstage(created.volume_id, str(staging))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await csi.controller.CreateVolume(pb.CreateVolumeRequest(
+            name="pvc-tiny-xfs-capped", capacity_range=pb.CapacityRange(required_bytes=MIB, limit_bytes=16 * MIB),
+            volume_capabilities=[capability(fs_type="xfs")]), timeout=60)
+    assert info.value.code() == Code.OUT_OF_RANGE, info.value.details()
+    assert "xfs filesystem needs at least" in (info.value.details() or "")
