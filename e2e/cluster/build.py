@@ -124,15 +124,14 @@ def busybox_image(root: Path) -> Path:
 
 
 def e2e_test_images(root: Path, kubernetes: Path) -> list[Path]:
-    """The e2e suite's test images, built here: busybox-static for its busybox, nginx and jessie-dnsutils,
-    plus agnhost.
+    """The e2e suite's test images, built here: busybox-static for its busybox and nginx, plus agnhost.
 
-    The storage tests give the nginx and jessie-dnsutils images only shell commands, and run `nsenter` and
-    shell tools in agnhost's host-exec pods: busybox's applets serve them all.
+    The storage tests give the nginx image only shell commands, and run `nsenter` and shell tools in
+    agnhost's host-exec pods: busybox's applets serve them (jessie-dnsutils is `jessie_dnsutils_image`).
     """
     files = _busybox_files()
     agnhost = [*files, ImageFile("/agnhost", kubernetes / "agnhost")]
-    shells = (versions.E2E_BUSYBOX_IMAGE, versions.E2E_NGINX_IMAGE, versions.E2E_JESSIE_IMAGE)
+    shells = (versions.E2E_BUSYBOX_IMAGE, versions.E2E_NGINX_IMAGE)
     return [*(_scratch(root, ScratchImage(name, tuple(files), ("/bin/sh",))) for name in shells),
             _scratch(root, ScratchImage(versions.E2E_AGNHOST_IMAGE, tuple(agnhost), ("/agnhost",)))]
 
@@ -190,29 +189,41 @@ def driver_images(root: Path) -> Path:
 QEMU_IMAGE = "localhost/csi-qsd-test/qemu:trixie"
 
 
-def qemu_image(root: Path) -> Path:
-    """Debian 13's QEMU (and socat, to speak QMP) in an image, for VM pods (guest kernel from a hostPath).
-
-    Built on the base image scripts/build-image.sh makes (it must have run first), cached by the recipe.
-    """
-    recipe = ("FROM localhost/csi-qsd-base:trixie\n"
-              "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
-              "qemu-system-x86 socat && rm -rf /var/lib/apt/lists/*\n"
-              'ENTRYPOINT ["qemu-system-x86_64"]\n')
-    archive = root / "images" / f"qemu-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.tar"
+def _debian_image(root: Path, name: str, stem: str, recipe: str) -> Path:
+    """An image built with podman from `recipe` (on the base image scripts/build-image.sh makes, which must
+    have run first), cached by the recipe."""
+    archive = root / "images" / f"{stem}-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.tar"
     if archive.exists():
         return archive
-    work = root / "images" / "qemu-build"
+    work = root / "images" / f"{stem}-build"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     (work / "Containerfile").write_text(recipe)
-    _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", QEMU_IMAGE, str(work)])
+    _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", name, str(work)])
+    for stale in (root / "images").glob(f"{stem}-*.tar"):
+        stale.unlink()
     tmp = archive.with_name(archive.name + ".tmp")
     tmp.unlink(missing_ok=True)
-    _run(["podman", "save", "--format", "docker-archive", "--output", str(tmp), QEMU_IMAGE])
+    _run(["podman", "save", "--format", "docker-archive", "--output", str(tmp), name])
     tmp.rename(archive)
     shutil.rmtree(work, ignore_errors=True)
     return archive
+
+
+def qemu_image(root: Path) -> Path:
+    """Debian 13's QEMU (and socat, to speak QMP) in an image, for VM pods (guest kernel from a hostPath)."""
+    return _debian_image(root, QEMU_IMAGE, "qemu", (
+        "FROM localhost/csi-qsd-base:trixie\n"
+        "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
+        "qemu-system-x86 socat && rm -rf /var/lib/apt/lists/*\n"
+        'ENTRYPOINT ["qemu-system-x86_64"]\n'))
+
+
+def jessie_dnsutils_image(root: Path) -> Path:
+    """The e2e suite's jessie-dnsutils, a Debian with GNU coreutils: its multiVolume tests run GNU dd's
+    `oflag=nocache`, which busybox lacks."""
+    return _debian_image(root, versions.E2E_JESSIE_IMAGE, "jessie-dnsutils",
+                         "FROM localhost/csi-qsd-base:trixie\nCMD [\"/bin/sh\"]\n")
 
 
 def snapshot_crds() -> Path:
@@ -229,5 +240,6 @@ def build_all(root: Path | None = None) -> Built:
     root.mkdir(parents=True, exist_ok=True)
     kubernetes = kubernetes_binaries(root)
     images = [*pause_images(root), busybox_image(root), kubectl_image(root, kubernetes), *sidecar_images(root),
-              driver_images(root), qemu_image(root), *e2e_test_images(root, kubernetes)]
+              driver_images(root), qemu_image(root), *e2e_test_images(root, kubernetes),
+              jessie_dnsutils_image(root)]
     return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests())

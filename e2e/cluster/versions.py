@@ -21,8 +21,8 @@ BUSYBOX_IMAGE = "docker.io/library/busybox:1.36"
 # busybox and this cluster's kubectl, under the name deploy/examples/hotplug.yaml's node agent uses.
 KUBECTL_IMAGE = "docker.io/bitnami/kubectl:1.34"
 # The images the e2e suite's storage tests start (k8s.io/kubernetes test/utils/image at KUBERNETES): its
-# busybox, agnhost (the host-exec pods: agnhost and nsenter), and nginx and jessie-dnsutils (only ever given
-# shell commands).
+# busybox and nginx (only ever given shell commands) and agnhost (the host-exec pods: agnhost and nsenter),
+# from busybox-static; jessie-dnsutils (GNU dd for multiVolume) from a Debian base.
 E2E_BUSYBOX_IMAGE = "registry.k8s.io/e2e-test-images/busybox:1.37.0-1"
 E2E_AGNHOST_IMAGE = "registry.k8s.io/e2e-test-images/agnhost:2.56"
 E2E_NGINX_IMAGE = "registry.k8s.io/e2e-test-images/nginx:1.14-4"
