@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.sys import loop_calls
 from e2e.cluster import deploy
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
@@ -105,31 +104,10 @@ def _graceful_teardown(cluster: Cluster) -> list[str]:
     left = [m for m in node_mounts if "/volumes/kubernetes.io~csi/" in m or "/volumeDevices/kubernetes.io~csi/" in m
             or "/plugins/kubernetes.io/csi/" in m or m.startswith("/var/lib/csi-qsd/") and "fuse" in m]
     problems += [f"mount {m}" for m in left]
-    for device in _node_loop_devices(cluster):
-        problems.append(f"loop device {device} over one of the node's FUSE exports")
-        loop_calls.detach(device)  # anyway: the host keeps no loop device once the node is gone
+    for node in cluster.nodes:
+        # Detached anyway when the node stops: the host keeps no loop device once the node is gone.
+        problems += [f"loop device {device} over one of {node.name}'s FUSE exports" for device in node.loop_devices()]
     return problems
-
-
-def _node_loop_devices(cluster: Cluster) -> list[Path]:
-    """Loop devices over the node's FUSE exports, found by the exports' device numbers.
-
-    Not by sysfs' path: a loop device attached from a container whose namespace is gone reads "/".
-    """
-    exports: set[tuple[int, int]] = set()
-    for line in Path(f"/proc/{cluster.node.pid}/mountinfo").read_text().splitlines():
-        fields = line.split()
-        fs_type = fields[fields.index("-") + 1]
-        if fields[4].startswith("/var/lib/csi-qsd/") and fs_type.startswith("fuse"):
-            major, minor = fields[2].split(":")
-            exports.add((int(major), int(minor)))
-    found = []
-    for attribute in Path("/sys/block").glob("loop*/loop/backing_file"):
-        device = Path("/dev") / attribute.parent.parent.name
-        identity = loop_calls.backing_identity(device)
-        if identity is not None and identity[:2] in exports:
-            found.append(device)
-    return found
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from csi_qsd.sys import loop_calls
 from e2e.cluster import namespace
 from e2e.cluster.pki import CertPair, ClusterPKI
 from e2e.cluster.versions import PAUSE_IMAGE
@@ -156,6 +157,37 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             f"--hostname-override={name}", f"--node-ip={self.ip}", "--v=2",
         ], self.logs / "kubelet.log")
 
+    def loop_devices(self) -> list[Path]:
+        """Loop devices over the node's FUSE exports, found by the exports' device numbers.
+
+        Not by sysfs' path: a loop device attached from a container whose namespace is gone reads "/".
+        """
+        exports: set[tuple[int, int]] = set()
+        for line in Path(f"/proc/{self.namespace.pid}/mountinfo").read_text().splitlines():
+            fields = line.split()
+            fs_type = fields[fields.index("-") + 1]
+            if fields[4].startswith("/var/lib/csi-qsd/") and fs_type.startswith("fuse"):
+                major, minor = fields[2].split(":")
+                exports.add((int(major), int(minor)))
+        found = []
+        for attribute in Path("/sys/block").glob("loop*/loop/backing_file"):
+            device = Path("/dev") / attribute.parent.parent.name
+            identity = loop_calls.backing_identity(device)
+            if identity is not None and identity[:2] in exports:
+                found.append(device)
+        return found
+
     def stop(self) -> list[str]:
-        """Stop everything in the node; return what could not be cleaned up."""
-        return self.namespace.stop()
+        """Stop everything in the node; return what could not be cleaned up.
+
+        Loop devices over its FUSE exports (a volume still staged when the node stops) are detached after:
+        they belong to the host, and would outlive the node.
+        """
+        try:
+            loops = self.loop_devices()
+        except (OSError, AssertionError):
+            loops = []
+        problems = self.namespace.stop()
+        for device in loops:
+            loop_calls.detach(device)
+        return problems
