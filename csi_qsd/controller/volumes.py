@@ -102,7 +102,7 @@ def _room_for_filesystem(wanted: int, limit: int, caps: list[Capability]) -> int
     if least and limit and limit < least:
         raise OutOfRange(f"a {fs_type} filesystem needs at least {least} bytes, above limit_bytes {limit}: "
                          "allow a larger volume or use ext4")
-    return max(wanted, least) if wanted else 0
+    return max(wanted, least) if wanted > 0 else wanted  # 0: the default size; below: choose_size refuses
 
 
 async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> None:

@@ -771,9 +771,10 @@ async def test_unadvertised_rpcs_are_unimplemented(
 # the driver's own directories inside the root ---------------------------------
 
 
-async def test_paths_into_the_state_dir_are_refused_even_inside_the_root(box: Sandbox) -> None:
+async def test_paths_into_the_state_dir_are_refused_even_inside_the_root(box: Sandbox, tmp_path: Path) -> None:
     """With the target root above the state dir, the state dir, its contents and its parents are still off limits."""
-    async with in_process_driver(box, target_root=box.root) as (_, csi):
+    # The runtime directory may not lie under the target root (it holds keys for a moment): one of its own.
+    async with in_process_driver(box, target_root=box.root, runtime_dir=tmp_path / "run") as (_, csi):
         volume = await csi.create_volume("pvc-in", 16 * MIB)
         for path in (box.state_dir, box.state_dir / "pool", box.state_dir / "exports" / volume.volume_id, box.root):
             with pytest.raises(grpc.aio.AioRpcError) as info:
