@@ -120,15 +120,22 @@ class NodeNamespace:
 
     def _kill_leftovers(self) -> None:
         """Kill what a run stopped before its teardown (SIGKILL, a CI timeout) left in this node's cgroup."""
+        if not self._kill_all():
+            raise RuntimeError(f"{self.name}: a previous run's processes will not die: {sorted(self.cgroup_pids())}")
+
+    def _kill_all(self) -> bool:
+        """SIGKILL everything in the node's cgroup (and the holder) until nothing is left; False if it stays."""
         for _ in range(50):
             pids = self.cgroup_pids()
+            if self.holder is not None and self.holder.poll() is None:
+                pids.add(self.holder.pid)
             if not pids:
-                return
+                return True
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name}: a previous run's processes will not die: {sorted(self.cgroup_pids())}")
+        return False
 
     def _join_cgroup(self, pid: int = 0) -> None:
         """Move `pid` (0: the calling process) into the node's cgroup; what it starts follows it."""
@@ -257,17 +264,7 @@ class NodeNamespace:
         for label, proc in reversed(self.processes):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))
-        for _ in range(50):
-            pids = self.cgroup_pids()
-            if self.holder is not None and self.holder.poll() is None:
-                pids.add(self.holder.pid)
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        else:
+        if not self._kill_all():
             problems.append(f"processes still in the node's cgroup: {sorted(self.cgroup_pids())}")
         for _, proc in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
