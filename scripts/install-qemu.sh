@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 BIN="$1"
 DEFAULT="${CSI_QSD_QEMU_RUNTIME:-10}"
 SUITE="${CSI_QSD_QEMU_SUITE:-trixie}"
-MIRROR="${CSI_QSD_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+MIRROR="$(bash scripts/debian-mirror.sh)"
 TOOLS=(qemu-storage-daemon qemu-img qemu-io qemu-nbd)
 
 case "$DEFAULT" in 10|11) ;; *) echo "install-qemu: CSI_QSD_QEMU_RUNTIME must be 10 or 11, not $DEFAULT" >&2; exit 2;; esac
@@ -83,7 +83,7 @@ if dpkg --compare-versions "$(host_version)" ge 10.0.8; then
   host_wrap
   echo "qemu: the host's own $(host_version) is new enough for the 10 runtime"
 else
-  unpack "$ROOT10" "$SUITE"
+  unpack "$ROOT10" "$SUITE" "deb $MIRROR $SUITE main"
   wrap "$ROOT10" -10 "$SUITE"
 fi
 # trixie-backports preferred for every package it has: QEMU 11 needs its newer libraries too.

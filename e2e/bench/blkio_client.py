@@ -28,7 +28,6 @@ SOURCE = Path(__file__).with_name("blkio_bench.c")
 RUNTIME = REPO / ".runtime"
 BUILD_ROOT = RUNTIME / "blkio-build"
 QEMU11_ROOT = RUNTIME / "qemu11"
-MIRROR = "http://deb.debian.org/debian"
 _IOPS = re.compile(r"^iops=([0-9.]+)$", re.M)
 
 
@@ -47,8 +46,10 @@ def ensure_built() -> Path:
     if not (BUILD_ROOT / "usr/include/blkio.h").exists():
         partial = BUILD_ROOT.with_name(BUILD_ROOT.name + ".tmp")
         shutil.rmtree(partial, ignore_errors=True)
+        mirror = subprocess.run(["bash", str(REPO / "scripts/debian-mirror.sh")], check=True, capture_output=True,
+                                text=True).stdout.strip()
         subprocess.run(["mmdebstrap", "--quiet", "--variant=apt", "--include=gcc,libc6-dev,libblkio-dev", "trixie",
-                        str(partial), f"deb {MIRROR} trixie main"], check=True)
+                        str(partial), f"deb {mirror} trixie main"], check=True)
         partial.rename(BUILD_ROOT)
     work = BUILD_ROOT / "build"
     work.mkdir(exist_ok=True)
