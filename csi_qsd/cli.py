@@ -279,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
             "the running pods of this pod's namespace matching this label selector, each at its pod IP and the "
             "--metadata-address port, read again (at most every 5 s) whenever a copy needs them, so a pod made "
             "again is found at its new IP; needs the service account's permission to list pods there")
+    serve.add_argument("--claim-snapshot-contents", action="store_true",
+                       default=os.environ.get(env_name("--claim-snapshot-contents"), "") in ("1", "true"),
+                       help="label each hand-made (pre-provisioned) VolumeSnapshotContent of this driver whose "
+                       "snapshot this node holds with snapshot.storage.kubernetes.io/managed-by=<node>, so this "
+                       "node's csi-snapshotter (--node-deployment) takes it; checked every 10 s; needs the service "
+                       "account's permission to list and patch volumesnapshotcontents "
+                       f"(env {env_name('--claim-snapshot-contents')}=true)")
     _option(serve, "--copy-address", "", "address on which this node serves its snapshots to copies on other "
             "nodes (NBD with TLS); default the --metadata-address host; the host other nodes name this node by "
             "in their --peer (a lease served elsewhere is refused), and never loopback while a --peer is on "
@@ -472,6 +479,7 @@ def config_from(args: argparse.Namespace) -> Config:
                                 getattr(args, "metadata_client_ca", "")),
         peers=tuple((peer.name, peer.address) for peer in getattr(args, "peer", None) or ()),
         peers_from_pods=getattr(args, "peers_from_pods", ""),
+        claim_snapshot_contents=bool(getattr(args, "claim_snapshot_contents", False)),
         kubernetes_api=_kubernetes_api(),
         copy_address=getattr(args, "copy_address", ""),
         copy_ports=getattr(args, "copy_ports", range(10900, 11000)),

@@ -98,6 +98,9 @@ class Config:
     # (`csi_qsd.csi.peer_pods`), through the API server at `kubernetes_api` (host:port, given to every pod).
     peers_from_pods: str = ""
     kubernetes_api: str = ""
+    # Label the hand-made VolumeSnapshotContents whose snapshot this node holds with this node's name, so its
+    # csi-snapshotter takes them (`csi_qsd.csi.snapshot_contents`).
+    claim_snapshot_contents: bool = False
     copy_address: str = ""
     copy_ports: range = range(10900, 11000)
     copy_rate: int = 0
@@ -131,6 +134,9 @@ class Config:
             raise ValueError("--peer needs the node-to-node TLS files: --metadata-cert, --metadata-key and "
                              "--metadata-client-ca")
         self._check_peers_from_pods()
+        if self.claim_snapshot_contents and not self.kubernetes_api:
+            raise ValueError("--claim-snapshot-contents asks the Kubernetes API, and this is not a pod: "
+                             "KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are not set")
         remote = [f"--peer {name} is" for name, address in self.peers if not is_loopback(address.rpartition(":")[0])]
         remote += ["--peers-from-pods finds pods on other hosts"] if self.peers_from_pods else []
         if remote and is_loopback(self.copy_host):

@@ -48,6 +48,7 @@ from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.controller.copies import CopySettings, LinkCheck, RemoteCopies, SourceLeases
 from csi_qsd.csi.peer_pods import InCluster, PodPeers
+from csi_qsd.csi.snapshot_contents import ContentClaimer
 from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
 from csi_qsd.node.copies import CopyStreams, CrossNodeCopies
 from csi_qsd.sys import mounts, runtime
@@ -213,4 +214,26 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
             async with serving_metadata_listener(config, identity, controller, metadata,
                                                  handlers=(copies_handler(driver.copies.leases, driver.peers,
                                                                           config.copy_calls_per_node),)):
-                yield driver
+                async with claiming_snapshot_contents(config, driver):
+                    yield driver
+
+
+@contextlib.asynccontextmanager
+async def claiming_snapshot_contents(config: Config, driver: Driver) -> AsyncIterator[None]:
+    """With --claim-snapshot-contents, label the hand-made contents of this node's snapshots while serving."""
+    if not config.claim_snapshot_contents:
+        yield
+        return
+
+    async def holds(snapshot_id: str) -> bool:
+        return await driver.snapshots.get(snapshot_id) is not None
+
+    host, _, port = config.kubernetes_api.rpartition(":")
+    claimer = ContentClaimer(InCluster.from_pod(host.strip("[]"), port), config.driver_name, config.node_id, holds)
+    task = asyncio.create_task(claimer.run(), name="claim-snapshot-contents")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

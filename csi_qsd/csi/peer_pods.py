@@ -57,6 +57,18 @@ class InCluster:
         return cls(f"https://{bracketed(f'{host}:{port}')}", (account / "namespace").read_text().strip(),
                    account / "token", account / "ca.crt")
 
+    def call(self, method: str, path: str, patch: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One API request with the service account's token; `patch` is sent as a JSON merge patch.
+        Raises OSError (also for an HTTP error answer) or ValueError (an answer that is not JSON)."""
+        headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}", "Accept": "application/json"}
+        data = None
+        if patch is not None:
+            headers["Content-Type"] = "application/merge-patch+json"
+            data = json.dumps(patch).encode()
+        request = urllib.request.Request(f"{self.server}{path}", data=data, headers=headers, method=method)
+        with urllib.request.urlopen(request, context=self.tls_context(), timeout=10) as answer:
+            return json.loads(answer.read())  # type: ignore[no-any-return]
+
 
 def peers_of(pod_list: dict[str, Any], port: int) -> dict[str, str]:
     """Node name -> "POD_IP:port" for each running, not deleted pod of a PodList that has both."""
@@ -95,12 +107,8 @@ class PodPeers:
 
     def _list_pods(self) -> dict[str, Any]:
         query = urllib.parse.urlencode({"labelSelector": self._selector})
-        url = f"{self._api.server}/api/v1/namespaces/{urllib.parse.quote(self._api.namespace)}/pods?{query}"
-        request = urllib.request.Request(url, headers={
-            "Authorization": f"Bearer {self._api.token_file.read_text().strip()}", "Accept": "application/json"})
         try:
-            with urllib.request.urlopen(request, context=self._api.tls_context(), timeout=10) as answer:
-                return json.loads(answer.read())  # type: ignore[no-any-return]
+            return self._api.call("GET", f"/api/v1/namespaces/{urllib.parse.quote(self._api.namespace)}/pods?{query}")
         except (OSError, ValueError) as exc:
             raise Unavailable(f"cannot list the node plugin pods ({self._selector}) in namespace "
                               f"{self._api.namespace} to find the other nodes: {exc}") from None
