@@ -32,8 +32,8 @@ from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.sys.failpoints import Failpoints
-from csi_qsd.node.condition import HealthView
-from csi_qsd.node.qos import VolumeLimits
+from csi_qsd.controller.condition import HealthView
+from csi_qsd.controller.qos import VolumeLimits
 from csi_qsd.controller.live import LiveImages
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.csi.metadata_listener import serving_metadata_listener
