@@ -348,13 +348,24 @@ async def test_a_call_on_a_busy_volume_is_aborted_then_the_retry_succeeds(
     await csi.delete_snapshot(snapshot.result().snapshot_id)
 
 
+# A stage and an unstage of a small volume took under a second here (a few on a loaded machine). The held
+# call waits up to 60 s for its release, so a call queued behind it is still waiting when this bound runs out.
+NOT_BLOCKED_S = 20.0
+
+
 async def test_other_volumes_are_not_blocked(box: Sandbox, held: tuple[CSIClient, HeldPool]) -> None:
     csi, gate = held
     busy = await csi.create_volume("pvc-busy", 16 * MIB)
     free = await csi.create_volume("pvc-free", 64 * MIB)
-    async with gate.holding(csi.create_snapshot("snap-busy", busy.volume_id)):
-        await csi.stage(free.volume_id, str(box.staging("free")))
-        await csi.unstage(free.volume_id, str(box.staging("free")))
+    async with gate.holding(csi.create_snapshot("snap-busy", busy.volume_id)) as snapshot:
+        try:
+            async with asyncio.timeout(NOT_BLOCKED_S):
+                await csi.stage(free.volume_id, str(box.staging("free")))
+                await csi.unstage(free.volume_id, str(box.staging("free")))
+        except TimeoutError:
+            pytest.fail(f"staging and unstaging volume {free.volume_id} took over {NOT_BLOCKED_S:.0f}s while "
+                        f"a CreateSnapshot of volume {busy.volume_id} was held: the other volume was blocked")
+        assert not snapshot.done(), "the held call must still be in flight while the other volume is served"
 
 
 async def test_create_with_a_name_in_flight_is_aborted(held: tuple[CSIClient, HeldPool]) -> None:

@@ -263,9 +263,16 @@ async def test_a_cloned_volume_is_not_deleted(source: tuple[FakeNode, SourceLeas
     node, leases = source
     volume = await node.new_volume()
     await leases.lease(COPY, "node-b", f"volume:{volume.id}")
+    leased = await node.volumes.get(volume.id)
+    assert leased is not None
     await _refused_for_the_copy(node.volumes.delete(volume.id))
+    assert await node.volumes.get(volume.id) == leased, "a refused delete must leave the volume as it was"
+    assert leased.image.exists()
     await leases.release(COPY)
     await node.volumes.delete(volume.id)
+    assert await node.volumes.get(volume.id) is None, "once the lease is released the delete must go through"
+    await node.volumes.freed()
+    assert not leased.image.exists(), "the deleted volume's image must go"
 
 
 async def test_a_group_snapshot_whose_member_a_copy_reads_is_not_deleted(
