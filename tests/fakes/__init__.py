@@ -26,6 +26,8 @@ own tests fake the protocol:
   process.
 * `node`: `fake_node`, a node's domain assembled over them as the server
   assembles the real one.
+* `context`: `FakeContext`, a gRPC servicer context that records each abort,
+  for the `@rpc` decorator and the request checks without a server.
 
 The integration tier runs the same code against a real QSD; these are for
 the orchestration logic only. Nothing here is imported by `csi_qsd`.
@@ -33,6 +35,7 @@ the orchestration logic only. Nothing here is imported by `csi_qsd`.
 
 from __future__ import annotations
 
+from tests.fakes.context import FakeContext
 from tests.fakes.crash import Crash, CrashAt
 from tests.fakes.exports import Call, FakeExport, FakeExportPaths, FakeHostState
 from tests.fakes.node import FakeNode, fake_node
@@ -40,6 +43,6 @@ from tests.fakes.pools import FakeMovingPool, FakePool
 from tests.fakes.qsd import FakeDaemon, FakeQSDClient, fake_shards
 
 __all__ = [
-    "Call", "Crash", "CrashAt", "FakeDaemon", "FakeExport", "FakeExportPaths", "FakeHostState", "FakeMovingPool",
-    "FakeNode", "FakePool", "FakeQSDClient", "fake_node", "fake_shards",
+    "Call", "Crash", "CrashAt", "FakeContext", "FakeDaemon", "FakeExport", "FakeExportPaths", "FakeHostState",
+    "FakeMovingPool", "FakeNode", "FakePool", "FakeQSDClient", "fake_node", "fake_shards",
 ]

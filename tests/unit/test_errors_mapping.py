@@ -18,15 +18,7 @@ import pytest
 
 from csi_qsd import errors as E
 from csi_qsd.csi.errors import RpcObservers, rpc
-
-
-class FakeContext:
-    def __init__(self) -> None:
-        self.aborts: list[tuple[grpc.StatusCode, str]] = []
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        self.aborts.append((code, details))
-        raise grpc.aio.AbortError()
+from tests.fakes.context import FakeContext
 
 
 class Request:

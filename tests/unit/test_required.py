@@ -10,7 +10,7 @@ from csi_qsd.csi import required
 from csi_qsd.csi.errors import not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, Unimplemented
-from tests.unit.test_errors_mapping import FakeContext
+from tests.fakes.context import FakeContext
 
 Mode = pb.VolumeCapability.AccessMode
 
