@@ -33,24 +33,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import mmap
 import os
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.backup import incremental
-
-from csi_qsd.qcow2 import extents, imagemap
+from csi_qsd.catalog import Catalog
 from csi_qsd.config import Config
 from csi_qsd.csi.client import CSIClient
-from csi_qsd.catalog import Catalog
+from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import GIB, KIB, MIB, stop_driver_and_qsd, table
-from tests.harness import DriverProcess, Sandbox, sandbox
+from e2e.bench.common import GIB, KIB, MIB, Job, ServedBench, bench_main, fio, release, table, verdict
+from tests.harness import Sandbox
 
 BLOCK = 4 * KIB
 DELTA_TARGET_SECONDS = 1.0
@@ -116,23 +115,10 @@ async def compare_block_by_block(image0: Path, image1: Path, size: int, qemu_nbd
     return changed
 
 
-async def published(csi: CSIClient, box: Sandbox, name: str, size: int, granularity: int) -> tuple[str, Path]:
-    parameters = {"changedBlockGranularity": str(granularity)}
-    vid = (await csi.create_volume(name, size, parameters, block=True)).volume_id
-    staging, target = box.staging(name), box.target(name)
-    await csi.stage(vid, str(staging), block=True)
-    await csi.publish(vid, str(staging), str(target), block=True)
-    return vid, target
-
-
-async def release(csi: CSIClient, box: Sandbox, name: str, vid: str) -> None:
-    await csi.unpublish(vid, str(box.target(name)))
-    await csi.unstage(vid, str(box.staging(name)))
-
-
-async def measure(csi: CSIClient, box: Sandbox, size: int, granularity: int, offsets: list[int]) -> Result:
-    name = f"cbt-{granularity // KIB}k"
-    vid, device = await published(csi, box, name, size, granularity)
+async def measure(bench: Bench, csi: CSIClient, size: int, granularity: int, offsets: list[int]) -> Result:
+    name, box = f"cbt-{granularity // KIB}k", bench.box
+    volume = await bench.stage(csi, name, size, {"changedBlockGranularity": str(granularity)}, block=True)
+    vid, device = volume.id, volume.target
     s0 = (await csi.create_snapshot(f"{name}-0", vid)).snapshot_id
     await asyncio.to_thread(scatter, device, offsets)
     s1 = (await csi.create_snapshot(f"{name}-1", vid)).snapshot_id
@@ -159,33 +145,22 @@ async def measure(csi: CSIClient, box: Sandbox, size: int, granularity: int, off
                                  qemu_img=bundled("qemu-img"), qemu_nbd=qemu_nbd)
     backup_seconds = time.monotonic() - started
     out.unlink()
-    await release(csi, box, name, vid)
+    await release(csi, volume, delete=False)
     return Result(granularity, len(truth), extents.total(ranges), len(ranges), delta_times, comparison,
                   backup_seconds, report.bytes_read)
 
 
-async def fio_randwrite(device: Path, seconds: int) -> float:
-    """IOPS of 4 KiB random writes, QD16, O_DIRECT, over the whole device."""
-    proc = await asyncio.create_subprocess_exec(
-        "fio", "--name=w", f"--filename={device}", "--rw=randwrite", "--bs=4k", "--iodepth=16",
-        "--ioengine=libaio", "--direct=1", "--randrepeat=0", "--norandommap", "--time_based",
-        f"--runtime={seconds}", "--output-format=json",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode:
-        raise RuntimeError(f"fio failed: {err.decode(errors='replace')[-2000:]}")
-    return float(json.loads(out)["jobs"][0]["write"]["iops"])
+RANDWRITE = Job("4k randwrite QD16", "randwrite", "4k", 16)
 
 
-async def write_cost(csi: CSIClient, box: Sandbox, granularity: int, seconds: int) -> tuple[float, float]:
-    """(IOPS on a fresh volume, IOPS after a snapshot) of 4 KiB random writes."""
+async def write_cost(bench: Bench, csi: CSIClient, granularity: int, seconds: float) -> tuple[float, float]:
+    """(IOPS on a fresh volume, IOPS after a snapshot) of 4 KiB random writes, QD16, O_DIRECT, the whole device."""
     name = f"fio-{granularity // KIB}k"
-    vid, device = await published(csi, box, name, FIO_SIZE, granularity)
-    fresh = await fio_randwrite(device, seconds)
-    await csi.create_snapshot(f"{name}-0", vid)
-    after = await fio_randwrite(device, seconds)
-    await release(csi, box, name, vid)
+    volume = await bench.stage(csi, name, FIO_SIZE, {"changedBlockGranularity": str(granularity)}, block=True)
+    fresh = await fio(RANDWRITE, volume.target, runtime=seconds)
+    await csi.create_snapshot(f"{name}-0", volume.id)
+    after = await fio(RANDWRITE, volume.target, runtime=seconds)
+    await release(csi, volume, delete=False)
     return fresh, after
 
 
@@ -203,46 +178,51 @@ def report(size: int, percent: float, written: int, results: dict[str, Result]) 
         ])
     print(table(["granularity", "delta reports (ranges)", "GetMetadataDelta (3 runs)", "block by block",
                  "speed-up", "incremental backup read", "read / changed"], rows))
-    fine = results["4 KiB"]
-    checks = {
-        f"4 KiB: GetMetadataDelta < {DELTA_TARGET_SECONDS:.0f} s": fine.delta < DELTA_TARGET_SECONDS,
-        f"4 KiB: ≥ {SPEEDUP_TARGET}x faster than block by block": fine.comparison_seconds / fine.delta >= SPEEDUP_TARGET,
-        f"4 KiB: backup reads ≤ {BACKUP_READ_TARGET}x the changed bytes": fine.backup_read <= BACKUP_READ_TARGET * changed,
+    checks: dict[str, Callable[[Result], bool]] = {
+        f"4 KiB: GetMetadataDelta < {DELTA_TARGET_SECONDS:.0f} s": lambda fine: fine.delta < DELTA_TARGET_SECONDS,
+        f"4 KiB: ≥ {SPEEDUP_TARGET}x faster than block by block":
+            lambda fine: fine.comparison_seconds / fine.delta >= SPEEDUP_TARGET,
+        f"4 KiB: backup reads ≤ {BACKUP_READ_TARGET}x the changed bytes":
+            lambda fine: fine.backup_read <= BACKUP_READ_TARGET * changed,
     }
-    for what, ok in checks.items():
-        print(f"  {'PASS' if ok else 'MISS'}  {what}")
+    for what, check in checks.items():
+        print(f"  {verdict(lambda: check(results['4 KiB']))}  {what}")
 
 
-async def main(size: int, percent: float, fio_seconds: int) -> None:
-    with sandbox() as box:
-        driver = DriverProcess(box, "--log-level", "info")
-        await driver.start()
-        try:
-            async with CSIClient(box.endpoint, timeout=600) as csi:
-                rng = random.Random(1)
-                count = int(size // BLOCK * percent / 100)
-                offsets = sorted({rng.randrange(0, size // BLOCK) * BLOCK for _ in range(count)})
-                results: dict[str, Result] = {}
-                for label, granularity in GRANULARITIES.items():
-                    results[label] = await measure(csi, box, size, granularity, offsets)
-                    print(f"measured {label}", file=sys.stderr)
-                report(size, percent, len(offsets), results)
-                if fio_seconds:
-                    rows = []
-                    for label, granularity in GRANULARITIES.items():
-                        fresh, after = await write_cost(csi, box, granularity, fio_seconds)
-                        rows.append([label, f"{fresh:.0f}", f"{after:.0f}"])
-                    print(f"\nfio 4 KiB random writes, QD16, O_DIRECT, {fio_seconds} s each, "
-                          f"{FIO_SIZE / GIB:.0f} GiB block volume (IOPS):")
-                    print(table(["granularity", "fresh volume", "after a snapshot"], rows))
-        finally:
-            await stop_driver_and_qsd(driver)
+class Bench(ServedBench):
+    def __init__(self, box: Sandbox, size: int, percent: float, fio_seconds: float) -> None:
+        super().__init__(box)
+        self.size, self.percent, self.fio_seconds = size, percent, fio_seconds
+
+    async def phases(self, csi: CSIClient) -> None:
+        size, percent, fio_seconds = self.size, self.percent, self.fio_seconds
+        rng = random.Random(1)
+        count = int(size // BLOCK * percent / 100)
+        offsets = sorted({rng.randrange(0, size // BLOCK) * BLOCK for _ in range(count)})
+        results: dict[str, Result] = {}
+        for label, granularity in GRANULARITIES.items():
+            results[label] = await measure(self, csi, size, granularity, offsets)
+            print(f"measured {label}", file=sys.stderr)
+        report(size, percent, len(offsets), results)
+        if fio_seconds:
+            rows = []
+            for label, granularity in GRANULARITIES.items():
+                fresh, after = await write_cost(self, csi, granularity, fio_seconds)
+                rows.append([label, f"{fresh:.0f}", f"{after:.0f}"])
+            print(f"\nfio 4 KiB random writes, QD16, O_DIRECT, {fio_seconds:g} s each, "
+                  f"{FIO_SIZE / GIB:.0f} GiB block volume (IOPS):")
+            print(table(["granularity", "fresh volume", "after a snapshot"], rows), flush=True)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=10)
     parser.add_argument("--percent", type=float, default=1.0)
-    parser.add_argument("--fio-seconds", type=int, default=15, help="0: skip the write-cost runs")
-    args = parser.parse_args()
-    asyncio.run(main(int(args.size_gib * GIB), args.percent, args.fio_seconds))
+    parser.add_argument("--fio-seconds", type=float, default=15, help="0: skip the write-cost runs")
+    args = parser.parse_args(argv)
+    return bench_main(lambda box: Bench(box, int(args.size_gib * GIB), args.percent, args.fio_seconds),
+                      lambda bench: "", tools=("fio",))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,11 @@
-"""Shared helpers for the benchmarks: timing, percentiles, process memory and plain tables.
+"""Shared by the benchmarks: timing, percentiles, process memory, plain tables, fio, and the served-driver skeleton.
 
-Benchmarks print every figure beside a baseline measured in the same run;
-these helpers only measure and format. They never decide pass or fail, and
-never start or stop anything.
+Benchmarks print every figure beside a baseline measured in the same run.
+The measuring and formatting helpers never decide pass or fail; `verdict`
+turns a check into PASS, MISS or, when the check itself raised, FAIL.
+`ServedBench` is the skeleton of a bench against `csi-qsd serve`: start it,
+open a client, run the phases, undo what they left, stop it and its QSDs;
+`bench_main` runs one in a sandbox and prints its report.
 """
 
 from __future__ import annotations
@@ -10,19 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
-from tests.harness import DriverProcess, qsd_pids
+from csi_qsd.csi.client import CSIClient
+from csi_qsd.sys import filesystems
+from csi_qsd.sys.run import run
+from tests.harness import DriverProcess, Sandbox, qsd_pids, sandbox
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -186,6 +194,29 @@ def sh(*argv: str) -> str:
     return done.stdout
 
 
+async def output(*argv: str, timeout: float = 1800) -> str:
+    """A host command's stdout, run as the driver runs its tools (`csi_qsd.sys.run`: C locale, HostCommandError)."""
+    return (await run(*argv, timeout=timeout))[1]
+
+
+def progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def verdict(test: Callable[[], object], miss: str = "MISS") -> str:
+    """PASS if `test()` holds, else `miss`; FAIL (with why) if the check itself raised: it never passes unrun."""
+    try:
+        return "PASS" if test() else miss
+    except Exception as exc:
+        return f"FAIL (the check raised {exc!r})"
+
+
+def measured(value: float | None, what: str) -> float:
+    """`value`, for a check; raises RuntimeError if it was never measured (the check then prints FAIL)."""
+    if value is None:
+        raise RuntimeError(f"{what} was not measured")
+    return value
+
 
 # --- cleanup shared by the benchmarks that serve the driver ---------------------------
 
@@ -242,7 +273,205 @@ class Job:
         return f"{self.name} ({'MiB/s' if self.sequential else 'IOPS'})"
 
 
-def run_to_end(run: Coroutine[Any, Any, object], driver: DriverProcess, *, what: str = "benchmark",
+async def fio(job: Job, *files: Path, runtime: float = 0, size: int = 0, offset: int = 0,
+              extra: Sequence[str] = ()) -> float:
+    """`job` on every file at once (O_DIRECT, libaio, a job per file, one report): MiB/s if sequential, else IOPS.
+
+    `runtime` seconds (0: until `size` bytes are done, the whole file if 0),
+    from `offset`. Raises HostCommandError if fio fails, RuntimeError if a job did.
+    """
+    argv = ["fio", "--output-format=json", "--group_reporting", "--direct=1", "--ioengine=libaio",
+            f"--rw={job.rw}", f"--bs={job.bs}", f"--iodepth={job.iodepth}", "--randrepeat=0", "--norandommap",
+            f"--offset={offset}", *([f"--size={size}"] if size else []), *extra]
+    if runtime:
+        argv += ["--time_based", f"--runtime={round(runtime * 1000)}ms"]
+    for index, path in enumerate(files):
+        argv += [f"--name=j{index}", f"--filename={path}"]
+    report = json.loads(await output(*argv))["jobs"][0]
+    if report.get("error"):
+        raise RuntimeError(f"fio {job.name} on {', '.join(map(str, files))} failed with error {report['error']}")
+    read, write = report["read"], report["write"]
+    if job.sequential:
+        return float(read["bw_bytes"] + write["bw_bytes"]) / MIB
+    return float(read["iops"] + write["iops"])
+
+
+LAY_OUT = Job("lay out", "write", "1M", 8)
+
+
+async def lay_out(path: Path, size: int, offset: int = 0) -> None:
+    """Write [offset, offset+size) of `path` once, 1 MiB at a time, and flush: later jobs measure allocated data."""
+    await fio(LAY_OUT, path, size=size, offset=offset, extra=["--end_fsync=1"])
+
+
+# --- loop devices and filesystems for the baselines --------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def loop_device(backing: Path, *, direct: bool = True, window: tuple[int, int] | None = None,
+                      ) -> AsyncIterator[Path]:
+    """A loop device over `backing` (its (offset, length) `window`), direct I/O or buffered; detached on exit."""
+    carve = [f"--offset={window[0]}", f"--sizelimit={window[1]}"] if window else []
+    device = Path((await output("losetup", "--find", "--show", f"--direct-io={'on' if direct else 'off'}",
+                                *carve, str(backing))).strip())
+    try:
+        yield device
+    finally:
+        await run("losetup", "--detach", str(device), check=False)
+
+
+@contextlib.asynccontextmanager
+async def ext4_on(device: Path, mountpoint: Path) -> AsyncIterator[Path]:
+    """ext4 made as the driver makes it, mounted at `mountpoint`, unmounted on exit."""
+    await filesystems.make(device, "ext4")
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    await output("mount", str(device), str(mountpoint))
+    try:
+        yield mountpoint
+    finally:
+        await output("umount", str(mountpoint))
+
+
+def loop_mode_of(path: Path) -> str:
+    """'direct (loopN)' or 'buffered (loopN)': the loop device a block device file or a mounted directory sits on."""
+    st = os.stat(path)
+    dev = st.st_rdev if path.is_block_device() or not path.is_dir() else st.st_dev
+    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    try:
+        dio = (sysfs / "loop" / "dio").read_text().strip()
+        name = sysfs.resolve().name
+    except OSError:
+        return "not a loop device"
+    return f"{'direct' if dio == '1' else 'buffered'} ({name})"
+
+
+# --- volumes through the driver, and the skeleton of a bench that serves it ---------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A volume made, staged and (unless it is not) published through CSI, as kubelet lays out its paths."""
+
+    id: str
+    staging: Path
+    target: Path
+
+
+async def stage(csi: CSIClient, box: Sandbox, name: str, size: int, parameters: Mapping[str, str] | None = None,
+                *, block: bool = False, fs_type: str = "", publish: bool = True,
+                made: dict[str, Staged] | None = None) -> Staged:
+    """CreateVolume, NodeStageVolume and NodePublishVolume (unless not `publish`) of a volume named `name`.
+
+    `made` records the volume as soon as it exists, so a failure in between still leaves it to undo.
+    """
+    vid = (await csi.create_volume(name, size, dict(parameters or {}), block=block, fs_type=fs_type)).volume_id
+    volume = Staged(vid, box.staging(name), box.target(name))
+    if made is not None:
+        made[vid] = volume
+    await csi.stage(vid, str(volume.staging), block=block, fs_type=fs_type)
+    if publish:
+        await csi.publish(vid, str(volume.staging), str(volume.target), block=block, fs_type=fs_type)
+    return volume
+
+
+async def release(csi: CSIClient, volume: Staged, *, delete: bool = True) -> None:
+    """NodeUnpublishVolume, NodeUnstageVolume and (if `delete`) DeleteVolume of `volume`."""
+    await csi.unpublish(volume.id, str(volume.target))
+    await csi.unstage(volume.id, str(volume.staging))
+    if delete:
+        await csi.delete_volume(volume.id)
+
+
+class ServedBench:
+    """One run against `csi-qsd serve` as a process: start it, open a client, run `phases`, undo, stop it and its QSDs.
+
+    Whatever happened, `undo` unpublishes and unstages every volume in
+    `staged` and deletes, newest first, every volume and snapshot in
+    `volumes` and `snapshots` or still listed by the driver, as kubelet and
+    the provisioner would; then the driver and every QSD shard are stopped.
+    """
+
+    client_timeout = 600.0
+
+    def __init__(self, box: Sandbox, *driver_args: str) -> None:
+        self.box = box
+        self.driver = DriverProcess(box, "--log-level", "info", *driver_args)
+        self.staged: dict[str, Staged] = {}
+        self.volumes: list[str] = []
+        self.snapshots: list[str] = []
+
+    async def run(self) -> None:
+        await self.driver.start(timeout=60)
+        try:
+            async with CSIClient(self.box.endpoint, timeout=self.client_timeout) as csi:
+                try:
+                    await self.phases(csi)
+                finally:
+                    await self.undo(csi)
+        finally:
+            await stop_driver_and_qsd(self.driver)
+
+    async def phases(self, csi: CSIClient) -> None:
+        raise NotImplementedError
+
+    async def stage(self, csi: CSIClient, name: str, size: int, parameters: Mapping[str, str] | None = None,
+                    *, block: bool = False, fs_type: str = "", publish: bool = True) -> Staged:
+        """`stage` of a volume this run undoes."""
+        volume = await stage(csi, self.box, name, size, parameters, block=block, fs_type=fs_type, publish=publish,
+                             made=self.staged)
+        self.volumes.append(volume.id)
+        return volume
+
+    async def undo(self, csi: CSIClient) -> None:
+        for vid, volume in reversed(list(self.staged.items())):
+            await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(volume.target)))
+            await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(volume.staging)))
+        self.staged.clear()
+        with contextlib.suppress(grpc.aio.AioRpcError):  # a call cut short may have made one we never heard of
+            known = {v.volume_id for v in await csi.list_volumes()}
+            self.volumes += sorted(known - set(self.volumes))
+        for vid in reversed(self.volumes):
+            await retrying(f"delete volume {vid}", lambda: csi.delete_volume(vid))
+        self.volumes.clear()
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            known = {s.snapshot_id for s in await csi.list_snapshots()}
+            self.snapshots += sorted(known - set(self.snapshots))
+        for sid in reversed(self.snapshots):
+            await retrying(f"delete snapshot {sid}", lambda: csi.delete_snapshot(sid))
+        self.snapshots.clear()
+
+
+B = TypeVar("B", bound=ServedBench)
+
+
+def missing(*tools: str) -> str:
+    """Why this machine cannot run a bench that serves the driver ('' if it can): root, /dev/fuse, `tools`."""
+    if os.geteuid() != 0:
+        return "run as root: the bench stages volumes (FUSE exports, loop devices, mounts)"
+    absent = [tool for tool in tools if shutil.which(tool) is None]
+    if absent or not Path("/dev/fuse").exists():
+        return f"needs /dev/fuse and {', '.join(absent) or 'nothing else'}"
+    return ""
+
+
+def bench_main(make: Callable[[Sandbox], B], report: Callable[[B], str], *, tools: Sequence[str] = (),
+               what: str = "benchmark", log_tail: int | None = 4000) -> int:
+    """Run `make(box)`'s bench in a fresh sandbox and print `report(bench)`, partial results too; the exit status.
+
+    2 if this machine cannot run it, else `run_to_end`'s.
+    """
+    problem = missing(*tools)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    with sandbox() as box:
+        bench = make(box)
+        status = run_to_end(bench.run(), bench.driver, what=what, log_tail=log_tail)
+        print(report(bench), flush=True)
+    return status
+
+
+def run_to_end(work: Coroutine[Any, Any, object], driver: DriverProcess, *, what: str = "benchmark",
                log_tail: int | None = 4000) -> int:
     """Run a bench in its own event loop; its exit status: 0, 1 (failed: the driver log's tail printed), 130.
 
@@ -250,7 +479,7 @@ def run_to_end(run: Coroutine[Any, Any, object], driver: DriverProcess, *, what:
     session and would outlive us. `log_tail` None prints the whole log.
     """
     try:
-        asyncio.run(run)
+        asyncio.run(work)
         return 0
     except KeyboardInterrupt:
         print("interrupted: cleaned up; partial results follow", file=sys.stderr)

@@ -34,25 +34,21 @@ job (/proc/PID/task/*/stat), so a single saturated thread shows.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import dataclasses
-import json
 import os
 import re
-import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-
 from csi_qsd.csi.client import CSIClient
-from csi_qsd.sys import filesystems
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import GIB, MIB, Job, ThreadCPU, ratio, retrying, run_to_end, sh, stop_driver_and_qsd, table
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+from e2e.bench.common import (
+    GIB, MIB, Job, ServedBench, ThreadCPU, bench_main, ext4_on, fio, lay_out, loop_device, loop_mode_of, output,
+    progress, ratio, sh, table,
+)
+from tests.harness import Sandbox, qsd_pid
 
 VOLUME_SIZE = 1 * GIB
 REGION = 512 * MIB  # what the jobs touch: half the volume, leaving ext4 its metadata
@@ -84,121 +80,26 @@ class Pair:
     threads: dict[str, str] = dataclasses.field(default_factory=dict)  # job -> QSD's CPU per thread (last run)
 
 
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-async def run(*argv: str, timeout: float = 600) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=dict(os.environ, LC_ALL="C"),
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        raise
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
-    return out.decode(errors="replace")
-
-
-async def fio(filename: Path, region: int, *args: str) -> dict[str, object]:
-    """One fio job on `filename` (O_DIRECT, libaio, the first `region` bytes); its JSON report."""
-    argv = [
-        "fio", "--name=bench", f"--filename={filename}", f"--size={region}", "--direct=1", "--ioengine=libaio",
-        "--randrepeat=0", "--norandommap", "--output-format=json", *args,
-    ]
-    report = json.loads(await run(*argv))
-    job: dict[str, object] = report["jobs"][0]
-    if job.get("error"):
-        raise RuntimeError(f"fio on {filename} failed with error {job['error']}")
-    return job
-
-
-async def lay_out(filename: Path, region: int) -> None:
-    """Write the region once, 1 MiB at a time, and flush: later jobs measure allocated data."""
-    await fio(filename, region, "--rw=write", "--bs=1M", "--iodepth=8", "--end_fsync=1")
-
-
-async def measure(filename: Path, region: int, job: Job, runtime: int) -> float:
-    report = await fio(
-        filename, region, f"--rw={job.rw}", f"--bs={job.bs}", f"--iodepth={job.iodepth}",
-        "--time_based", f"--runtime={runtime}",
-    )
-    side = report["write" if job.writes else "read"]
-    assert isinstance(side, dict)
-    return float(side["bw"]) / 1024 if job.sequential else float(side["iops"])
-
-
-def loop_mode_of(path: Path) -> str:
-    """'direct' or 'buffered': the loop device a block device file or a mounted directory sits on."""
-    st = os.stat(path)
-    dev = st.st_rdev if path.is_block_device() or not path.is_dir() else st.st_dev
-    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    try:
-        dio = (sysfs / "loop" / "dio").read_text().strip()
-        name = sysfs.resolve().name
-    except OSError:
-        return "not a loop device"
-    return f"{'direct' if dio == '1' else 'buffered'} ({name})"
-
-
-@contextlib.asynccontextmanager
-async def loop_on_raw(raw: Path) -> AsyncIterator[Path]:
-    """A direct-I/O loop device over `raw`, detached on exit."""
-    device = Path((await run("losetup", "--find", "--show", "--direct-io=on", str(raw))).strip())
-    try:
-        yield device
-    finally:
-        await run("losetup", "--detach", str(device))
-
-
-@contextlib.asynccontextmanager
-async def ext4_on(device: Path, mountpoint: Path) -> AsyncIterator[Path]:
-    """ext4 made as the driver makes it, mounted at `mountpoint`, unmounted on exit."""
-    await filesystems.make(device, "ext4")
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    await run("mount", str(device), str(mountpoint))
-    try:
-        yield mountpoint
-    finally:
-        await run("umount", str(mountpoint))
-
-
-class Bench:
+class Bench(ServedBench):
     """A sandbox, a served driver, the volumes it made, and the two pairs' figures."""
 
-    def __init__(self, box: Sandbox, parameters: dict[str, str], loop_io: str, runtime: int, rounds: int,
+    def __init__(self, box: Sandbox, parameters: dict[str, str], loop_io: str, runtime: float, rounds: int,
                  region: int, qsd: str = "") -> None:
-        self.box = box
+        extra = (["--loop-io", loop_io] if loop_io else [])
+        extra += ["--qsd-binary", bundled(f"qemu-storage-daemon-{qsd}")] if qsd else []
+        super().__init__(box, *extra)
         self.parameters = parameters
         self.runtime = runtime
         self.rounds = rounds
         self.region = region
-        extra = ["--log-level", "info"] + (["--loop-io", loop_io] if loop_io else [])
-        extra += ["--qsd-binary", bundled(f"qemu-storage-daemon-{qsd}")] if qsd else []
-        self.driver = DriverProcess(box, *extra)
         self.pool = box.state_dir / "pool"
         self.pairs: list[Pair] = []
         self.qsd: str = "?"
-        self.published: dict[str, tuple[Path, Path]] = {}  # volume ID -> (staging, target), for cleanup
-        self.staged: dict[str, Path] = {}
 
-    async def run(self) -> None:
-        await self.driver.start(timeout=60)
-        try:
-            self.qsd = self._qsd_from_log()
-            async with CSIClient(self.box.endpoint, timeout=600) as csi:
-                try:
-                    await self._filesystem(csi)
-                    await self._block(csi)
-                finally:
-                    await self._undo(csi)
-        finally:
-            await stop_driver_and_qsd(self.driver)
+    async def phases(self, csi: CSIClient) -> None:
+        self.qsd = self._qsd_from_log()
+        await self._filesystem(csi)
+        await self._block(csi)
 
     def _qsd_from_log(self) -> str:
         found = re.findall(r"event=qsd_version version=(\S+) loop_io=(\S+) setting=(\S+)(?: iothreads=(\d+) "
@@ -209,18 +110,9 @@ class Bench:
         return (f"QSD {version}, loop devices {mode} (--loop-io {setting}), FUSE exports in "
                 f"{fuse or 'main_loop'} ({threads or 1} iothreads)")
 
-    async def _volume(self, csi: CSIClient, name: str, *, block: bool) -> tuple[str, Path]:
-        vid = (await csi.create_volume(name, VOLUME_SIZE, self.parameters, block=block)).volume_id
-        staging, target = self.box.staging(name), self.box.target(name)
-        self.staged[vid] = staging
-        await csi.stage(vid, str(staging), block=block)
-        self.published[vid] = (staging, target)
-        await csi.publish(vid, str(staging), str(target), block=block)
-        return vid, target
-
     async def _raw_file(self, name: str) -> Path:
         raw = self.pool / name
-        await run("fallocate", "-l", str(VOLUME_SIZE), str(raw))
+        await output("fallocate", "-l", str(VOLUME_SIZE), str(raw))
         return raw
 
     async def _compare(self, pair: Pair, volume: Path, baseline: Path) -> None:
@@ -237,18 +129,19 @@ class Bench:
                 order = [(pair.volume, volume), (pair.baseline, baseline)]
                 for results, path in order if turn % 2 == 0 else reversed(order):
                     before = ThreadCPU.take(pid)
-                    results.setdefault(job.name, []).append(await measure(path, self.region, job, self.runtime))
+                    results.setdefault(job.name, []).append(
+                        await fio(job, path, runtime=self.runtime, size=self.region))
                     if results is pair.volume:
                         pair.threads[job.name] = ThreadCPU.take(pid).since(before)
                 turn += 1
 
     async def _filesystem(self, csi: CSIClient) -> None:
         pair = Pair("filesystem")
-        _, target = await self._volume(csi, "bench-fs", block=False)
+        target = (await self.stage(csi, "bench-fs", VOLUME_SIZE, self.parameters)).target
         pair.volume_loop = loop_mode_of(target)
         raw = await self._raw_file("bench-fs.raw")
         try:
-            async with loop_on_raw(raw) as device, ext4_on(device, self.box.root / "ext4-raw") as mountpoint:
+            async with loop_device(raw) as device, ext4_on(device, self.box.root / "ext4-raw") as mountpoint:
                 pair.baseline_loop = loop_mode_of(mountpoint)
                 await self._compare(pair, target / "fio.dat", mountpoint / "fio.dat")
         finally:
@@ -256,25 +149,15 @@ class Bench:
 
     async def _block(self, csi: CSIClient) -> None:
         pair = Pair("block")
-        _, target = await self._volume(csi, "bench-blk", block=True)
+        target = (await self.stage(csi, "bench-blk", VOLUME_SIZE, self.parameters, block=True)).target
         pair.volume_loop = loop_mode_of(target)
         raw = await self._raw_file("bench-blk.raw")
         try:
-            async with loop_on_raw(raw) as device:
+            async with loop_device(raw) as device:
                 pair.baseline_loop = loop_mode_of(device)
                 await self._compare(pair, target, device)
         finally:
             raw.unlink()
-
-    async def _undo(self, csi: CSIClient) -> None:
-        """Unpublish, unstage and delete every volume the run made, through the driver."""
-        for vid, (_, target) in list(self.published.items()):
-            await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(target)))
-        for vid, staging in list(self.staged.items()):
-            await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(staging)))
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            for volume in await csi.list_volumes():
-                await retrying(f"delete {volume.volume_id}", lambda: csi.delete_volume(volume.volume_id))
 
 
 def figure(value: float) -> str:
@@ -285,11 +168,13 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def report(bench: Bench, parameters: dict[str, str], runtime: int, rounds: int, region: int) -> str:
-    params = ", ".join(f"{k}={v}" for k, v in sorted(parameters.items())) or "defaults (qcow2, preallocation=off)"
+def report(bench: Bench) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in sorted(bench.parameters.items())) or \
+        "defaults (qcow2, preallocation=off)"
     lines = [
         f"{bench.qsd}; volume class: {params}",
-        f"fio O_DIRECT libaio, {rounds} x {runtime} s per job, {region // MIB} MiB region written beforehand; "
+        f"fio O_DIRECT libaio, {bench.rounds} x {bench.runtime:g} s per job, {bench.region // MIB} MiB region "
+        "written beforehand; "
         f"{VOLUME_SIZE // GIB} GiB volumes; load average {os.getloadavg()[0]:.2f} at the end",
     ]
     for pair in bench.pairs:
@@ -322,8 +207,9 @@ def parse_params(values: Sequence[str]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.bench.container_path", description=__doc__.split("\n")[0])
-    parser.add_argument("--runtime", type=int, default=5, help="seconds per fio run (default 5)")
+    parser.add_argument("--runtime", type=float, default=5, help="seconds per fio run (default 5)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each job on each side (default 2)")
+    parser.add_argument("--region-mib", type=int, default=REGION // MIB, help="MiB the jobs touch (default 512)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_ROUNDS} x {QUICK_RUNTIME} s per job over {QUICK_REGION // MIB} MiB")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
@@ -337,25 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         parameters = parse_params(args.param)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
-    if args.runtime < 1 or args.rounds < 1:
-        parser.error("--runtime and --rounds must be at least 1")
+    if args.runtime <= 0 or args.rounds < 1 or not 0 < args.region_mib * MIB < VOLUME_SIZE:
+        parser.error("--runtime must be positive, --rounds at least 1, --region-mib under the volume's 1024")
     runtime, rounds, region = (
-        (QUICK_RUNTIME, QUICK_ROUNDS, QUICK_REGION) if args.quick else (args.runtime, args.rounds, REGION)
+        (QUICK_RUNTIME, QUICK_ROUNDS, QUICK_REGION) if args.quick
+        else (args.runtime, args.rounds, args.region_mib * MIB)
     )
-    if os.geteuid() != 0:
-        print("needs root (mounts, loop devices, FUSE)", file=sys.stderr)
-        return 2
-    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
-    if missing:
-        print(f"missing tools: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    qsd = bundled(f"qemu-storage-daemon-{args.qsd}") if args.qsd else "qemu-storage-daemon"
-    progress(sh(qsd, "--version").splitlines()[0])
     started = time.monotonic()
-    with sandbox() as box:
-        bench = Bench(box, parameters, args.loop_io, runtime, rounds, region, args.qsd)
-        status = run_to_end(bench.run(), bench.driver)
-    print(report(bench, parameters, runtime, rounds, region), flush=True)
+
+    def made(box: Sandbox) -> Bench:
+        qsd = bundled(f"qemu-storage-daemon-{args.qsd}") if args.qsd else "qemu-storage-daemon"
+        progress(sh(qsd, "--version").splitlines()[0])
+        return Bench(box, parameters, args.loop_io, runtime, rounds, region, args.qsd)
+
+    status = bench_main(made, report, tools=REQUIRED_TOOLS)
     print(f"wall time {time.monotonic() - started:.0f} s", flush=True)
     return status
 

@@ -21,9 +21,11 @@ bundled ``ld-linux``; 1 vCPU, one queue):
   (c)  host fio straight on a raw file of the same size in the pool directory.
 
 Container table, all on the host: fio on QSD's FUSE export file of a csi-qsd
-volume vs the raw file (c); and a csi-qsd filesystem volume (ext4 on a
-buffered loop device on the FUSE export, as the driver stages it) vs ext4 on a
-buffered loop device on a raw file.
+volume vs the raw file (c); and a csi-qsd filesystem volume (ext4 on the
+driver's loop device over the FUSE export) vs ext4 made the same way on a loop
+device over a raw file, in the mode the driver chose for its own (direct I/O
+on QSD >= 10.0.8, buffered before: `csi_qsd.qsd.features`), read from sysfs
+and printed with the table.
 
 Caveats printed with the tables: guests run under TCG here (``/dev/kvm`` on
 these machines hangs a stock kernel), so guest figures are bounded by CPU
@@ -34,21 +36,20 @@ the host page cache, (b') and (c) do not.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import dataclasses
-import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
-from e2e.bench.common import MIB, Job, ratio, table
+from e2e.bench.common import (
+    MIB, Job, ServedBench, bench_main, ext4_on, loop_device, loop_mode_of, output, progress, ratio, release, table,
+)
 from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
-from tests.harness import DriverProcess, Sandbox, sandbox
+from tests.harness import Sandbox
 
 VOLUME_SIZE = 512 * MIB
 REGION = "256M"
@@ -81,10 +82,10 @@ class Figure:
 Results = dict[str, Figure]
 
 
-def job_file(filename: str, runtime: int) -> str:
+def job_file(filename: str, runtime: float) -> str:
     lines = [
         "[global]", f"filename={filename}", "direct=1", "ioengine=libaio", f"size={REGION}",
-        "time_based", f"runtime={runtime}", "randrepeat=0", "norandommap",
+        "time_based", f"runtime={round(runtime * 1000)}ms", "randrepeat=0", "norandommap",
     ]
     for job in JOBS:
         lines += [f"[{job.name}]", "stonewall", f"rw={job.rw}", f"bs={job.bs}", f"iodepth={job.iodepth}"]
@@ -116,40 +117,11 @@ def parse_terse(output: str) -> Results:
 # --- host side -------------------------------------------------------------------
 
 
-async def run(*argv: str, timeout: float = 600) -> str:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
-    return out.decode(errors="replace")
-
-
-async def fio_host(filename: Path, runtime: int) -> Results:
+async def fio_host(filename: Path, runtime: float) -> Results:
     with tempfile.NamedTemporaryFile("w", suffix=".fio") as jobs:
         jobs.write(job_file(str(filename), runtime))
         jobs.flush()
-        return parse_terse(await run("fio", "--minimal", jobs.name))
-
-
-@contextlib.asynccontextmanager
-async def ext4_on_loop(backing: Path, mountpoint: Path) -> AsyncIterator[Path]:
-    """ext4 on a buffered loop device over `backing`, mounted at `mountpoint` (as the driver stages one)."""
-    device = (await run("losetup", "--find", "--show", "--direct-io=off", str(backing))).strip()
-    try:
-        await run("mkfs.ext4", "-q", "-F", device)
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        await run("mount", device, str(mountpoint))
-        try:
-            yield mountpoint
-        finally:
-            await run("umount", str(mountpoint))
-    finally:
-        await run("losetup", "--detach", device)
-
-
-async def raw_file(path: Path) -> Path:
-    await run("fallocate", "-l", str(VOLUME_SIZE), str(path))
-    return path
+        return parse_terse(await output("fio", "--minimal", jobs.name))
 
 
 # --- guest side ------------------------------------------------------------------
@@ -179,10 +151,10 @@ def fio_guest_script() -> str:
     )
 
 
-async def fio_guest(image: GuestImage, disk: Disk, files: Mapping[str, bytes], runtime: int) -> Results:
+async def fio_guest(image: GuestImage, disk: Disk, files: Mapping[str, bytes], runtime: float) -> Results:
     result = await run_guest(
         image, [disk], fio_guest_script(), files=files, memory_mib=GUEST_MEMORY_MIB, cpus=1,
-        timeout=120 + 3 * runtime * len(JOBS),
+        timeout=round(120 + 3 * runtime * len(JOBS)),
     )
     if result.exit_code != 0:
         raise RuntimeError(f"fio failed in the guest (exit {result.exit_code}):\n{result.output[-3000:]}")
@@ -192,86 +164,63 @@ async def fio_guest(image: GuestImage, disk: Disk, files: Mapping[str, bytes], r
 # --- csi-qsd volumes ---------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Staged:
-    id: str
-    staging: Path
-    target: Path
+class Bench(ServedBench):
+    """The driver's volumes and their baselines, in a guest (`vm`) and on the host (`host`)."""
 
+    client_timeout = 120.0
 
-async def stage_volume(csi: CSIClient, box: Sandbox, name: str, parameters: dict[str, str], *,
-                       block: bool = False) -> Staged:
-    vid = (await csi.create_volume(name, VOLUME_SIZE, parameters, block=block)).volume_id
-    volume = Staged(vid, box.staging(name), box.target(name))
-    await csi.stage(vid, str(volume.staging), block=block)
-    if not block:
-        await csi.publish(vid, str(volume.staging), str(volume.target))
-    return volume
+    def __init__(self, box: Sandbox, runtime: float) -> None:
+        super().__init__(box)
+        self.runtime = runtime
+        self.vm: dict[str, Results] = {}
+        self.host: dict[str, Results] = {}
+        self.loops = "?"
 
+    async def phases(self, csi: CSIClient) -> None:
+        image = build_guest_image()
+        runtime, box, vm, host = self.runtime, self.box, self.vm, self.host
+        files = fio_guest_files(job_file("/dev/vda", runtime))
+        vm_class = {"export": "vhost-user-blk", "format": "qcow2", "preallocation": "full"}
+        progress("(a) csi-qsd vhost-user-blk volume, default class")
+        volume = await self.stage(csi, "bench-vm", VOLUME_SIZE, vm_class)
+        vm["a"] = await fio_guest(image, VhostUserDisk(volume.target / "vhost-user-blk.sock"), files, runtime)
+        await release(csi, volume, delete=False)
+        qcow2 = box.state_dir / "pool" / f"{volume.id}.qcow2"  # closed by QSD now
+        progress("(b) QEMU virtio-blk on the same image, cache=writethrough")
+        disk: Disk = FileDisk(qcow2, format="qcow2", cache="writethrough", aio="threads", iothread=True)
+        vm["b"] = await fio_guest(image, disk, files, runtime)
+        progress("(b') QEMU virtio-blk on the same image, cache=none")
+        disk = FileDisk(qcow2, format="qcow2", cache="none", aio="native", iothread=True)
+        vm["b'"] = await fio_guest(image, disk, files, runtime)
 
-async def release(csi: CSIClient, volume: Staged, *, published: bool = True) -> None:
-    if published:
-        await csi.unpublish(volume.id, str(volume.target))
-    await csi.unstage(volume.id, str(volume.staging))
-    await csi.delete_volume(volume.id)
+        progress("(a') csi-qsd volume, cache=writeback class, VM with config-wce=off")
+        volume = await self.stage(csi, "bench-vm-wb", VOLUME_SIZE, {**vm_class, "cache": "writeback"})
+        disk = VhostUserDisk(volume.target / "vhost-user-blk.sock", config_wce=False)
+        vm["a'"] = await fio_guest(image, disk, files, runtime)
+        await release(csi, volume, delete=False)
 
+        progress("(c) host fio on a raw file in the pool directory")
+        raw = box.state_dir / "pool" / "bench.raw"
+        await output("fallocate", "-l", str(VOLUME_SIZE), str(raw))
+        host["raw"] = await fio_host(raw, runtime)
 
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+        progress("host fio on the FUSE export file of a csi-qsd volume")
+        volume = await self.stage(csi, "bench-fuse", VOLUME_SIZE, {"preallocation": "full"}, block=True, publish=False)
+        host["fuse"] = await fio_host(box.state_dir / "exports" / volume.id / "disk", runtime)
+        await csi.unstage(volume.id, str(volume.staging))
 
+        progress("host fio on ext4 / loop / FUSE (a csi-qsd filesystem volume)")
+        volume = await self.stage(csi, "bench-ext4", VOLUME_SIZE, {"preallocation": "full"})
+        mode = loop_mode_of(volume.target)  # the driver's choice: the baseline's loop device is made the same
+        host["ext4-fuse"] = await fio_host(volume.target / "fio.dat", runtime)
+        await release(csi, volume, delete=False)
 
-async def measure(runtime: int) -> tuple[dict[str, Results], dict[str, Results]]:
-    image = build_guest_image()
-    files = fio_guest_files(job_file("/dev/vda", runtime))
-    vm: dict[str, Results] = {}
-    host: dict[str, Results] = {}
-    vm_class = {"export": "vhost-user-blk", "format": "qcow2", "preallocation": "full"}
-    with sandbox() as box:
-        driver = DriverProcess(box)
-        await driver.start()
-        try:
-            async with CSIClient(box.endpoint, timeout=120) as csi:
-                progress("(a) csi-qsd vhost-user-blk volume, default class")
-                volume = await stage_volume(csi, box, "bench-vm", vm_class)
-                vm["a"] = await fio_guest(image, VhostUserDisk(volume.target / "vhost-user-blk.sock"), files, runtime)
-                await csi.unpublish(volume.id, str(volume.target))
-                await csi.unstage(volume.id, str(volume.staging))
-                qcow2 = box.state_dir / "pool" / f"{volume.id}.qcow2"  # closed by QSD now
-                progress("(b) QEMU virtio-blk on the same image, cache=writethrough")
-                disk: Disk = FileDisk(qcow2, format="qcow2", cache="writethrough", aio="threads", iothread=True)
-                vm["b"] = await fio_guest(image, disk, files, runtime)
-                progress("(b') QEMU virtio-blk on the same image, cache=none")
-                disk = FileDisk(qcow2, format="qcow2", cache="none", aio="native", iothread=True)
-                vm["b'"] = await fio_guest(image, disk, files, runtime)
-                await csi.delete_volume(volume.id)
-
-                progress("(a') csi-qsd volume, cache=writeback class, VM with config-wce=off")
-                volume = await stage_volume(csi, box, "bench-vm-wb", {**vm_class, "cache": "writeback"})
-                disk = VhostUserDisk(volume.target / "vhost-user-blk.sock", config_wce=False)
-                vm["a'"] = await fio_guest(image, disk, files, runtime)
-                await release(csi, volume)
-
-                progress("(c) host fio on a raw file in the pool directory")
-                raw = await raw_file(box.state_dir / "pool" / "bench.raw")
-                host["raw"] = await fio_host(raw, runtime)
-
-                progress("host fio on the FUSE export file of a csi-qsd volume")
-                volume = await stage_volume(csi, box, "bench-fuse", {"preallocation": "full"}, block=True)
-                host["fuse"] = await fio_host(box.state_dir / "exports" / volume.id / "disk", runtime)
-                await release(csi, volume, published=False)
-
-                progress("host fio on ext4 / loop / FUSE (a csi-qsd filesystem volume)")
-                volume = await stage_volume(csi, box, "bench-ext4", {"preallocation": "full"})
-                host["ext4-fuse"] = await fio_host(volume.target / "fio.dat", runtime)
-                await release(csi, volume)
-
-                progress("host fio on ext4 / loop / raw file")
-                async with ext4_on_loop(raw, box.root / "ext4-raw") as mountpoint:
-                    host["ext4-raw"] = await fio_host(mountpoint / "fio.dat", runtime)
-                raw.unlink()
-        finally:
-            await driver.stop()
-    return vm, host
+        progress(f"host fio on ext4 / loop / raw file, loop device {mode.split()[0]} as the driver's")
+        async with loop_device(raw, direct=mode.startswith("direct")) as device, \
+                ext4_on(device, box.root / "ext4-raw") as mountpoint:
+            self.loops = f"the volume's loop device {mode}, the baseline's {loop_mode_of(mountpoint)}"
+            host["ext4-raw"] = await fio_host(mountpoint / "fio.dat", runtime)
+        raw.unlink()
 
 
 def figure(results: Results, job: Job) -> str:
@@ -279,15 +228,13 @@ def figure(results: Results, job: Job) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
-def render(vm: dict[str, Results], host: dict[str, Results], runtime: int) -> str:
-    def unit(job: Job) -> str:
-        return f"{job.name} ({'MiB/s' if job.sequential else 'IOPS'})"
-
+def render(bench: Bench) -> str:
+    vm, host, runtime = bench.vm, bench.host, bench.runtime
     vm_rows = []
     for job in JOBS:
         a, b, c = (vm["a"][job.name].value(job), vm["b"][job.name].value(job), host["raw"][job.name].value(job))
         vm_rows.append([
-            unit(job), figure(vm["a"], job), figure(vm["a'"], job), figure(vm["b"], job), figure(vm["b'"], job),
+            job.label, figure(vm["a"], job), figure(vm["a'"], job), figure(vm["b"], job), figure(vm["b'"], job),
             figure(host["raw"], job), ratio(a, b), ratio(a, vm["b'"][job.name].value(job)), ratio(a, c),
         ])
     host_rows = []
@@ -296,16 +243,16 @@ def render(vm: dict[str, Results], host: dict[str, Results], runtime: int) -> st
             return host[key][job.name].value(job)
 
         host_rows.append([
-            unit(job), figure(host["fuse"], job), figure(host["raw"], job), ratio(v("fuse"), v("raw")),
+            job.label, figure(host["fuse"], job), figure(host["raw"], job), ratio(v("fuse"), v("raw")),
             figure(host["ext4-fuse"], job), figure(host["ext4-raw"], job), ratio(v("ext4-fuse"), v("ext4-raw")),
         ])
     accel = default_accel()
     return "\n".join([
-        f"VM volumes: fio in the guest ({accel.upper()}, 1 vCPU), {runtime} s per job, O_DIRECT, {REGION} region",
+        f"VM volumes: fio in the guest ({accel.upper()}, 1 vCPU), {runtime:g} s per job, O_DIRECT, {REGION} region",
         table(["job", "(a) csi-qsd", "(a') wb+wce=off", "(b) qemu wt", "(b') qemu none", "(c) host raw",
                "a/b", "a/b'", "a/c"], vm_rows),
         "",
-        f"Container path: fio on the host, {runtime} s per job, O_DIRECT",
+        f"Container path: fio on the host, {runtime:g} s per job, O_DIRECT; {bench.loops}",
         table(["job", "FUSE file", "raw file", "ratio", "ext4/loop/FUSE", "ext4/loop/raw", "ratio"], host_rows),
         "",
         "(a) default class: qcow2, export writethrough=on (QSD flushes after every write), host page cache",
@@ -317,17 +264,15 @@ def render(vm: dict[str, Results], host: dict[str, Results], runtime: int) -> st
     ])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--runtime", type=int, default=5, help="seconds per fio job (default 5)")
-    args = parser.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("needs root (mounts, loop devices, FUSE)")
+    parser.add_argument("--runtime", type=float, default=5, help="seconds per fio job (default 5)")
+    args = parser.parse_args(argv)
     started = time.monotonic()
-    vm, host = asyncio.run(measure(args.runtime))
-    print(render(vm, host, args.runtime))
+    status = bench_main(lambda box: Bench(box, args.runtime), render, tools=("fio", "qemu-system-x86_64"))
     print(f"\n(total {time.monotonic() - started:.0f} s)")
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

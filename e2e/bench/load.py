@@ -23,7 +23,8 @@ is done again; bytes that differ from a read while QSD stayed up are lost
 data. A VM volume has no guest here: its socket must answer a vhost-user
 greeting.
 
-Checked, and printed as PASS or FAIL (the exit status is 1 on any FAIL):
+Checked, and printed as PASS or FAIL (the exit status is 1 on any FAIL; a
+check that could not be made, such as the leak check cut short, is a FAIL):
 
     every call answered a code the spec allows for its RPC (the fuzz test's
         table, plus UNAVAILABLE while QSD or the driver is down)
@@ -65,17 +66,16 @@ from typing import TypeVar
 
 import grpc
 
-from csi_qsd.config import Config
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.publish.vhost_user import SOCKET_NAME
 from csi_qsd.qsd.vhost_greeting import greet
 from csi_qsd.sys import loop, mounts
-from e2e.bench.common import MIB, Summary, ms, retrying, run_to_end, stop_driver_and_qsd, table
-from e2e.bench.control_plane import missing_prerequisites
+from e2e.bench.common import MIB, Summary, missing, ms, retrying, run_to_end, stop_driver_and_qsd, table, verdict
+from e2e.bench.control_plane import REQUIRED_TOOLS
 from e2e.bench.restart import KINDS, SIZE, Kind
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox, until, wait_new_qsd, wait_restored, write_synced
-from tests.integration.test_device_pool import write_block
-from tests.integration.test_fuzz import ALLOWED, qsd_leftovers
+from tests.integration.test_fuzz import ALLOWED
+from tests.leftovers import qsd_leftovers
 
 T = TypeVar("T")
 Code = grpc.StatusCode
@@ -163,6 +163,7 @@ class Load:
         self.series: dict[str, Series] = collections.defaultdict(Series)
         self.failures: dict[str, list[str]] = collections.defaultdict(list)  # by check: spec, step, data, kill
         self.leaks: list[str] = []
+        self.leak_check: BaseException | str | None = "it did not run"  # None once it ran to the end
         self.kills: list[Kill] = []
         self.lifecycles: collections.Counter[str] = collections.Counter()
         self.checked: collections.Counter[str] = collections.Counter()  # data checks by kind
@@ -184,7 +185,12 @@ class Load:
             self.started = time.monotonic()
             await asyncio.gather(self._kills(), *(self._client(csi, i) for i in range(self.clients)))
             self.elapsed = time.monotonic() - self.started
-            await self._check_leaks(csi)
+            try:
+                await self._check_leaks(csi)
+                self.leak_check = None
+            except BaseException as exc:
+                self.leak_check = exc
+                raise
 
     async def _client(self, csi: CSIClient, index: int) -> None:
         n = 0
@@ -280,7 +286,7 @@ class Load:
         payload = os.urandom(PAYLOAD)
         offset = (n % (SIZE // PAYLOAD - 1)) * PAYLOAD  # somewhere in the volume, never the same twice in a row
         if block:
-            await self._io(csi, "write+fsync", vid, target, write_block, target, payload, offset)
+            await self._io(csi, "write+fsync", vid, target, _write_device, target, payload, offset)
         else:
             await self._io(csi, "write+fsync", vid, target, _write_file, target / "data", payload)
         lost, driver_kills = self.events.poll().lost, self.driver_kills
@@ -439,7 +445,7 @@ class Load:
         if qsd_pid(self.box) is None:
             self.leaks.append("QSD is not running at the end (the driver should leave it serving)")
             return
-        exports, nodes = await qsd_leftovers(Config(state_dir=state))
+        exports, nodes = await qsd_leftovers(state)
         self.leaks += [f"QSD export: {e}" for e in sorted(exports)] + [f"QSD node: {n}" for n in sorted(nodes)]
 
     async def cleanup(self) -> None:
@@ -458,6 +464,12 @@ def _write_file(path: Path, data: bytes) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _write_device(device: Path, data: bytes, offset: int) -> None:
+    with open(device, "r+b", buffering=0) as f:
+        os.pwrite(f.fileno(), data, offset)
+        os.fsync(f.fileno())
 
 
 def _describe_mount(path: Path) -> str:
@@ -530,25 +542,32 @@ def report(load: Load) -> tuple[str, bool]:
     failed = load.failures
     qsd_kills = sum(1 for k in load.kills if k.what == "QSD")
     unbidden = load.events.poll().lost - qsd_kills
-    checks = [
-        ("every call answered a code the spec allows", not failed["spec"],
+
+    def nothing_leaked() -> bool:
+        if load.leak_check is not None:
+            raise RuntimeError(f"the leak check did not finish: {load.leak_check!r}")
+        return not load.leaks
+
+    checks: list[tuple[str, Callable[[], bool], str]] = [
+        ("every call answered a code the spec allows", lambda: not failed["spec"],
          f"{calls} lifecycle calls, {len(failed['spec'])} answers outside"),
-        ("every step succeeded within the bound (retries included)", not failed["step"],
+        ("every step succeeded within the bound (retries included)", lambda: not failed["step"],
          f"{retries} retries, {len(failed['step'])} steps failed"),
-        ("no synced data lost", not failed["data"],
+        ("no synced data lost", lambda: not failed["data"],
          f"{sum(load.checked.values())} checks, {load.across_qsd} across a QSD restart, {len(failed['data'])} lost"),
-        ("nothing leaked", not load.leaks, "; ".join(load.leaks[:10]) or "volumes, catalog, mounts, loops, pool, "
+        ("nothing leaked", nothing_leaked, "; ".join(load.leaks[:10]) or "volumes, catalog, mounts, loops, pool, "
          "QSD exports and nodes all empty"),
-        ("kills done and recovered", len(load.kills) == len(schedule(load.qsd_kills)) and not failed["kill"],
+        ("kills done and recovered", lambda: len(load.kills) == len(schedule(load.qsd_kills)) and not failed["kill"],
          ", ".join(f"{k.what} at {k.at:.0f} s" for k in load.kills) or "none"),
-        ("QSD went away only when killed", unbidden == 0,
+        ("QSD went away only when killed", lambda: unbidden == 0,
          f"{load.events.lost} QSD restarts seen by the driver, {qsd_kills} of them SIGKILLs from the bench"),
     ]
-    for label, ok, detail in checks:
-        out.append(f"{'PASS' if ok else 'FAIL'}  {label}: {detail}")
+    verdicts = [verdict(test, "FAIL") for _, test, _ in checks]
+    for (label, _, detail), said in zip(checks, verdicts):
+        out.append(f"{said}  {label}: {detail}")
     for check, lines in failed.items():
         out += [f"  {check}: {line[:400]}" for line in lines[:10]]
-    return "\n".join(out), all(ok for _, ok, _ in checks)
+    return "\n".join(out), all(said == "PASS" for said in verdicts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -566,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clients and --seconds must be positive, --qsd-kills at least 0")
     # The greeting helper warns of each refused connection; here they are counted instead.
     logging.getLogger("csi_qsd.qsd.vhost_greeting").setLevel(logging.ERROR)
-    problem = missing_prerequisites()
+    problem = missing(*REQUIRED_TOOLS)
     if problem:
         print(problem, file=sys.stderr)
         return 2

@@ -38,23 +38,23 @@ shards they use. That is an estimate from this run, and says so.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.sys import mounts
-from e2e.bench.common import GIB, MIB, ThreadCPU, ratio, retrying, run_to_end, stop_driver_and_qsd, table
-from e2e.bench.container_path import ext4_on, lay_out, loop_on_raw, run
-from e2e.bench.scaling import NAMESPACE_KEY, InFlight, fio_iops, namespace_for, new_filesystem
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+from e2e.bench.common import (
+    GIB, MIB, ServedBench, ext4_on, fio, lay_out, loop_device, missing, output, progress, ratio, run_to_end, table,
+)
+from e2e.bench.scaling import NAMESPACE_KEY, Row, compare, namespace_for, new_filesystem, qd32, qsd_pids_of
+from tests.harness import Sandbox, sandbox
 
 VOLUME_SIZE = 1 * GIB
 REGION = 512 * MIB  # the fio file in each filesystem: half the volume, leaving ext4 its metadata
@@ -81,117 +81,58 @@ class Configuration:
         return f"{self.pool}:{self.klass}"
 
 
-@dataclasses.dataclass
-class Row:
-    job: str
-    count: int
-    volume: list[float] = dataclasses.field(default_factory=list)
-    baseline: list[float] = dataclasses.field(default_factory=list)
-    threads: str = "-"
-    busiest: list[float] = dataclasses.field(default_factory=list)
-    in_flight: str = "-"
-
-
-class Bench:
-    def __init__(self, box: Sandbox, config: Configuration, pool: Path, counts: list[int], seconds: int,
-                 rounds: int, shards: int) -> None:
-        self.box, self.config, self.pool, self.counts = box, config, pool, counts
-        self.seconds, self.rounds, self.shards = seconds, rounds, shards
-        self.driver = DriverProcess(box, "--log-level", "info", "--pool-dir", str(pool), "--qsd-shards", str(shards))
+class Bench(ServedBench):
+    def __init__(self, box: Sandbox, config: Configuration, pool: Path, counts: list[int], seconds: float,
+                 rounds: int, shards: int, region: int = REGION) -> None:
+        super().__init__(box, "--pool-dir", str(pool), "--qsd-shards", str(shards))
+        self.config, self.pool, self.counts = config, pool, counts
+        self.seconds, self.rounds, self.shards, self.region = seconds, rounds, shards, region
         self.rows: list[Row] = []
-        self.staged: dict[str, tuple[Path, Path]] = {}
-        self.volume_ids: list[str] = []
         self.setting = "?"
 
-    async def run(self) -> None:
-        await self.driver.start(timeout=60)
-        try:
-            found = [line for line in self.driver.log().splitlines() if "event=qsd_version" in line]
-            aio = [line for line in self.driver.log().splitlines() if "event=file_aio" in line]
-            self.setting = " ".join(part for part in (found[-1] if found else "").split()
-                                    if part.startswith(("version=", "loop_io="))) or "?"
-            if aio:
-                self.setting += " " + next((p for p in aio[-1].split() if p.startswith("engine=")), "")
-            async with CSIClient(self.box.endpoint, timeout=600) as csi:
-                try:
-                    await self._measure(csi)
-                finally:
-                    await self._undo(csi)
-        finally:
-            await stop_driver_and_qsd(self.driver)
-
-    async def _volume(self, csi: CSIClient, index: int) -> Path:
-        name = f"pod-{index}"
-        params = {**CLASSES[self.config.klass], NAMESPACE_KEY: namespace_for(index, self.shards)}
-        vid = (await csi.create_volume(name, VOLUME_SIZE, params)).volume_id
-        staging, target = self.box.staging(name), self.box.target(name)
-        self.staged[vid] = (staging, target)
-        self.volume_ids.append(vid)
-        await csi.stage(vid, str(staging))
-        await csi.publish(vid, str(staging), str(target))
-        return target
-
-    async def _measure(self, csi: CSIClient) -> None:
+    async def phases(self, csi: CSIClient) -> None:
+        found = [line for line in self.driver.log().splitlines() if "event=qsd_version" in line]
+        aio = [line for line in self.driver.log().splitlines() if "event=file_aio" in line]
+        self.setting = " ".join(part for part in (found[-1] if found else "").split()
+                                if part.startswith(("version=", "loop_io="))) or "?"
+        if aio:
+            self.setting += " " + next((p for p in aio[-1].split() if p.startswith("engine=")), "")
         count = max(self.counts)
-        targets = [await self._volume(csi, i) for i in range(count)]
+        targets = []
+        for index in range(count):
+            params = {**CLASSES[self.config.klass], NAMESPACE_KEY: namespace_for(index, self.shards)}
+            targets.append((await self.stage(csi, f"pod-{index}", VOLUME_SIZE, params)).target)
         async with contextlib.AsyncExitStack() as stack:
             baselines = []
             for index in range(count):
                 raw = self.pool / f"baseline-{index}.raw"
-                await run("fallocate", "-l", str(VOLUME_SIZE), str(raw))
+                await output("fallocate", "-l", str(VOLUME_SIZE), str(raw))
                 stack.callback(raw.unlink, missing_ok=True)
-                device = await stack.enter_async_context(loop_on_raw(raw))
+                device = await stack.enter_async_context(loop_device(raw))
                 baselines.append(await stack.enter_async_context(ext4_on(device, self.box.root / f"base-{index}")))
             volume_files = [t / "fio.dat" for t in targets]
             baseline_files = [b / "fio.dat" for b in baselines]
-            progress(f"{self.config.name}: laying out {REGION // MIB} MiB in each of {2 * count} filesystems")
+            progress(f"{self.config.name}: laying out {self.region // MIB} MiB in each of {2 * count} filesystems")
             for path in volume_files + baseline_files:
-                await lay_out(path, REGION)
+                await lay_out(path, self.region)
             for rw in JOBS:
                 for n in self.counts:
-                    await self._compare(Row(f"4k {rw} QD32", n), rw, volume_files[:n], baseline_files[:n])
+                    await self._compare(Row("pod", f"4k {rw} QD32", n), rw, volume_files[:n], baseline_files[:n])
 
     async def _compare(self, row: Row, rw: str, volumes: list[Path], baselines: list[Path]) -> None:
-        pids = [qsd_pid(self.box, shard) for shard in range(self.shards)]
-        assert None not in pids
-        exports = [export_file(self.box.state_dir / "exports", vid) for vid in self.volume_ids[:row.count]]
-        progress(f"{self.config.name}: {row.job} x{row.count}, {self.rounds} x {self.seconds} s each side")
-        for turn in range(self.rounds):
-            async def on_volume() -> None:
-                sampler = InFlight(exports)
-                done = asyncio.Event()
-                sampling = asyncio.create_task(sampler.sample(done))
-                before = [ThreadCPU.take(pid or 0) for pid in pids]
-                try:
-                    row.volume.append(await fio_iops(volumes, rw, self.seconds, REGION))
-                finally:
-                    done.set()
-                    await sampling
-                after = [ThreadCPU.take(pid or 0) for pid in pids]
-                row.in_flight = sampler.summary()
-                shares = [a.since(b) for a, b in zip(after, before)]
-                row.threads = shares[0] if len(shares) == 1 else "; ".join(f"s{i}: {s}" for i, s in enumerate(shares))
-                row.busiest.append(max(a.busiest_since(b) for a, b in zip(after, before)))
-
-            async def on_baseline() -> None:
-                row.baseline.append(await fio_iops(baselines, rw, self.seconds, REGION))
-
-            for step in ((on_volume, on_baseline) if turn % 2 == 0 else (on_baseline, on_volume)):
-                await step()
+        exports = [export_file(self.box.state_dir / "exports", vid) for vid in list(self.staged)[:row.count]]
+        progress(f"{self.config.name}: {row.job} x{row.count}, {self.rounds} x {self.seconds:g} s each side")
+        await compare(row, qsd_pids_of(self.box, self.shards), self.rounds,
+                      functools.partial(fio, qd32(rw), *volumes, runtime=self.seconds, size=self.region),
+                      functools.partial(fio, qd32(rw), *baselines, runtime=self.seconds, size=self.region), exports)
         self.rows.append(row)
-
-    async def _undo(self, csi: CSIClient) -> None:
-        for vid, (staging, target) in self.staged.items():
-            await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(target)))
-            await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(staging)))
-            await retrying(f"delete {vid}", lambda: csi.delete_volume(vid))
 
     def render(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in CLASSES[self.config.klass].items()) or \
             "no parameters (thin qcow2, 64 KiB granularity, persistent dirty bitmap)"
         head = (f"{self.config.name}: pool on {mounts.filesystem_of(self.pool) or '?'} ({self.config.pool}); class: "
                 f"{params}; ext4 in each volume vs ext4 on a direct-I/O loop device on a raw file in the pool; "
-                f"{self.setting}; {self.shards} shard(s); {os.cpu_count()} cores; {self.rounds} x {self.seconds} s, "
+                f"{self.setting}; {self.shards} shard(s); {os.cpu_count()} cores; {self.rounds} x {self.seconds:g} s, "
                 f"mean; load average {os.getloadavg()[0]:.2f}")
         rows, projection = [], []
         ones: dict[str, tuple[float, float]] = {}
@@ -202,7 +143,7 @@ class Bench:
                 ones[row.job] = (vol, busiest)
             spread = f"{min(row.volume) / 1000:.1f}-{max(row.volume) / 1000:.1f}k"
             rows.append([row.job, str(row.count), f"{vol / 1000:.1f}k", spread, f"{base / 1000:.1f}k",
-                         ratio(vol, base), row.in_flight, row.threads])
+                         ratio(vol, base), row.in_flight, row.threads[-1] if row.threads else "-"])
             one_vol, one_busiest = ones.get(row.job, (0.0, 0.0))
             if row.count > 1 and one_busiest > 0:
                 per_cpu = one_vol / max(one_busiest, 0.05)
@@ -216,10 +157,6 @@ class Bench:
                     "CPU-second of the busiest QSD thread, times the shards N volumes use",
                     table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], projection)]
         return "\n".join(out)
-
-
-def progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -247,22 +184,28 @@ def main(argv: list[str] | None = None) -> int:
                                  Configuration("xfs", "default"), Configuration("xfs", "raw")],
                         help="POOL:CLASS, comma-separated (default host:default,host:raw,xfs:default,xfs:raw)")
     parser.add_argument("--counts", type=lambda t: [int(p) for p in t.split(",")], default=[1, 4])
-    parser.add_argument("--runtime", type=int, default=5, help="seconds per fio run (default 5)")
+    parser.add_argument("--runtime", type=float, default=5, help="seconds per fio run (default 5)")
+    parser.add_argument("--region-mib", type=int, default=REGION // MIB,
+                        help="MiB of the fio file in each filesystem (default 512)")
     parser.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (default 2)")
     parser.add_argument("--shards", type=int, default=1, help="the driver's --qsd-shards (default 1)")
     parser.add_argument("--in-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if os.geteuid() != 0:
-        print("needs root (loop devices, FUSE, mounts)", file=sys.stderr)
+    problem = missing("fio", "unshare")
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
-    if args.runtime < 1 or args.rounds < 1 or args.shards < 1 or min(args.counts) < 1:
-        parser.error("--runtime, --rounds, --shards and --counts must be at least 1")
+    if args.runtime <= 0 or args.rounds < 1 or args.shards < 1 or min(args.counts) < 1 or \
+            not 0 < args.region_mib * MIB < VOLUME_SIZE:
+        parser.error("--runtime must be positive, --rounds, --shards and --counts at least 1, --region-mib under "
+                     "the volume's 1024")
     if not args.in_namespace:
         return in_private_namespace(sys.argv[1:] if argv is None else argv)
     status = 0
     for config in args.configs:
         with sandbox() as box, pool_for(box, config, max(args.counts)) as pool:
-            bench = Bench(box, config, pool, args.counts, args.runtime, args.rounds, args.shards)
+            bench = Bench(box, config, pool, args.counts, args.runtime, args.rounds, args.shards,
+                          args.region_mib * MIB)
             status = run_to_end(bench.run(), bench.driver, what=f"pod_default {config.name}") or status
             print(bench.render() + "\n", flush=True)
     return status

@@ -29,8 +29,8 @@ import time
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import KIB, MIB, ms, ratio, status_field_kib, table
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox, until
+from e2e.bench.common import KIB, MIB, ServedBench, bench_main, ms, ratio, status_field_kib, table, verdict
+from tests.harness import DriverProcess, Sandbox, qsd_pid, until
 
 SIZE = 64 * MIB
 Kind = tuple[str, dict[str, str], bool]
@@ -42,16 +42,6 @@ KINDS: tuple[Kind, ...] = (
 TARGET_READY_S = 5.0
 VERIFIED = re.compile(r"event=qsd_verified seconds=([0-9.]+)")
 TARGET_RSS_PER_VOLUME_KIB = 512
-
-
-async def stage_one(box: Sandbox, csi: CSIClient, index: int, kinds: tuple[Kind, ...]) -> tuple[str, str]:
-    kind, params, block = kinds[index % len(kinds)]
-    name = f"pvc-restart-{index:04d}"
-    vid = (await csi.create_volume(name, SIZE, params, block=block)).volume_id
-    staging, target = box.staging(name), box.target(name)
-    await csi.stage(vid, str(staging), block=block)
-    await csi.publish(vid, str(staging), str(target), block=block)
-    return vid, str(target)
 
 
 async def restart(driver: DriverProcess, box: Sandbox, probe_vid: str, probe_path: str) -> tuple[float, float, float]:
@@ -74,54 +64,58 @@ async def restart(driver: DriverProcess, box: Sandbox, probe_vid: str, probe_pat
     return ready, first, float(VERIFIED.findall(driver.log())[-1])
 
 
-async def run(volumes: int, parallel: int, kinds: tuple[Kind, ...]) -> None:
-    with sandbox() as box:
-        driver = DriverProcess(box)
-        await driver.start()
+class Bench(ServedBench):
+    def __init__(self, box: Sandbox, volumes: int, parallel: int, kinds: tuple[Kind, ...]) -> None:
+        super().__init__(box)
+        self.n, self.parallel, self.kinds = volumes, parallel, kinds
+        self.rows: list[list[str]] = []
+        self.header = self.footer = ""
+
+    async def phases(self, csi: CSIClient) -> None:
+        box, driver, volumes = self.box, self.driver, self.n
         try:
             pid = qsd_pid(box)
             assert pid is not None
             empty_ready, _, _ = await restart(driver, box, "", "")
             rss_empty = status_field_kib(pid)
-            staged: list[tuple[str, str]] = []
             t0 = time.perf_counter()
-            async with CSIClient(box.endpoint, timeout=120) as csi:
-                gate = asyncio.Semaphore(parallel)
+            gate = asyncio.Semaphore(self.parallel)
 
-                async def one(index: int) -> None:
-                    async with gate:
-                        staged.append(await stage_one(box, csi, index, kinds))
+            async def one(index: int) -> None:
+                kind, params, block = self.kinds[index % len(self.kinds)]
+                async with gate:
+                    await self.stage(csi, f"pvc-restart-{index:04d}", SIZE, params, block=block)
 
-                await asyncio.gather(*(one(i) for i in range(volumes)))
+            await asyncio.gather(*(one(i) for i in range(volumes)))
             setup = time.perf_counter() - t0
             rss_full = status_field_kib(pid)
-            probe_vid, probe_path = staged[-1]
-            ready, first, verified = await restart(driver, box, probe_vid, probe_path)
+            last = self.staged[self.volumes[-1]]
+            ready, first, verified = await restart(driver, box, last.id, str(last.target))
             assert qsd_pid(box) == pid, "the restarted driver must adopt the same QSD"
         except BaseException:
             events = [line for line in driver.log().splitlines() if "event=qsd" in line or "level=ERROR" in line]
             print("driver log, QSD events and errors:", *events[-30:], sep="\n", file=sys.stderr)
             raise
-        finally:
-            await driver.stop()
         per_volume = (rss_full - rss_empty) / volumes
-        print(f"csi-qsd restart bench: {volumes} volumes staged and published "
-              f"({', '.join(k for k, _, _ in kinds)} in turn) in {setup:.0f} s; {sys.platform}")
-        print(table(
-            ["figure", f"{volumes} volumes", "no volume (baseline)", "ratio", "target"],
-            [
-                ["Probe ready after SIGKILL, s", f"{ready:.2f}", f"{empty_ready:.2f}", ratio(ready, empty_ready),
-                 f"< {TARGET_READY_S:.0f} {'PASS' if ready < TARGET_READY_S else 'MISS'}"],
-                ["first call on an old volume, s", f"{first:.2f}", "-", "-",
-                 f"< {TARGET_READY_S:.0f} {'PASS' if first < TARGET_READY_S else 'MISS'}"],
-                ["background checks, s", f"{verified:.2f}", "-", ratio(verified, ready), "after Probe"],
-                ["QSD RSS per idle volume, KiB", f"{per_volume:.0f}", f"{rss_empty} (QSD alone)", "-",
-                 f"< {TARGET_RSS_PER_VOLUME_KIB} "
-                 f"{'PASS' if per_volume < TARGET_RSS_PER_VOLUME_KIB else 'MISS'}"],
-            ],
-        ))
-        print(f"(QSD RSS {rss_empty} KiB empty, {rss_full} KiB with {volumes}; {ms(per_volume * KIB / 1024)} "
-              "KiB per volume)")
+        self.header = (f"csi-qsd restart bench: {volumes} volumes staged and published "
+                       f"({', '.join(k for k, _, _ in self.kinds)} in turn) in {setup:.0f} s; {sys.platform}")
+        self.rows = [
+            ["Probe ready after SIGKILL, s", f"{ready:.2f}", f"{empty_ready:.2f}", ratio(ready, empty_ready),
+             f"< {TARGET_READY_S:.0f} {verdict(lambda: ready < TARGET_READY_S)}"],
+            ["first call on an old volume, s", f"{first:.2f}", "-", "-",
+             f"< {TARGET_READY_S:.0f} {verdict(lambda: first < TARGET_READY_S)}"],
+            ["background checks, s", f"{verified:.2f}", "-", ratio(verified, ready), "after Probe"],
+            ["QSD RSS per idle volume, KiB", f"{per_volume:.0f}", f"{rss_empty} (QSD alone)", "-",
+             f"< {TARGET_RSS_PER_VOLUME_KIB} {verdict(lambda: per_volume < TARGET_RSS_PER_VOLUME_KIB)}"],
+        ]
+        self.footer = (f"(QSD RSS {rss_empty} KiB empty, {rss_full} KiB with {volumes}; "
+                       f"{ms(per_volume * KIB / 1024)} KiB per volume)")
+
+    def report(self) -> str:
+        if not self.rows:
+            return "FAIL: the restarts were not measured"
+        return "\n".join([self.header, table(["figure", f"{self.n} volumes", "no volume (baseline)", "ratio",
+                                                "target"], self.rows), self.footer])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only volumes of this kind (repeatable; default: all three in turn)")
     args = parser.parse_args(argv)
     kinds = tuple(k for k in KINDS if not args.kind or k[0] in args.kind)
-    asyncio.run(run(args.volumes, args.parallel, kinds))
-    return 0
+    return bench_main(lambda box: Bench(box, args.volumes, args.parallel, kinds), Bench.report)
 
 
 if __name__ == "__main__":

@@ -59,15 +59,13 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
+import functools
 import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -77,8 +75,10 @@ from csi_qsd.qsd.shards import place
 from csi_qsd.sys import filesystems, fusectl, mounts
 from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
-from e2e.bench.common import MIB, ThreadCPU, ratio, retrying, run_to_end, sh, stop_driver_and_qsd, table
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox
+from e2e.bench.common import (
+    MIB, Job, ServedBench, ThreadCPU, fio, loop_device, missing, output, progress, ratio, run_to_end, sh, table,
+)
+from tests.harness import Sandbox, qsd_pid, sandbox
 
 SIZE = 256 * MIB
 POOL_FS_BYTES = 8 * 4 * SIZE  # --pool-fs: 4 volumes and 4 baseline files of each kind, with room to spare
@@ -148,99 +148,103 @@ class InFlight:
         return f"max {max(self.samples)}, mean {statistics.mean(self.samples):.1f}"
 
 
-async def run(*argv: str) -> str:
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, env=dict(os.environ, LC_ALL="C"))
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {err.decode(errors='replace')[-2000:]}")
-    return out.decode(errors="replace")
+def qd32(rw: str) -> Job:
+    return Job(f"4k {rw} QD32", rw, "4k", 32)
 
 
-async def fio_iops(devices: list[Path], rw: str, runtime: int, size: int = SIZE) -> float:
-    """Aggregate IOPS of one fio with a job per device or file (its first `size` bytes), all at once (4k, QD32 each)."""
-    argv = ["fio", "--output-format=json", "--group_reporting", "--direct=1", "--ioengine=libaio", "--bs=4k",
-            f"--rw={rw}", "--iodepth=32", "--time_based", f"--runtime={runtime}", "--randrepeat=0",
-            "--norandommap", f"--size={size}"]
-    for index, device in enumerate(devices):
-        argv += [f"--name=j{index}", f"--filename={device}"]
-    report = json.loads(await run(*argv))
-    side = report["jobs"][0]["write" if "write" in rw else "read"]
-    return float(side["iops"])
-
-
-async def blkio_iops(driver: str, paths: list[Path], write: bool, seconds: int) -> float:
+async def blkio_iops(driver: str, paths: list[Path], write: bool, seconds: float) -> float:
     """Aggregate IOPS of one polling libblkio client per path, all at once (4k random, QD32 each)."""
     runs = [blkio_client.iops(driver, path, write=write, seconds=seconds, size=SIZE) for path in paths]
     return sum(await asyncio.gather(*runs))
 
 
-class Bench:
-    def __init__(self, box: Sandbox, runtime: Runtime, counts: list[int], kinds: list[str], seconds: int,
+async def compare(row: Row, pids: list[int], rounds: int, volume: Callable[[], Awaitable[float]],
+                  baseline: Callable[[], Awaitable[float]], fuse_exports: list[Path] | None = None) -> None:
+    """`rounds` of `volume` and `baseline` alternating which goes first (ABBA), with QSD's CPU per thread and the
+    FUSE requests in flight during the volumes' runs."""
+    for turn in range(rounds):
+        async def on_volume() -> None:
+            sampler = InFlight(fuse_exports) if fuse_exports else None
+            done = asyncio.Event()
+            sampling = asyncio.create_task(sampler.sample(done)) if sampler else None
+            before = [ThreadCPU.take(pid) for pid in pids]
+            try:
+                row.volume.append(await volume())
+            finally:
+                done.set()
+                if sampling is not None:
+                    await sampling
+            after = [ThreadCPU.take(pid) for pid in pids]
+            if sampler is not None:
+                row.in_flight = sampler.summary()
+            shares = [a.since(b) for a, b in zip(after, before)]
+            row.threads.append(shares[0] if len(shares) == 1 else
+                               "; ".join(f"s{i}: {share}" for i, share in enumerate(shares)))
+            row.busiest.append(max(a.busiest_since(b) for a, b in zip(after, before)))
+
+        async def on_baseline() -> None:
+            row.baseline.append(await baseline())
+
+        for step in ((on_volume, on_baseline) if turn % 2 == 0 else (on_baseline, on_volume)):
+            await step()
+
+
+def qsd_pids_of(box: Sandbox, shards: int) -> list[int]:
+    pids = [qsd_pid(box, shard) for shard in range(shards)]
+    if None in pids:
+        raise RuntimeError(f"a QSD shard is not running: {pids}")
+    return [pid for pid in pids if pid is not None]
+
+
+class Bench(ServedBench):
+    def __init__(self, box: Sandbox, runtime: Runtime, counts: list[int], kinds: list[str], seconds: float,
                  rounds: int, pool: Path) -> None:
-        self.box, self.runtime, self.counts, self.kinds = box, runtime, counts, kinds
+        super().__init__(box, "--pool-dir", str(pool), *runtime.flags())
+        self.runtime, self.counts, self.kinds = runtime, counts, kinds
         self.seconds, self.rounds, self.pool = seconds, rounds, pool
-        self.driver = DriverProcess(box, "--log-level", "info", "--pool-dir", str(pool), *runtime.flags())
         self.rows: list[Row] = []
         self.version = "?"
         self.placement = "?"
-        self.staged: dict[str, tuple[Path, Path]] = {}
-        self.pod_volumes: list[str] = []
-        self.loops: list[Path] = []
         self.raws: list[Path] = []
 
-    async def run(self) -> None:
-        await self.driver.start(timeout=60)
-        try:
-            found = re.findall(r"event=qsd_version version=(\S+) .*iothreads=(\d+) vhost_exports_in=(\S+) "
-                               r"fuse_exports_in=(\S+)", self.driver.log())
-            if found:
-                version, threads, vhost, fuse = found[-1]
-                self.version = f"QSD {version}"
-                self.placement = f"{threads} iothreads; VM exports in {vhost}, FUSE exports in {fuse}"
-            async with CSIClient(self.box.endpoint, timeout=600) as csi:
-                try:
-                    raws = await self._raw_files(max(self.counts))
-                    if "pod" in self.kinds:
-                        await self._pods(csi, raws)
-                    if "vm" in self.kinds:
-                        await self._vms(csi, raws)
-                finally:
-                    await self._undo(csi)
-        finally:
-            await stop_driver_and_qsd(self.driver)
+    async def phases(self, csi: CSIClient) -> None:
+        found = re.findall(r"event=qsd_version version=(\S+) .*iothreads=(\d+) vhost_exports_in=(\S+) "
+                           r"fuse_exports_in=(\S+)", self.driver.log())
+        if found:
+            version, threads, vhost, fuse = found[-1]
+            self.version = f"QSD {version}"
+            self.placement = f"{threads} iothreads; VM exports in {vhost}, FUSE exports in {fuse}"
+        raws = await self._raw_files(max(self.counts))
+        if "pod" in self.kinds:
+            await self._pods(csi, raws)
+        if "vm" in self.kinds:
+            await self._vms(csi, raws)
 
     async def _raw_files(self, count: int) -> list[Path]:
         for index in range(count):
             raw = self.pool / f"baseline-{index}.raw"
-            await run("fallocate", "-l", str(SIZE), str(raw))
-            await run("dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={SIZE // MIB}", "oflag=direct",
-                      "conv=notrunc", "status=none")
+            await output("fallocate", "-l", str(SIZE), str(raw))
+            await output("dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={SIZE // MIB}", "oflag=direct",
+                         "conv=notrunc", "status=none")
             self.raws.append(raw)
         return list(self.raws)
 
     async def _volume(self, csi: CSIClient, name: str, params: dict[str, str], *, block: bool, index: int) -> Path:
         params = {**params, NAMESPACE_KEY: namespace_for(index, self.runtime.shards)}
-        vid = (await csi.create_volume(name, SIZE, params, block=block)).volume_id
-        staging, target = self.box.staging(name), self.box.target(name)
-        self.staged[vid] = (staging, target)
-        if block:
-            self.pod_volumes.append(vid)
-        await csi.stage(vid, str(staging), block=block)
-        await csi.publish(vid, str(staging), str(target), block=block)
-        return target
+        return (await self.stage(csi, name, SIZE, params, block=block)).target
 
     async def _pods(self, csi: CSIClient, raws: list[Path]) -> None:
         volumes = [await self._volume(csi, f"pod-{i}", PARAMS, block=True, index=i) for i in range(max(self.counts))]
-        for raw in raws:
-            self.loops.append(Path((await run("losetup", "--find", "--show", "--direct-io=on", str(raw))).strip()))
-        for rw in ("randwrite", "randread"):
-            for n in self.counts:
-                exports = [export_file(self.box.state_dir / "exports", vid) for vid in self.pod_volumes[:n]]
-                await self._compare(Row("pod", f"4k {rw} QD32", n),
-                                    lambda n=n, rw=rw: fio_iops(volumes[:n], rw, self.seconds),  # type: ignore[misc]
-                                    lambda n=n, rw=rw: fio_iops(self.loops[:n], rw, self.seconds),  # type: ignore[misc]
-                                    exports)
+        pod_volumes = list(self.staged)
+        async with contextlib.AsyncExitStack() as stack:
+            loops = [await stack.enter_async_context(loop_device(raw)) for raw in raws]
+            for rw in ("randwrite", "randread"):
+                for n in self.counts:
+                    exports = [export_file(self.box.state_dir / "exports", vid) for vid in pod_volumes[:n]]
+                    await self._compare(Row("pod", f"4k {rw} QD32", n),
+                                        functools.partial(fio, qd32(rw), *volumes[:n], runtime=self.seconds, size=SIZE),
+                                        functools.partial(fio, qd32(rw), *loops[:n], runtime=self.seconds, size=SIZE),
+                                        exports)
 
     async def _vms(self, csi: CSIClient, raws: list[Path]) -> None:
         # writeback: a VM that flushes (the default writethrough adds a flush to every write, measured apart
@@ -253,49 +257,17 @@ class Bench:
                 job = f"4k rand{'write' if write else 'read'} QD32"
                 await self._compare(
                     Row("vm", job, n),
-                    lambda n=n, w=write: blkio_iops("virtio-blk-vhost-user", sockets[:n], w, self.seconds),  # type: ignore[misc]
-                    lambda n=n, w=write: blkio_iops("io_uring", raws[:n], w, self.seconds))  # type: ignore[misc]
+                    functools.partial(blkio_iops, "virtio-blk-vhost-user", sockets[:n], write, self.seconds),
+                    functools.partial(blkio_iops, "io_uring", raws[:n], write, self.seconds))
 
     async def _compare(self, row: Row, volume: Callable[[], Awaitable[float]],
                        baseline: Callable[[], Awaitable[float]], fuse_exports: list[Path] | None = None) -> None:
-        pids = [qsd_pid(self.box, shard) for shard in range(self.runtime.shards)]
-        assert None not in pids
-        print(f"[{time.strftime('%H:%M:%S')}] {row.kind} {row.job} x{row.count}", file=sys.stderr, flush=True)
-        for turn in range(self.rounds):
-            async def on_volume() -> None:
-                sampler = InFlight(fuse_exports) if fuse_exports else None
-                done = asyncio.Event()
-                sampling = asyncio.create_task(sampler.sample(done)) if sampler else None
-                before = [ThreadCPU.take(pid or 0) for pid in pids]
-                try:
-                    row.volume.append(await volume())
-                finally:
-                    done.set()
-                    if sampling is not None:
-                        await sampling
-                after = [ThreadCPU.take(pid or 0) for pid in pids]
-                if sampler is not None:
-                    row.in_flight = sampler.summary()
-                shares = [a.since(b) for a, b in zip(after, before)]
-                row.threads.append(shares[0] if len(shares) == 1 else
-                                   "; ".join(f"s{i}: {share}" for i, share in enumerate(shares)))
-                row.busiest.append(max(a.busiest_since(b) for a, b in zip(after, before)))
-
-            async def on_baseline() -> None:
-                row.baseline.append(await baseline())
-
-            for step in ((on_volume, on_baseline) if turn % 2 == 0 else (on_baseline, on_volume)):
-                await step()
+        progress(f"{row.kind} {row.job} x{row.count}")
+        await compare(row, qsd_pids_of(self.box, self.runtime.shards), self.rounds, volume, baseline, fuse_exports)
         self.rows.append(row)
 
-    async def _undo(self, csi: CSIClient) -> None:
-        for loop in self.loops:
-            with contextlib.suppress(RuntimeError):
-                await run("losetup", "--detach", str(loop))
-        for vid, (staging, target) in self.staged.items():
-            await retrying(f"unpublish {vid}", lambda: csi.unpublish(vid, str(target)))
-            await retrying(f"unstage {vid}", lambda: csi.unstage(vid, str(staging)))
-            await retrying(f"delete {vid}", lambda: csi.delete_volume(vid))
+    async def undo(self, csi: CSIClient) -> None:
+        await super().undo(csi)
         for raw in self.raws:
             raw.unlink(missing_ok=True)
 
@@ -344,7 +316,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the driver's --qsd-shards, comma-separated: each runtime once per count (default 1)")
     parser.add_argument("--counts", type=lambda t: [int(p) for p in t.split(",")], default=[1, 2, 4])
     parser.add_argument("--kinds", type=lambda t: t.split(","), default=["pod", "vm"])
-    parser.add_argument("--runtime", type=int, default=5, help="seconds per run")
+    parser.add_argument("--runtime", type=float, default=5, help="seconds per run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pool-dir", type=Path, default=None,
                         help="make the file pool and the baseline's files in a new directory under this one "
@@ -395,11 +367,12 @@ def new_filesystem(root: Path, fs_type: str, size: int = POOL_FS_BYTES) -> Itera
         image.unlink(missing_ok=True)
 
 
-def main() -> int:
-    if os.geteuid() != 0:
-        print("needs root (loop devices, FUSE, mounts)", file=sys.stderr)
-        return 1
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    problem = missing("fio")
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     for runtime in (dataclasses.replace(r, shards=n) for r in args.qsd for n in args.shards):
         with sandbox() as box, pool_dir(box, args.pool_dir, args.pool_fs) as pool:
             bench = Bench(box, runtime, args.counts, args.kinds, args.runtime, args.rounds, pool)
