@@ -90,7 +90,7 @@ class Config:
     # The mutual-TLS listener for the snapshot-metadata router (host:port; empty: off).
     metadata_address: str = ""
     metadata_tls: PemFiles | None = None
-    # Copies across nodes (`csi_qsd.controller.copies`): the other node plugins' listeners (NAME, HOST:PORT),
+    # Copies across nodes (`csi_qsd.controller.copy_leases`): the other node plugins' listeners (NAME, HOST:PORT),
     # where this node serves its snapshots to them over NBD (host; default the listener's), on which ports,
     # and how fast a copy streams (bytes/s, 0: no limit). They use the listener's TLS files.
     peers: tuple[tuple[str, str], ...] = ()

@@ -46,11 +46,11 @@ from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
-from csi_qsd.controller.copies import CopySettings, LinkCheck, RemoteCopies, SourceLeases
+from csi_qsd.controller.copy_leases import CopySettings, LinkCheck, RemoteCopies, SourceLeases
 from csi_qsd.csi.peer_pods import InCluster, PodPeers
 from csi_qsd.csi.snapshot_contents import ContentClaimer
 from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
-from csi_qsd.node.copies import CopyStreams, CrossNodeCopies
+from csi_qsd.node.copy_streams import CopyStreams, CrossNodeCopies
 from csi_qsd.sys import mounts, runtime
 from csi_qsd.sys.tools import bundled
 

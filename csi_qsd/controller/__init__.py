@@ -5,7 +5,9 @@
 `changed_blocks` answers what a snapshot holds and what changed between two;
 `qos` changes a volume's I/O limits (ControllerModifyVolume); `condition`
 says where a volume is published and whether it can serve
-(ControllerGetVolume, ListVolumes). Nothing here knows of gRPC.
+(ControllerGetVolume, ListVolumes); `copy_leases` makes volumes from
+another node's snapshot or volume and serves this node's to others (the read
+leases). Nothing here knows of gRPC.
 
 May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports.
 """

@@ -19,7 +19,7 @@ from csi_qsd.csi.errors import RpcObservers, not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
-from csi_qsd.node.copies import CrossNodeCopies
+from csi_qsd.node.copy_streams import CrossNodeCopies
 from csi_qsd.params import PROVISIONER_PREFIX, parse_mutable_parameters, parse_parameters
 from csi_qsd.controller.condition import HealthView, VolumeHealth
 from csi_qsd.controller.qos import VolumeLimits

@@ -1,8 +1,9 @@
-"""The node side of the domain: stage, publish, unstage; rebuilds and moves of staged volumes.
+"""The node side of the domain: stage, publish, unstage; rebuilds and moves of staged volumes; copies filled.
 
 `staging.NodeVolumes` is the orchestrator (locks, intent rows, recovery);
 the export kinds do the rest. `rebuild` brings staged volumes back after a
-QSD (re)connect, `moves` relocates a staged volume in its pool.
+QSD (re)connect, `moves` relocates a staged volume in its pool,
+`copy_streams` fills the volumes copied from another node in the background.
 
 May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports, controller.
 """

@@ -41,7 +41,7 @@ class TopImage:
     params: VolumeParameters
     qos: QoS = QoS()
     # Awaited before QSD opens the image with its backing chain from disk; raises if that open could hold
-    # QSD's monitor (a chain that reads through another node that does not answer: `csi_qsd.controller.copies`).
+    # QSD's monitor (a chain that reads through another node that does not answer: `csi_qsd.controller.copy_leases`).
     before_open: Callable[[], Awaitable[None]] | None = dataclasses.field(default=None, compare=False)
 
     @property

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.controller.copies import PEER_TLS_OBJECT, CopySettings, Peers, nbd_backing
+from csi_qsd.controller.copy_leases import PEER_TLS_OBJECT, CopySettings, Peers, nbd_backing
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import QSDError
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.node.copies import CopyStreams
+from csi_qsd.node.copy_streams import CopyStreams
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.server import Driver
 from csi_qsd.sys import nbd_tcp

@@ -20,7 +20,7 @@ import pytest
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord, VolumeState
 from csi_qsd.cli import build_parser
 from csi_qsd.config import Config
-from csi_qsd.controller.copies import (
+from csi_qsd.controller.copy_leases import (
     PEER_TLS_OBJECT, CopySettings, Lease, LinkCheck, RemoteCopies, SourceLeases, nbd_backing, parse_source,
 )
 from csi_qsd.csi.peers import SERVICE, PeerNodes, StaticPeers, checked_lease, copies_handler
@@ -30,7 +30,7 @@ from csi_qsd.errors import (
     Unavailable,
 )
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.node.copies import CopyStreams, names_backing
+from csi_qsd.node.copy_streams import CopyStreams, names_backing
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import nbd_tcp

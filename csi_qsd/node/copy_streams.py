@@ -1,6 +1,6 @@
 """Make a volume copied from another node local, in the background, and say how it is doing.
 
-A volume made from another node's snapshot (`csi_qsd.controller.copies`)
+A volume made from another node's snapshot (`csi_qsd.controller.copy_leases`)
 reads through a local copy image whose backing file is the source node's
 NBD export. Here QSD fills that image with block-stream, at the configured
 rate: the volume's top image is opened in the QSD (shard) that serves or
@@ -38,7 +38,7 @@ import struct
 from pathlib import Path
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
-from csi_qsd.controller.copies import (
+from csi_qsd.controller.copy_leases import (
     PEER_TLS_OBJECT, CopySettings, Lease, Peers, RemoteCopies, SourceLeases, point_backing,
 )
 from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost, Unavailable

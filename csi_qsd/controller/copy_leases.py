@@ -8,7 +8,7 @@ listener):
   node does not hold. A peer that holds it grants a read lease: it serves the
   snapshot read-only over NBD with TLS. The new volume is at once a thin
   overlay on a local copy image whose backing file is that NBD export, so it
-  can be staged and used before a byte has moved; `csi_qsd.node.copies`
+  can be staged and used before a byte has moved; `csi_qsd.node.copy_streams`
   then fills the copy image (QSD's block-stream), after which the copy image
   stands alone, the link is dropped and the lease released. The copy row is
   recorded before the lease is asked for, so a crash at any point leaves a row
@@ -494,7 +494,7 @@ class SourceLeases:
         --copy-lease-ttl). A restarted node may find its lease's port taken by something else
         (or --copy-address changed): the lease then moves to a free port of
         --copy-ports, recorded, and the copy's node learns it when it asks
-        the lease again (`csi_qsd.node.copies`). Raises ResourceExhausted, HostCommandError.
+        the lease again (`csi_qsd.node.copy_streams`). Raises ResourceExhausted, HostCommandError.
         """
         pid_file, port = self._pid_file(record.volume_id), self._port(record)
         pid = nbd_tcp.serving_pid(pid_file, port)
@@ -551,7 +551,7 @@ class RemoteCopies:
         self._peers = peers
         self._settings = settings
         self._name_locks = name_locks  # `Volumes.name_locks`: a name is locked alike wherever its volume comes from
-        self.on_copy = on_copy  # told of every copy to (re)start or to release: `csi_qsd.node.copies`
+        self.on_copy = on_copy  # told of every copy to (re)start or to release: `csi_qsd.node.copy_streams`
         # The ID a failed create used, per (name, source): its retry asks the source for the same copy, so a
         # clone's source cuts its volume once, not once per retry. In memory: a restart costs one more cut.
         self._retry_ids: dict[tuple[str, str], str] = {}
