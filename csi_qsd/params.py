@@ -3,6 +3,11 @@
 Unknown keys are rejected by name so that a typo in a StorageClass fails at
 provisioning time instead of silently giving a volume other than the one meant.
 Keys the external-provisioner adds itself (`csi.storage.k8s.io/*`) are ignored.
+
+The rest of a request's vocabulary lives here too, stripped of gRPC, for the
+controller side, the node side and the CSI layer alike: access modes and
+capabilities (`Capability`, `unsupported_capability`), and the size a CSI
+capacity range gives (`choose_size`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from csi_qsd.qcow2.granularity import DEFAULT as DEFAULT_GRANULARITY, parse as parse_granularity
-from csi_qsd.errors import InvalidArgument
+from csi_qsd.errors import InvalidArgument, OutOfRange
 
 PROVISIONER_PREFIX = "csi.storage.k8s.io/"
 # The claim's namespace, which the external-provisioner adds with --extra-create-metadata.
@@ -317,3 +322,69 @@ def _check_qos(qos: QoS, given: set[str]) -> None:
             if getattr(qos, burst) * qos.burst_seconds > QOS_VALUE_MAX:
                 raise InvalidArgument(f"mutable parameter {blame('burst_seconds', burst)!r}: {key(burst)!r} x "
                                       f"'burstSeconds' must not exceed {QOS_VALUE_MAX}")
+
+
+# What a request asks besides its parameters: capabilities and a capacity range.
+
+MIB = 1 << 20
+GIB = 1 << 30
+SIZE_GRANULARITY = MIB
+DEFAULT_SIZE = GIB
+
+
+class AccessMode(enum.Enum):
+    """The CSI access modes; only single-node ones can be served by node-local storage."""
+
+    SINGLE_NODE_WRITER = "SINGLE_NODE_WRITER"
+    SINGLE_NODE_READER_ONLY = "SINGLE_NODE_READER_ONLY"
+    SINGLE_NODE_SINGLE_WRITER = "SINGLE_NODE_SINGLE_WRITER"
+    SINGLE_NODE_MULTI_WRITER = "SINGLE_NODE_MULTI_WRITER"
+    MULTI_NODE_READER_ONLY = "MULTI_NODE_READER_ONLY"
+    MULTI_NODE_SINGLE_WRITER = "MULTI_NODE_SINGLE_WRITER"
+    MULTI_NODE_MULTI_WRITER = "MULTI_NODE_MULTI_WRITER"
+    UNKNOWN = "UNKNOWN"
+
+
+SUPPORTED_ACCESS_MODES = frozenset({
+    AccessMode.SINGLE_NODE_WRITER, AccessMode.SINGLE_NODE_READER_ONLY,
+    AccessMode.SINGLE_NODE_SINGLE_WRITER, AccessMode.SINGLE_NODE_MULTI_WRITER,
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """One requested volume capability, stripped of gRPC."""
+
+    block: bool
+    fs_type: str
+    mode: AccessMode
+
+
+def unsupported_capability(cap: Capability, params: VolumeParameters | None) -> str | None:
+    """Why `cap` cannot be served (for a volume with `params`), or None if it can."""
+    if cap.mode not in SUPPORTED_ACCESS_MODES:
+        return f"access mode {cap.mode.value} is not supported: volumes are node-local (use a SINGLE_NODE_* mode)"
+    if cap.fs_type and cap.fs_type not in ("ext4", "xfs"):
+        return f"fs_type {cap.fs_type!r} is not supported (use ext4 or xfs)"
+    if params is not None and params.export is ExportKind.VHOST_USER_BLK and cap.block:
+        return "a vhost-user-blk volume is published as a directory holding its socket: use the mount access type"
+    return None
+
+
+def choose_size(required: int, limit: int) -> int:
+    """The size to give a volume for a CSI capacity range (0 means unset), rounded to 1 MiB."""
+    if required < 0 or limit < 0:
+        raise OutOfRange("capacity_range bytes must not be negative")
+    if limit and required > limit:
+        raise OutOfRange(f"required_bytes {required} exceeds limit_bytes {limit}")
+    if required:
+        size = -(-required // SIZE_GRANULARITY) * SIZE_GRANULARITY
+    else:
+        size = DEFAULT_SIZE
+    if limit and size > limit:
+        size = (limit // SIZE_GRANULARITY) * SIZE_GRANULARITY
+        if size < max(required, 1):
+            raise OutOfRange(
+                f"no size in [{required}, {limit}] is a multiple of the {SIZE_GRANULARITY}-byte granularity"
+            )
+    return size

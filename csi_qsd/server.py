@@ -22,7 +22,7 @@ from csi_qsd.catalog import Catalog
 from csi_qsd.controller.changed_blocks import ChangedBlocks
 from csi_qsd.config import Config
 from csi_qsd.errors import StartupError
-from csi_qsd.csi.controller import ControllerService
+from csi_qsd.csi.controller import ControllerService, CrossNodeCopies
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi.group_controller import GroupControllerService
 from csi_qsd.csi.identity import IdentityService
@@ -46,11 +46,12 @@ from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.controller.volumes import Volumes
-from csi_qsd.controller.copy_leases import CopySettings, LinkCheck, RemoteCopies, SourceLeases
+from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases
+from csi_qsd.copy_link import CopySettings
 from csi_qsd.csi.peer_pods import InCluster, PodPeers
 from csi_qsd.csi.snapshot_contents import ContentClaimer
 from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
-from csi_qsd.node.copy_streams import CopyStreams, CrossNodeCopies
+from csi_qsd.node.copy_streams import CopyStreams
 from csi_qsd.sys import mounts, runtime
 from csi_qsd.sys.tools import bundled
 

@@ -9,5 +9,5 @@ says where a volume is published and whether it can serve
 another node's snapshot or volume and serves this node's to others (the read
 leases). Nothing here knows of gRPC.
 
-May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports.
+May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports, copy_link.
 """

@@ -2,7 +2,8 @@
 
 Both ends of a copy across nodes, without gRPC (the node-to-node calls are
 behind `Peers`, which `csi_qsd.csi.peers` implements over the mutual-TLS
-listener):
+listener; what this module shares with the node side's fills is in
+`csi_qsd.copy_link`):
 
 * **Target** (`RemoteCopies`): CreateVolume names a snapshot or volume this
   node does not hold. A peer that holds it grants a read lease: it serves the
@@ -35,45 +36,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from csi_qsd import validate
 from csi_qsd.catalog import (
     Catalog, CopyRecord, CopyRole, CopyState, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now,
 )
 from csi_qsd.controller.snapshots import Snapshots
-from csi_qsd.controller.volumes import Capability, choose_size, unsupported_capability
+from csi_qsd.copy_link import CopySettings, Lease, Peers, nbd_backing
 from csi_qsd.errors import (
     Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied,
     ResourceExhausted, SourceUnreachable,
 )
-from csi_qsd.params import ImageFormat, QoS, VolumeParameters
+from csi_qsd.params import Capability, ImageFormat, QoS, VolumeParameters, choose_size, unsupported_capability
 from csi_qsd.pools.base import Pool
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import durable, nbd_tcp, runtime
-from csi_qsd.sys.run import run
 from csi_qsd.sys.locks import KeyedLocks
 
 log = logging.getLogger(__name__)
 
-# The id of the TLS client credentials object in every QSD of a node that copies from peers.
-PEER_TLS_OBJECT = "cqpeer-tls"
-# How long the target's reads wait for a lost source to come back before they fail (QEMU's nbd
-# reconnect-delay), and how long opening the link may take: both bound what a dead peer costs QSD.
-RECONNECT_DELAY_SECONDS = 5
-# QSD opens the link (blockdev-add of any image whose chain reaches a copy image) with its monitor silent
-# for as long as the open waits: measured on QSD 10.0.13, blockdev-add of an NBD node whose server is
-# gone or never greets answers after exactly open-timeout (2.0 s for 2, 10.0 s for 10), and with 0 a
-# server that accepts but never greets holds it for good. So the driver first checks that the source
-# greets (`LinkCheck`, PROBE_SECONDS) and keeps this short, far below the QMP timeout (10 s by default),
-# for a source that goes away between the check and the open.
-OPEN_TIMEOUT_SECONDS = 2
+# How long a source has to greet before QSD may open a chain that reads through it (`LinkCheck`): well
+# below `csi_qsd.copy_link.OPEN_TIMEOUT_SECONDS`, which bounds the open itself.
 PROBE_SECONDS = 1.0
 COPY_SUFFIX = "-copy.qcow2"
 # The name of the hidden snapshot of a volume cut for a clone on another node: this prefix and the clone's ID.
@@ -81,56 +69,6 @@ CUT_PREFIX = "copy."
 RETRY_IDS_MAX = 1024  # failed creates whose copy ID a retry reuses
 EXPIRY_CHECK_SECONDS = 60.0  # at most this long between looks for expired leases
 DROP_WAIT_SECONDS = 10.0  # an operator's drop waits this long for a renewal (or a lease) under way
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    """What a source node granted: where its snapshot is served for one copy."""
-
-    node: str
-    snapshot_id: str
-    address: str  # host:port of its NBD server
-    export: str
-    size: int
-    ttl: float = 0.0  # seconds the source keeps the lease without a renewal (0: for good)
-
-
-class Peers(Protocol):
-    """The other nodes' plugins, as the target of a copy reaches them."""
-
-    async def lease(self, source: str, copy_volume_id: str) -> Lease:
-        """Ask every peer; the one holding `source` serves it. Raises NotFound, Unavailable."""
-        ...
-
-    async def release(self, node: str, copy_volume_id: str) -> None:
-        """Drop the lease on `node` ('' : on every peer). Raises Unavailable."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True)
-class CopySettings:
-    """Where this node serves leased snapshots, and with which TLS files (None: not at all)."""
-
-    state_dir: Path
-    host: str = "127.0.0.1"
-    ports: range = range(10900, 11000)
-    tls: tuple[Path, Path, Path] | None = None  # cert, key, CA
-    qemu_nbd: str = "qemu-nbd"
-    qemu_img: str = "qemu-img"
-    rate: int = 0  # bytes/s a stream may copy (0: as fast as it goes)
-    lease_ttl: float = 0.0  # seconds a lease this node serves lasts unless its copy renews it (0: for good)
-    # Where QEMU's copies of the TLS files live while it loads them, and only then (tmpfs: `csi_qsd.sys.runtime`).
-    runtime_dir: Path = runtime.DEFAULT_RUNTIME_DIR
-    leases_per_node: int = 0  # leases one other node may hold here at once (0: half of the ports, at least one)
-
-    @property
-    def lease_limit(self) -> int:
-        """The most leases one node may hold here: --copy-leases-per-node, else half of --copy-ports."""
-        return self.leases_per_node or max(1, len(self.ports) // 2)
-
-    @property
-    def copies_dir(self) -> Path:
-        return self.state_dir / "copies"
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -146,29 +84,6 @@ def parse_source(source: str) -> tuple[str, str]:
 def copy_image(pool: Pool, volume_id: str) -> Path:
     """The local copy image of a volume made from another node's snapshot."""
     return pool.image_path(volume_id, ImageFormat.QCOW2).with_name(f"{volume_id}{COPY_SUFFIX}")
-
-
-def nbd_backing(address: str, export: str, node: str) -> str:
-    """The `json:` backing file name of a copy image: the source's export, over TLS, bounded waits.
-
-    The source's certificate must name `node`, the source node (as its DNS name).
-    """
-    host, _, port = address.rpartition(":")
-    spec = {"driver": "raw", "file": {
-        "driver": "nbd", "server": {"type": "inet", "host": host.strip("[]"), "port": port}, "export": export,
-        "tls-creds": PEER_TLS_OBJECT, "tls-hostname": node,
-        "reconnect-delay": RECONNECT_DELAY_SECONDS, "open-timeout": OPEN_TIMEOUT_SECONDS}}
-    return "json:" + json.dumps(spec, separators=(",", ":"))
-
-
-async def point_backing(qemu_img: str, image: Path, address: str, export: str, node: str) -> None:
-    """Make a copy image (open nowhere) read through the source's export at a new `address`.
-
-    Only the header's backing name changes (`qemu-img rebase -u`, which opens no backing); the copied data stays.
-    Raises HostCommandError.
-    """
-    await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", nbd_backing(address, export, node),
-              str(image))
 
 
 class LinkCheck:

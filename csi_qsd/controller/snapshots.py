@@ -26,10 +26,10 @@ from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState, VolumeRecord
 from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.sys.locks import KeyedLocks
-from csi_qsd.params import ImageFormat, QoS, VolumeParameters
+from csi_qsd.params import Capability, ImageFormat, QoS, VolumeParameters
 from csi_qsd.pools.base import Pool
 from csi_qsd.controller.live import LiveImages
-from csi_qsd.controller.volumes import Capability, Volumes
+from csi_qsd.controller.volumes import Volumes
 
 log = logging.getLogger(__name__)
 

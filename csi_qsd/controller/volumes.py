@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
-import enum
 import logging
 from pathlib import Path
 
@@ -20,8 +19,8 @@ from csi_qsd.errors import (
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.sys.filesystems import MINIMUM_BYTES
 from csi_qsd.sys.locks import KeyedLocks
-from csi_qsd.params import ExportKind, QoS, VolumeParameters
-from csi_qsd.pools.base import NewImage, Pool
+from csi_qsd.params import Capability, QoS, VolumeParameters, choose_size, unsupported_capability
+from csi_qsd.pools.base import NewImage, Pool, settle_image
 from csi_qsd.controller import chains
 from csi_qsd import validate
 
@@ -29,70 +28,6 @@ log = logging.getLogger(__name__)
 
 # How long after a CreateVolume its image is made durable, with every other created meanwhile (`_settle_later`).
 SETTLE_DELAY = 0.1
-MIB = 1 << 20
-GIB = 1 << 30
-SIZE_GRANULARITY = MIB
-DEFAULT_SIZE = GIB
-
-
-class AccessMode(enum.Enum):
-    """The CSI access modes; only single-node ones can be served by node-local storage."""
-
-    SINGLE_NODE_WRITER = "SINGLE_NODE_WRITER"
-    SINGLE_NODE_READER_ONLY = "SINGLE_NODE_READER_ONLY"
-    SINGLE_NODE_SINGLE_WRITER = "SINGLE_NODE_SINGLE_WRITER"
-    SINGLE_NODE_MULTI_WRITER = "SINGLE_NODE_MULTI_WRITER"
-    MULTI_NODE_READER_ONLY = "MULTI_NODE_READER_ONLY"
-    MULTI_NODE_SINGLE_WRITER = "MULTI_NODE_SINGLE_WRITER"
-    MULTI_NODE_MULTI_WRITER = "MULTI_NODE_MULTI_WRITER"
-    UNKNOWN = "UNKNOWN"
-
-
-SUPPORTED_ACCESS_MODES = frozenset({
-    AccessMode.SINGLE_NODE_WRITER, AccessMode.SINGLE_NODE_READER_ONLY,
-    AccessMode.SINGLE_NODE_SINGLE_WRITER, AccessMode.SINGLE_NODE_MULTI_WRITER,
-})
-
-
-@dataclasses.dataclass(frozen=True)
-class Capability:
-    """One requested volume capability, stripped of gRPC."""
-
-    block: bool
-    fs_type: str
-    mode: AccessMode
-
-
-def unsupported_capability(cap: Capability, params: VolumeParameters | None) -> str | None:
-    """Why `cap` cannot be served (for a volume with `params`), or None if it can."""
-    if cap.mode not in SUPPORTED_ACCESS_MODES:
-        return f"access mode {cap.mode.value} is not supported: volumes are node-local (use a SINGLE_NODE_* mode)"
-    if cap.fs_type and cap.fs_type not in ("ext4", "xfs"):
-        return f"fs_type {cap.fs_type!r} is not supported (use ext4 or xfs)"
-    if params is not None and params.export is ExportKind.VHOST_USER_BLK and cap.block:
-        return "a vhost-user-blk volume is published as a directory holding its socket: use the mount access type"
-    return None
-
-
-def choose_size(required: int, limit: int) -> int:
-    """The size to give a volume for a CSI capacity range (0 means unset), rounded to 1 MiB."""
-    if required < 0 or limit < 0:
-        raise OutOfRange("capacity_range bytes must not be negative")
-    if limit and required > limit:
-        raise OutOfRange(f"required_bytes {required} exceeds limit_bytes {limit}")
-    if required:
-        size = -(-required // SIZE_GRANULARITY) * SIZE_GRANULARITY
-    else:
-        size = DEFAULT_SIZE
-    if limit and size > limit:
-        size = (limit // SIZE_GRANULARITY) * SIZE_GRANULARITY
-        if size < max(required, 1):
-            raise OutOfRange(
-                f"no size in [{required}, {limit}] is a multiple of the {SIZE_GRANULARITY}-byte granularity"
-            )
-    return size
-
-
 def _room_for_filesystem(wanted: int, limit: int, caps: list[Capability]) -> int:
     """`wanted` bytes (0: the default size), raised to the least a filesystem the capabilities name can be
     made on, so that the volume can be staged (CSI lets a volume be larger than required, within the limit).
@@ -103,20 +38,6 @@ def _room_for_filesystem(wanted: int, limit: int, caps: list[Capability]) -> int
         raise OutOfRange(f"a {fs_type} filesystem needs at least {least} bytes, above limit_bytes {limit}: "
                          "allow a larger volume or use ext4")
     return max(wanted, least) if wanted > 0 else wanted  # 0: the default size; below: choose_size refuses
-
-
-async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> None:
-    """Write and make durable `volume`'s image if CreateVolume answered before it was; idempotent.
-
-    Called before the volume may hold data (a stage) or back another image
-    (a snapshot); harmless beside the settling CreateVolume started.
-    """
-    if volume.image_pending and await pool.settle([_new_image(volume)]):
-        await catalog.settle_images([volume.id])
-
-
-def _new_image(volume: VolumeRecord) -> NewImage:
-    return NewImage(volume.image, volume.capacity, volume.params)
 
 
 def _fits(record: VolumeRecord, required: int, limit: int) -> bool:
@@ -275,7 +196,7 @@ class Volumes:
             by_pool.setdefault(record.pool, []).append(record)
         settled: set[Path] = set()
         for pool_id, group in by_pool.items():
-            settled.update(await self._pools[pool_id].settle([_new_image(r) for r in group]))
+            settled.update(await self._pools[pool_id].settle([NewImage.of(r) for r in group]))
         self._failpoints.hit("create.after_images_settled")
         await self._catalog.settle_images([r.id for r in records if r.image in settled])
 

@@ -6,5 +6,5 @@ messages); domain errors are mapped to status codes in exactly one place,
 people and tools, and `present` shows its answers to people (tables) and
 scripts (JSON lines); `tls` and `metadata_listener` serve the router.
 
-May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports, controller, node, config.
+May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports, copy_link, controller, node, config.
 """

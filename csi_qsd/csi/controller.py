@@ -8,6 +8,8 @@ an unknown one (NOT_FOUND) and never hides a bad field.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 from google.protobuf import timestamp_pb2, wrappers_pb2
 
@@ -19,12 +21,13 @@ from csi_qsd.csi.errors import RpcObservers, not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
-from csi_qsd.node.copy_streams import CrossNodeCopies
-from csi_qsd.params import PROVISIONER_PREFIX, parse_mutable_parameters, parse_parameters
+from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.params import MIB, PROVISIONER_PREFIX, parse_mutable_parameters, parse_parameters, unsupported_capability
 from csi_qsd.controller.condition import HealthView, VolumeHealth
+from csi_qsd.controller.copy_leases import RemoteCopies, SourceLeases
 from csi_qsd.controller.qos import VolumeLimits
 from csi_qsd.controller.snapshots import Snapshots
-from csi_qsd.controller.volumes import MIB, Volumes, unsupported_capability
+from csi_qsd.controller.volumes import Volumes
 
 _RPC = pb.ControllerServiceCapability.RPC.Type
 CAPABILITIES = (
@@ -48,6 +51,33 @@ def check_snapshot_parameters(parameters: dict[str, str]) -> None:
     unknown = sorted(k for k in parameters if not k.startswith(PROVISIONER_PREFIX))
     if unknown:
         raise InvalidArgument(f"unknown snapshot parameter {unknown[0]!r}: snapshots take no parameters")
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossNodeCopies:
+    """Both ends of copies across nodes, for the CSI layer: the target's creates and fills, the source's leases.
+
+    Bundled here, above both: the creates and leases are the controller side's, the fills the node side's, and
+    neither side imports the other.
+    """
+
+    remote: RemoteCopies
+    leases: SourceLeases
+    streams: CopyStreams
+
+    def lost(self, volume_id: str) -> bool:
+        """True if the volume's copy can never be finished (its source dropped the lease)."""
+        return self.streams.lost(volume_id)
+
+    def condition(self, volume_id: str) -> tuple[bool, str] | None:
+        """(abnormal, message) while the volume is still being made local; None once it is."""
+        status = self.streams.status(volume_id)
+        if status is None:
+            return None
+        if status.problem:
+            return True, f"volume {volume_id}: {status.problem}"
+        done = f"{status.done * 100 // status.total}%" if status.total else "starting"
+        return False, f"volume {volume_id} is usable and being copied from node {status.node} ({done})"
 
 
 class ControllerService(pb_grpc.ControllerServicer):

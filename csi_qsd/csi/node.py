@@ -20,7 +20,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
 from csi_qsd.node.staging import NodeVolumes, PublishSpec, StageSpec
-from csi_qsd.controller.volumes import AccessMode, unsupported_capability
+from csi_qsd.params import AccessMode, unsupported_capability
 
 _RPC = pb.NodeServiceCapability.RPC.Type
 CAPABILITIES = (

@@ -42,7 +42,8 @@ import grpc
 
 from csi_qsd import validate
 from csi_qsd.config import DEFAULT_COPY_CALLS_PER_NODE
-from csi_qsd.controller.copy_leases import Lease, SourceLeases, parse_source
+from csi_qsd.controller.copy_leases import SourceLeases, parse_source
+from csi_qsd.copy_link import Lease
 from csi_qsd.csi.client import LEASES_SERVICE
 from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
 from csi_qsd.errors import (
@@ -135,7 +136,7 @@ class StaticPeers:
 
 
 class PeerNodes:
-    """The other node plugins, as `csi_qsd.controller.copy_leases.Peers`: one channel each, opened when first used."""
+    """The other node plugins, as `csi_qsd.copy_link.Peers`: one channel each, opened when first used."""
 
     def __init__(self, peers: PeerList, tls: PemFiles | None, node_id: str, timeout: float = CALL_SECONDS) -> None:
         self._list = peers

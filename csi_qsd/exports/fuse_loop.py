@@ -170,13 +170,21 @@ class FuseLoopExport(ExportPath):
     async def check_expand(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], size: int,
     ) -> None:
-        """ext4 grows in use only with CAP_SYS_RESOURCE (the kernel refuses root without it)."""
-        if publishes and self._offline_ext4(stage):
+        """ext4 grows in use only with CAP_SYS_RESOURCE (the kernel refuses root without it).
+
+        One that already fills the size passes, so the call stays idempotent: kubelet repeats it after a lost
+        answer, and a volume grown while no pod had it has nothing left to grow once one has it.
+        """
+        if publishes and self._offline_ext4(stage) and not await self._ext4_fills(stage, size):
             raise FailedPrecondition(
                 f"volume {volume.id} holds ext4, which grows while in use only if the plugin has the "
                 "CAP_SYS_RESOURCE capability, and this one lacks it: give the plugin container that capability "
                 f"(or run it privileged), or unpublish the volume from {publishes[0].target_path} and retry"
             )
+
+    @staticmethod
+    async def _ext4_fills(stage: StageRecord, size: int) -> bool:
+        return bool(stage.loop_device) and await filesystems.ext4_fills(Path(stage.loop_device), size)
 
     @staticmethod
     def _offline_ext4(stage: StageRecord) -> bool:
@@ -199,6 +207,8 @@ class FuseLoopExport(ExportPath):
         for device in [stage.loop_device, *(p.loop_device for p in publishes)]:
             if device:
                 await loop.refresh_capacity(Path(device), size)
+        if offline_ext4 and await self._ext4_fills(stage, size):
+            return
         if offline_ext4:
             await filesystem.unstage(stage.staging_path)
             await filesystem.ensure_staged(

@@ -4,6 +4,8 @@
 the export kinds do the rest. `rebuild` brings staged volumes back after a
 QSD (re)connect, `moves` relocates a staged volume in its pool,
 `copy_streams` fills the volumes copied from another node in the background.
+Nothing here imports the controller side: what both sides use lives below
+them (`csi_qsd.params`, `csi_qsd.pools`, `csi_qsd.copy_link`).
 
-May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports, controller.
+May import: errors, validate, sys, qcow2, params, catalog, qsd, pools, publish, exports, copy_link.
 """

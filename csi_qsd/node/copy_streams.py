@@ -19,12 +19,12 @@ resumes every copy its catalog records; a job still running in a QSD that
 outlived the driver is waited for, not restarted.
 
 The source keeps a lease for --copy-lease-ttl after it was last asked for
-(`SourceLeases`), so the copy asks again (renews) when it starts or resumes
-and a few times per TTL while it streams. A source that no longer holds the
-copy's snapshot (the lease expired while this node was away, or an operator
-dropped it) makes the copy LOST: never completed from another snapshot, its
-volume abnormal for good, naming the source; deleting the volume is the way
-out.
+(`csi_qsd.controller.copy_leases.SourceLeases`), so the copy asks again
+(renews) when it starts or resumes and a few times per TTL while it streams.
+A source that no longer holds the copy's snapshot (the lease expired while
+this node was away, or an operator dropped it) makes the copy LOST: never
+completed from another snapshot, its volume abnormal for good, naming the
+source; deleting the volume is the way out.
 """
 
 from __future__ import annotations
@@ -38,9 +38,7 @@ import struct
 from pathlib import Path
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
-from csi_qsd.controller.copy_leases import (
-    PEER_TLS_OBJECT, CopySettings, Lease, Peers, RemoteCopies, SourceLeases, point_backing,
-)
+from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Lease, Peers, point_backing
 from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost, Unavailable
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import placement
@@ -373,26 +371,3 @@ class CopyStreams:
 
 def _next_renewal(now: float, ttl: float) -> float:
     return now + ttl / RENEWALS_PER_TTL if ttl > 0 else float("inf")
-
-
-@dataclasses.dataclass(frozen=True)
-class CrossNodeCopies:
-    """Both ends of copies across nodes, for the CSI layer: the target's creates and fills, the source's leases."""
-
-    remote: RemoteCopies
-    leases: SourceLeases
-    streams: CopyStreams
-
-    def lost(self, volume_id: str) -> bool:
-        """True if the volume's copy can never be finished (its source dropped the lease)."""
-        return self.streams.lost(volume_id)
-
-    def condition(self, volume_id: str) -> tuple[bool, str] | None:
-        """(abnormal, message) while the volume is still being made local; None once it is."""
-        status = self.streams.status(volume_id)
-        if status is None:
-            return None
-        if status.problem:
-            return True, f"volume {volume_id}: {status.problem}"
-        done = f"{status.done * 100 // status.total}%" if status.total else "starting"
-        return False, f"volume {volume_id} is usable and being copied from node {status.node} ({done})"

@@ -32,10 +32,10 @@ from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.sys.locks import KeyedLocks
-from csi_qsd.pools.base import Pool
+from csi_qsd.params import choose_size
+from csi_qsd.pools.base import Pool, settle_image
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import Rebuild
-from csi_qsd.controller.volumes import choose_size, settle_image
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,12 @@ A pool hands out storage references (an image path in the file pool; a
 device pool's names an extent), creates, grows, layers and deletes what they
 name, reports capacity, and names what QSD opens for a reference
 (`csi_qsd.qsd.storage`). The domain never looks inside a reference. Pools
-never change the graph of a volume; only a device pool touches the catalog:
-its own rows of the `extents` table, which are its allocation state, and a
-moved volume's image generation, in the transaction that commits the move. A pool whose device only QSD can reach (the userspace NVMe way in)
-reads and zeroes it through QSD once `attach` has handed it the client.
+never change the graph of a volume. A device pool touches the catalog only
+for its own rows of the `extents` table, which are its allocation state, and
+a moved volume's image generation, in the transaction that commits the move;
+`settle_image` only to record that a volume's image is now durable. A pool
+whose device only QSD can reach (the userspace NVMe way in) reads and zeroes
+it through QSD once `attach` has handed it the client.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
+from csi_qsd.catalog import Catalog, VolumeRecord
 from csi_qsd.errors import FailedPrecondition
 from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.qsd.client import QSDClient
@@ -35,6 +38,11 @@ class NewImage(NamedTuple):
     path: Path
     size: int
     params: VolumeParameters
+
+    @classmethod
+    def of(cls, volume: VolumeRecord) -> NewImage:
+        """What `Pool.settle` writes for `volume`."""
+        return cls(volume.image, volume.capacity, volume.params)
 
 
 class Pool(abc.ABC):
@@ -188,3 +196,14 @@ class Pool(abc.ABC):
     def largest_volume(self) -> int:
         """The largest volume that can be created now (GetCapacity's maximum_volume_size)."""
         return self.usage().available
+
+
+async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> None:
+    """Write and make durable `volume`'s image if CreateVolume answered before it was; idempotent.
+
+    Called before the volume may hold data (a stage) or back another image
+    (a snapshot); harmless beside the settling CreateVolume started. Once the
+    image is durable, the catalog records it so (`image_pending` cleared).
+    """
+    if volume.image_pending and await pool.settle([NewImage.of(volume)]):
+        await catalog.settle_images([volume.id])

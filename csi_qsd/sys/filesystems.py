@@ -126,6 +126,16 @@ def _ext4_size(device: Path) -> int:
     return int(blocks) * (1024 << int(log_block_size))
 
 
+# resize2fs leaves out a last block group too small to hold its own metadata: a grown ext4 may end a few
+# MiB short of its device, and counts as filling it.
+EXT4_GROWTH_SLACK = 4 * 1024 * 1024
+
+
+async def ext4_fills(device: Path, size: int) -> bool:
+    """True if the ext4 filesystem on `device` already spans `size` bytes (growing it would add nothing)."""
+    return await ext4_size(device) >= size - EXT4_GROWTH_SLACK
+
+
 async def grow_ext4_offline(device: Path) -> bool:
     """Grow an unmounted ext4 filesystem to fill `device`; True if it grew."""
     if await ext4_size(device) >= device_size(device):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.controller.copy_leases import PEER_TLS_OBJECT, CopySettings, Peers, nbd_backing
+from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Peers, nbd_backing
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import QSDError
 from csi_qsd.exports.registry import ExportPaths

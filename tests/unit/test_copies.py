@@ -20,9 +20,8 @@ import pytest
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord, VolumeState
 from csi_qsd.cli import build_parser
 from csi_qsd.config import Config
-from csi_qsd.controller.copy_leases import (
-    PEER_TLS_OBJECT, CopySettings, Lease, LinkCheck, RemoteCopies, SourceLeases, nbd_backing, parse_source,
-)
+from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases, parse_source
+from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Lease, nbd_backing
 from csi_qsd.csi.peers import SERVICE, PeerNodes, StaticPeers, checked_lease, copies_handler
 from csi_qsd.csi.tls import PemFiles, server_credentials
 from csi_qsd.errors import (

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import pytest
 
-from csi_qsd.controller.copy_leases import CopySettings
+from csi_qsd.copy_link import CopySettings
 from csi_qsd.errors import Unavailable
 from csi_qsd.node.copy_streams import CopyStreams
 from csi_qsd.qsd.client import QSDClient

@@ -1,11 +1,12 @@
 """The layers call downward only, and each package says what it may import.
 
 From the bottom: errors; validate and sys; the qcow2 format; parameters; the
-catalog; QSD; pools and publishing; export kinds; the controller side, then
-the node side of the domain; configuration; the gRPC layer (`csi/`); the
-tools and the router that call it; the server and metrics; the command
-line. A module imports only from layers below its own (or from its own
-package). Each package's `__init__` docstring ends with "May import: ...":
+catalog; QSD; pools and publishing; export kinds; what both ends of a copy
+across nodes agree on; the controller side and the node side of the domain,
+side by side (neither imports the other); configuration; the gRPC layer
+(`csi/`); the tools and the router that call it; the server and metrics; the
+command line. A module imports only from layers below its own (or from its
+own package). Each package's `__init__` docstring ends with "May import: ...":
 the list must hold every package it imports and name only lower layers, so
 the docstring cannot drift from the code. gRPC stays in `csi/` and above:
 the QSD supervisor and the tools that only read the catalog start without
@@ -35,8 +36,8 @@ LAYERS: list[set[str]] = [
     {"qsd"},
     {"pools", "publish"},
     {"exports"},
-    {"controller"},
-    {"node"},
+    {"copy_link"},
+    {"controller", "node"},
     {"config"},
     {"csi", "csi_pb"},
     {"backup", "router", "kubelet"},
@@ -112,6 +113,15 @@ def test_a_package_says_what_it_may_import_and_keeps_to_it(package: str) -> None
     for path in (PACKAGE / package).rglob("*.py"):
         used |= csi_qsd_units(imports_of(path)) - {package} - {u for u, o in SAME_LAYER if o == package}
     assert used <= allowed, f"{package} imports {sorted(used - allowed)} beyond its 'May import' line"
+
+
+def test_the_node_side_imports_nothing_from_the_controller_side() -> None:
+    offenders = {str(path.relative_to(PACKAGE)): sorted(name for name in imports_of(path)
+                                                        if name == "csi_qsd.controller"
+                                                        or name.startswith("csi_qsd.controller."))
+                 for path in (PACKAGE / "node").rglob("*.py")}
+    offenders = {path: names for path, names in offenders.items() if names}
+    assert not offenders, f"node/ imports from controller/: {offenders}"
 
 
 def test_below_the_csi_layer_nothing_imports_grpc() -> None:

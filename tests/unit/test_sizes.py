@@ -1,4 +1,4 @@
-"""volumes.choose_size: the CSI capacity_range semantics, at 1 MiB granularity.
+"""params.choose_size: the CSI capacity_range semantics, at 1 MiB granularity.
 
 The spec: required_bytes is "at least", limit_bytes "at most", 0 means unset
 for either, and a range the plugin cannot satisfy is OUT_OF_RANGE.
@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from csi_qsd.errors import OutOfRange
-from csi_qsd.controller.volumes import DEFAULT_SIZE, GIB, MIB, SIZE_GRANULARITY, choose_size
+from csi_qsd.params import DEFAULT_SIZE, GIB, MIB, SIZE_GRANULARITY, choose_size
 
 
 def test_granularity_and_default() -> None:

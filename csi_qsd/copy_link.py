@@ -1,0 +1,107 @@
+"""What both ends of a copy across nodes agree on: the lease, the peers, the settings, the NBD link.
+
+A volume made from another node's snapshot is created by the controller side
+(`csi_qsd.controller.copy_leases`, which also grants this node's leases to
+others) and filled by the node side (`csi_qsd.node.copy_streams`); neither
+imports the other, so what both use lives here: the `Lease` a source grants,
+the `Peers` a target asks, the node's `CopySettings`, and the `json:` backing
+name through which a copy image reads its source (`nbd_backing`), rewritten in
+place when the source moves (`point_backing`). No gRPC, no catalog, no QSD
+session here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Protocol
+
+from csi_qsd.sys import runtime
+from csi_qsd.sys.run import run
+
+# The id of the TLS client credentials object in every QSD of a node that copies from peers.
+PEER_TLS_OBJECT = "cqpeer-tls"
+# How long the target's reads wait for a lost source to come back before they fail (QEMU's nbd
+# reconnect-delay), and how long opening the link may take: both bound what a dead peer costs QSD.
+RECONNECT_DELAY_SECONDS = 5
+# QSD opens the link (blockdev-add of any image whose chain reaches a copy image) with its monitor silent
+# for as long as the open waits: measured on QSD 10.0.13, blockdev-add of an NBD node whose server is
+# gone or never greets answers after exactly open-timeout (2.0 s for 2, 10.0 s for 10), and with 0 a
+# server that accepts but never greets holds it for good. So the driver first checks that the source
+# greets (`csi_qsd.controller.copy_leases.LinkCheck`) and keeps this short, far below the QMP timeout
+# (10 s by default), for a source that goes away between the check and the open.
+OPEN_TIMEOUT_SECONDS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """What a source node granted: where its snapshot is served for one copy."""
+
+    node: str
+    snapshot_id: str
+    address: str  # host:port of its NBD server
+    export: str
+    size: int
+    ttl: float = 0.0  # seconds the source keeps the lease without a renewal (0: for good)
+
+
+class Peers(Protocol):
+    """The other nodes' plugins, as the target of a copy reaches them."""
+
+    async def lease(self, source: str, copy_volume_id: str) -> Lease:
+        """Ask every peer; the one holding `source` serves it. Raises NotFound, Unavailable."""
+        ...
+
+    async def release(self, node: str, copy_volume_id: str) -> None:
+        """Drop the lease on `node` ('' : on every peer). Raises Unavailable."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CopySettings:
+    """Where this node serves leased snapshots, and with which TLS files (None: not at all)."""
+
+    state_dir: Path
+    host: str = "127.0.0.1"
+    ports: range = range(10900, 11000)
+    tls: tuple[Path, Path, Path] | None = None  # cert, key, CA
+    qemu_nbd: str = "qemu-nbd"
+    qemu_img: str = "qemu-img"
+    rate: int = 0  # bytes/s a stream may copy (0: as fast as it goes)
+    lease_ttl: float = 0.0  # seconds a lease this node serves lasts unless its copy renews it (0: for good)
+    # Where QEMU's copies of the TLS files live while it loads them, and only then (tmpfs: `csi_qsd.sys.runtime`).
+    runtime_dir: Path = runtime.DEFAULT_RUNTIME_DIR
+    leases_per_node: int = 0  # leases one other node may hold here at once (0: half of the ports, at least one)
+
+    @property
+    def lease_limit(self) -> int:
+        """The most leases one node may hold here: --copy-leases-per-node, else half of --copy-ports."""
+        return self.leases_per_node or max(1, len(self.ports) // 2)
+
+    @property
+    def copies_dir(self) -> Path:
+        return self.state_dir / "copies"
+
+
+def nbd_backing(address: str, export: str, node: str) -> str:
+    """The `json:` backing file name of a copy image: the source's export, over TLS, bounded waits.
+
+    The source's certificate must name `node`, the source node (as its DNS name).
+    """
+    host, _, port = address.rpartition(":")
+    spec = {"driver": "raw", "file": {
+        "driver": "nbd", "server": {"type": "inet", "host": host.strip("[]"), "port": port}, "export": export,
+        "tls-creds": PEER_TLS_OBJECT, "tls-hostname": node,
+        "reconnect-delay": RECONNECT_DELAY_SECONDS, "open-timeout": OPEN_TIMEOUT_SECONDS}}
+    return "json:" + json.dumps(spec, separators=(",", ":"))
+
+
+async def point_backing(qemu_img: str, image: Path, address: str, export: str, node: str) -> None:
+    """Make a copy image (open nowhere) read through the source's export at a new `address`.
+
+    Only the header's backing name changes (`qemu-img rebase -u`, which opens no backing); the copied data stays.
+    Raises HostCommandError.
+    """
+    await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", nbd_backing(address, export, node),
+              str(image))
