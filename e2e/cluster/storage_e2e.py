@@ -55,16 +55,19 @@ FOCUSED = (
     r"Dynamic PV \(ext4\)\] volumes should allow exec of files on the volume$",
     r"\(default fs\)\] volumeIO should write files of various sizes",
     r"Dynamic Snapshot \(delete policy\)\] snapshottable.*after modifying source data",
+    r"Pre-provisioned Snapshot \(delete policy\)\] snapshottable.*after modifying source data",
     r"\(block volmode\)\(allowExpansion\)\] volume-expand Verify if offline PVC expansion works",
     r"\(filesystem volmode\)\] volumeMode should not mount / map unused volumes in a pod",
     r"\(ext4\)\] multiVolume \[Slow\] should access to two volumes with the same volume mode and retain data "
     r"across pod recreation on the same node",
     r"Generic Ephemeral-volume \(default fs\) \(late-binding\)\] ephemeral should create read/write inline",
 )
-# Growing a mounted filesystem, run with a class whose default filesystem grows online on this host.
-ONLINE_EXPANSION = (
+# Growing a filesystem, run with a class whose default filesystem grows online on this host: kubelet calls
+# NodeExpandVolume once the pod has the volume mounted, in the offline flow too.
+FS_EXPANSION = (
     r"\(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited while pod is "
     r"using it",
+    r"\(default fs\)\(allowExpansion\)\] volume-expand Verify if offline PVC expansion works",
 )
 
 

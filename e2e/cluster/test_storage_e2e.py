@@ -22,11 +22,11 @@ def test_focused_storage_e2e_set_passes(cluster: Cluster, built: Built) -> None:
                                    focus="|".join(storage_e2e.FOCUSED), timeout_minutes=20)
     conftest.report(f"Kubernetes storage e2e, focused set, shipped classes: {result.counts()}")
     fs_type = storage_e2e.online_growable_fs()
-    online = storage_e2e.run_suite(cluster, e2e_test, work / f"online-expansion-{fs_type}",
-                                   focus="|".join(storage_e2e.ONLINE_EXPANSION), fs_type=fs_type,
+    growth = storage_e2e.run_suite(cluster, e2e_test, work / f"fs-expansion-{fs_type}",
+                                   focus="|".join(storage_e2e.FS_EXPANSION), fs_type=fs_type,
                                    timeout_minutes=10)
-    conftest.report(f"Kubernetes storage e2e, online expansion ({fs_type}): {online.counts()}")
-    for run, patterns in ((result, storage_e2e.FOCUSED), (online, storage_e2e.ONLINE_EXPANSION)):
+    conftest.report(f"Kubernetes storage e2e, filesystem expansion ({fs_type}): {growth.counts()}")
+    for run, patterns in ((result, storage_e2e.FOCUSED), (growth, storage_e2e.FS_EXPANSION)):
         assert not run.failed, f"{run.counts()}; failed: {run.failed} (log: {run.output})"
         # Every focused test must have run: one the suite skipped (a capability lost) is a failure here.
         assert len(run.passed) == len(patterns), f"{run.counts()}; passed: {run.passed} (log: {run.output})"
