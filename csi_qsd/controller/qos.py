@@ -50,7 +50,7 @@ class VolumeLimits:
             qos = parse_mutable_parameters(mutable, volume.qos)
             if qos != volume.qos:
                 volume = dataclasses.replace(volume, qos=qos)
-                await self._catalog.update_volume(volume)
+                await self._catalog.set_volume(volume)
             stage = await self._catalog.stage(volume_id)
             live = False
             if stage is not None and stage.state is StageState.STAGED:

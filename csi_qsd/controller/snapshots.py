@@ -22,7 +22,7 @@ from pathlib import Path
 from csi_qsd.controller import chains
 
 from csi_qsd import validate
-from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now
+from csi_qsd.catalog import Catalog, GroupRecord, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now
 from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.sys.locks import KeyedLocks
@@ -40,10 +40,9 @@ FLATTEN_RETRY_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Group:
-    id: str
-    name: str
-    created_at: float
+class Group(GroupRecord):
+    """A group snapshot's row and its members."""
+
     members: tuple[SnapshotRecord, ...]
 
 
@@ -159,14 +158,14 @@ class Snapshots:
         async with self._name_locks.hold(name):
             found = await self._catalog.group(name=name)
             if found is not None:
-                group = await self.get_group(found[0])
+                group = await self.get_group(found.id)
                 assert group is not None
                 if sorted(s.source_volume_id for s in group.members) != sorted(volume_ids):
                     raise AlreadyExists(f"group snapshot {name!r} exists with other source volumes")
                 return group
             group_id = validate.new_group_id()
             created = now()
-            await self._catalog.add_group(group_id, name, created)
+            await self._catalog.add_group(GroupRecord(group_id, name, created))
             try:
                 members = await self._cut([(f"{name}.{vid}", vid) for vid in volume_ids], group_id=group_id)
             except BaseException:
@@ -179,7 +178,7 @@ class Snapshots:
         if found is None:
             return None
         members = tuple(m for m in await self._catalog.group_members(group_id) if m.state is SnapshotState.READY)
-        return Group(found[0], found[1], found[2], members)
+        return Group(found.id, found.name, found.created_at, members)
 
     def holding(self, snapshot_id: str) -> contextlib.AbstractAsyncContextManager[None]:
         """The snapshot's lock, as deletes and restores take it (Aborted while another call holds it)."""
@@ -327,7 +326,7 @@ class Snapshots:
         for volume in await self._catalog.volumes(state=VolumeState.READY):
             if volume.backing and volume.image.exists() and not await self._pool.backing_of(volume.image):
                 log.info("event=reconcile_flattened volume_id=%s", volume.id)
-                await self._catalog.update_volume(dataclasses.replace(volume, backing=""))
+                await self._catalog.set_volume(dataclasses.replace(volume, backing=""))
                 await chains.reclaim(self._catalog, self._pool, volume.backing)
         for snapshot in await self._catalog.snapshots():
             if snapshot.backing and snapshot.image.exists() and not await self._pool.backing_of(snapshot.image):
@@ -398,7 +397,7 @@ class Snapshots:
             if live:
                 return
             await self._pool.flatten(volume.image)
-            await self._catalog.update_volume(dataclasses.replace(volume, backing=""))
+            await self._catalog.set_volume(dataclasses.replace(volume, backing=""))
             log.info("event=flatten_done volume_id=%s live=false", volume_id)
             await chains.reclaim(self._catalog, self._pool, volume.backing)
 

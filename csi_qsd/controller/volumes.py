@@ -198,7 +198,7 @@ class Volumes:
         for pool_id, group in by_pool.items():
             settled.update(await self._pools[pool_id].settle([NewImage.of(r) for r in group]))
         self._failpoints.hit("create.after_images_settled")
-        await self._catalog.settle_images([r.id for r in records if r.image in settled])
+        await self._catalog.set_images_settled([r.id for r in records if r.image in settled])
 
     async def _out_of_batches(self, volume_id: str) -> None:
         """Return once no settling batch may still write `volume_id`'s image (deleted: it must stay gone)."""
@@ -358,7 +358,7 @@ class Volumes:
                 pool = self._pool_of(record)
                 await pool.delete(record.image)
                 await pool.create(record.image, record.capacity, record.params)
-                await self._catalog.settle_images([record.id])
+                await self._catalog.set_images_settled([record.id])
         known = {r.image for r in await self._catalog.volumes()}
         known |= {r.image for r in await self._catalog.snapshots()}
         for pool in self._pools.values():

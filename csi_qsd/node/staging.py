@@ -228,7 +228,7 @@ class NodeVolumes:
                     raise Internal(f"volume {volume_id} moved to a new home of pool {volume.pool} without room")
             await kind.expand(volume, stage, publishes, size)
             if size > volume.capacity:
-                await self._catalog.update_volume(dataclasses.replace(volume, capacity=size))
+                await self._catalog.set_volume(dataclasses.replace(volume, capacity=size))
                 log.info("event=expanded volume_id=%s bytes=%d", volume_id, size)
             return size
 

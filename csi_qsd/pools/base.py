@@ -206,4 +206,4 @@ async def settle_image(catalog: Catalog, pool: Pool, volume: VolumeRecord) -> No
     image is durable, the catalog records it so (`image_pending` cleared).
     """
     if volume.image_pending and await pool.settle([NewImage.of(volume)]):
-        await catalog.settle_images([volume.id])
+        await catalog.set_images_settled([volume.id])

@@ -6,9 +6,7 @@ database from its file instead of trusting the open connection.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator
@@ -16,18 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd import catalog as catalog_module
-from csi_qsd import validate
 from csi_qsd.catalog import (
-    SCHEMA_VERSION, AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord,
-    VolumeState,
+    SCHEMA_VERSION, AccessType, Catalog, GroupRecord, PublishRecord, PublishState, StageRecord, StageState,
+    VolumeRecord, VolumeState,
 )
+from csi_qsd.catalog import store as catalog_store
 from csi_qsd.errors import StartupError, Unavailable
-from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
-from csi_qsd.pools.base import NewImage
-from csi_qsd.pools.files import FilePool
-from csi_qsd.controller.volumes import SETTLE_DELAY, Volumes
 
 MIB = 1 << 20
 
@@ -115,7 +108,7 @@ async def test_transitions_are_committed_one_by_one(tmp_path: Path) -> None:
         await catalog.set_volume_state(record.id, state)
         catalog = await reopen(catalog, path)
         assert (await catalog.volume(record.id)) == dataclasses.replace(record, state=state)
-    await catalog.update_volume(dataclasses.replace(record, capacity=99 * MIB))
+    await catalog.set_volume(dataclasses.replace(record, capacity=99 * MIB))
     stage = StageRecord(record.id, Path("/k/s"), AccessType.MOUNT, "ext4", (), "", StageState.STAGING)
     for state in (StageState.STAGING, StageState.STAGED, StageState.UNSTAGING):
         await catalog.put_stage(dataclasses.replace(stage, state=state))
@@ -138,6 +131,32 @@ async def test_transitions_are_committed_one_by_one(tmp_path: Path) -> None:
         await catalog.close()
 
 
+async def test_rewriting_a_volume_never_marks_its_image_pending_again(catalog: Catalog) -> None:
+    """`set_volume` writes every column but `image_pending`: a record read before the settle cannot undo it."""
+    read_before = volume(1, image_pending=True)
+    await catalog.add_volume(read_before)
+    await catalog.set_images_settled([read_before.id, volume(9).id])  # an ID with no row is passed over
+    await catalog.set_volume(dataclasses.replace(read_before, capacity=99 * MIB, backing="/pool/base.qcow2"))
+    assert await catalog.volume(read_before.id) == dataclasses.replace(
+        read_before, capacity=99 * MIB, backing="/pool/base.qcow2", image_pending=False)
+    assert await catalog.pending_images() == []
+    await catalog.set_volume(volume(2))  # no row: none is made
+    await catalog.set_volume_state(volume(3).id, VolumeState.DELETING)
+    assert [r.id for r in await catalog.volumes()] == [read_before.id]
+
+
+async def test_groups_are_records_found_by_id_or_name(catalog: Catalog) -> None:
+    group = GroupRecord("group-1", "snap-group", 1700000000.5)
+    await catalog.add_group(group)
+    assert await catalog.group(group_id="group-1") == group
+    assert await catalog.group(name="snap-group") == group
+    with pytest.raises(sqlite3.IntegrityError):
+        await catalog.add_group(GroupRecord("group-2", "snap-group", 1.0))
+    await catalog.delete_group("group-1")
+    await catalog.delete_group("group-1")  # gone already: no error
+    assert await catalog.group(group_id="group-1") is None and await catalog.group(name="snap-group") is None
+
+
 async def test_durable_commits_leave_the_event_loop_while_the_disk_is_slow(
     catalog: Catalog, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -152,11 +171,11 @@ async def test_durable_commits_leave_the_event_loop_while_the_disk_is_slow(
             await catalog._run(commit)
         return list(on_loop)
 
-    monkeypatch.setattr(catalog_module, "LOOP_COMMIT_MAX", 10.0)  # every commit is fast
+    monkeypatch.setattr(catalog_store, "LOOP_COMMIT_MAX", 10.0)  # every commit is fast
     assert (await commits(3))[1:] == [True, True]
-    monkeypatch.setattr(catalog_module, "LOOP_COMMIT_MAX", 0.0)  # every commit is slow
+    monkeypatch.setattr(catalog_store, "LOOP_COMMIT_MAX", 0.0)  # every commit is slow
     assert await commits(3) == [True, False, False]  # the slow one on the loop sends the next ones away
-    monkeypatch.setattr(catalog_module, "LOOP_COMMIT_MAX", 10.0)
+    monkeypatch.setattr(catalog_store, "LOOP_COMMIT_MAX", 10.0)
     assert await commits(2) == [False, True]  # back once one in a worker thread was fast
     on_loop.clear()
     await catalog._run(commit, durable=False)
@@ -226,138 +245,3 @@ async def test_durability_settings_and_schema_version(tmp_path: Path) -> None:
     newer = Catalog(path)
     with pytest.raises(StartupError, match="newer than this driver"):
         await newer.open()
-
-
-# the start-up reconcile of transitional volume rows -----------------------
-
-
-async def test_reconcile_finishes_or_undoes_transitional_volumes(tmp_path: Path) -> None:
-    pool = FilePool(tmp_path / "pool")
-    pool.prepare()
-    async with Catalog(tmp_path / "catalog.db") as catalog:
-        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
-        records = {}
-        for n, state in ((1, VolumeState.CREATING), (2, VolumeState.READY), (3, VolumeState.DELETING)):
-            volume_id = f"vol-{n:024x}"
-            image = pool.image_path(volume_id, ImageFormat.QCOW2)
-            image.write_bytes(b"image")
-            records[state] = volume(n, state, image=image)
-            await catalog.add_volume(records[state])
-        leftover = pool.directory / f"{validate.new_volume_id()}.qcow2.tmp"
-        leftover.write_bytes(b"half")
-        stray = pool.directory / f"{validate.new_volume_id()}.raw"
-        stray.write_bytes(b"user data nobody told us about")
-        # What a create cut off by power can leave: an image no row names that holds nothing of its own.
-        never_named = pool.directory / f"{validate.new_volume_id()}.qcow2"
-        await pool.create(never_named, 64 << 20, VolumeParameters())
-        sparse = pool.directory / f"{validate.new_volume_id()}.raw"
-        sparse.touch()
-        os.truncate(sparse, 64 << 20)
-
-        await volumes.reconcile()
-
-        assert [r.id for r in await catalog.volumes()] == [records[VolumeState.READY].id]
-        assert records[VolumeState.READY].image.read_bytes() == b"image"
-        assert not records[VolumeState.CREATING].image.exists()
-        assert not records[VolumeState.DELETING].image.exists()
-        assert not leftover.exists()
-        assert stray.read_bytes() == b"user data nobody told us about"  # never lose what we did not make
-        assert not never_named.exists() and not sparse.exists()
-        await volumes.reconcile()  # idempotent
-        assert [r.id for r in await catalog.volumes()] == [records[VolumeState.READY].id]
-
-
-async def test_get_and_page_show_only_ready_volumes(tmp_path: Path) -> None:
-    pool = FilePool(tmp_path / "pool")
-    async with Catalog(tmp_path / "catalog.db") as catalog:
-        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
-        creating, ready, deleting = volume(1, VolumeState.CREATING), volume(2), volume(3, VolumeState.DELETING)
-        for record in (creating, ready, deleting):
-            await catalog.add_volume(record)
-        assert await volumes.get(creating.id) is None and await volumes.get(deleting.id) is None
-        assert await volumes.get(ready.id) == ready
-        assert await volumes.page("", 0) == ([ready], "")
-
-
-# CreateVolume's image settled after the answer, DeleteVolume's storage freed after it -----------
-
-
-async def test_a_created_volume_is_settled_right_after_and_a_pending_one_is_written_again(tmp_path: Path) -> None:
-    pool = FilePool(tmp_path / "pool")
-    pool.prepare()
-    async with Catalog(tmp_path / "catalog.db") as catalog:
-        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
-        created = [await volumes.create(f"pvc-{n}", 64 << 20, 0, VolumeParameters(), []) for n in range(3)]
-        assert all(r.image_pending for r in created)  # answered before the images are known durable
-        assert not any(r.image.exists() for r in created)  # nor even written: the batch writes them
-        assert [r.image_pending for r in await catalog.pending_images()] == [True] * 3
-        for _ in range(100):
-            if not await catalog.pending_images():
-                break
-            await asyncio.sleep(SETTLE_DELAY / 4)
-        assert await catalog.pending_images() == []  # one batch settled them all
-        assert all(pool.reads_as_zeros(r.image) for r in created)
-
-        # A stage (or snapshot) settles its own image at once, and the batch after it finds it whole.
-        staged = await volumes.create("pvc-staged", 64 << 20, 0, VolumeParameters(), [])
-        await volumes.settled(staged)
-        assert pool.reads_as_zeros(staged.image) and await catalog.pending_images() == []
-        await volumes.close()
-
-        # A power loss that took pending images (one never written, one torn): the reconcile writes them again.
-        never = dataclasses.replace(volume(8), image=pool.image_path(f"vol-{8:024x}", ImageFormat.QCOW2),
-                                    image_pending=True)
-        torn = dataclasses.replace(volume(9), image=pool.image_path(f"vol-{9:024x}", ImageFormat.QCOW2),
-                                   image_pending=True)
-        torn.image.write_bytes(b"QFI\xfb")
-        await catalog.add_volume(never)
-        await catalog.add_volume(torn)
-        await Volumes(catalog, pool, KeyedLocks("volume")).reconcile()
-        assert await catalog.pending_images() == []
-        for record in (never, torn):
-            assert pool.reads_as_zeros(record.image) and (await catalog.volume(record.id)) is not None
-
-
-async def test_a_volume_deleted_while_its_batch_writes_leaves_no_image(tmp_path: Path) -> None:
-    pool = FilePool(tmp_path / "pool")
-    pool.prepare()
-    entered, release = asyncio.Event(), asyncio.Event()
-    settle = pool.settle
-
-    async def held_settle(images: list[NewImage]) -> list[Path]:
-        entered.set()
-        await release.wait()
-        return await settle(images)
-
-    pool.settle = held_settle  # type: ignore[method-assign]
-    async with Catalog(tmp_path / "catalog.db") as catalog:
-        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
-        record = await volumes.create("pvc-short", 64 << 20, 0, VolumeParameters(), [])
-        await asyncio.wait_for(entered.wait(), 5)
-        await volumes.delete(record.id)  # answered while the batch holding its image is under way
-        freeing = asyncio.create_task(volumes.freed())
-        await asyncio.sleep(SETTLE_DELAY)
-        assert not freeing.done()  # the storage is freed only once no batch can write it any more
-        release.set()
-        await asyncio.wait_for(freeing, 5)
-        assert await catalog.volume(record.id) is None and not record.image.exists()
-        assert list(pool.images()) == []
-        await volumes.close()
-
-
-async def test_delete_answers_before_the_storage_goes_and_a_repeat_is_ok(tmp_path: Path) -> None:
-    pool = FilePool(tmp_path / "pool")
-    pool.prepare()
-    async with Catalog(tmp_path / "catalog.db") as catalog:
-        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
-        record = await volumes.create("pvc-gone", 64 << 20, 0, VolumeParameters(), [])
-        await volumes.delete(record.id)
-        row = await catalog.volume(record.id)
-        assert row is None or row.state is VolumeState.DELETING  # gone for the CO at once
-        assert await volumes.get(record.id) is None
-        await volumes.delete(record.id)  # the CO's retry while the storage is being freed
-        await volumes.freed()
-        assert await catalog.volume(record.id) is None and not record.image.exists()
-        again = await volumes.create("pvc-gone", 64 << 20, 0, VolumeParameters(), [])  # the name is free again
-        assert again.id != record.id
-        await volumes.close()

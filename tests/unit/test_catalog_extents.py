@@ -7,7 +7,8 @@ import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
-from csi_qsd.catalog import SCHEMA_VERSION, Catalog, ExtentRecord, ExtentState, _MIGRATIONS
+from csi_qsd.catalog import SCHEMA_VERSION, Catalog, ExtentRecord, ExtentState
+from csi_qsd.catalog.schema import MIGRATIONS
 from csi_qsd.pools import regions
 from csi_qsd.pools.regions import Region, Layout
 from tests.unit.test_catalog import volume
@@ -22,7 +23,7 @@ async def test_an_old_catalog_gains_the_extents_table(tmp_path: Path) -> None:
     db.executescript(V1_SCHEMA.read_text())
     db.execute("PRAGMA user_version=1")
     db.close()
-    assert any("extents" in s for statements in _MIGRATIONS.values() for s in statements)
+    assert any("extents" in s for statements in MIGRATIONS.values() for s in statements)
     async with Catalog(path) as catalog:
         assert await catalog.extents("fast") == []
         taken = await catalog.take_extent("fast", "vol-1", lambda rows: (MIB, 4 * MIB))

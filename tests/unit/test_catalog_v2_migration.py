@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.catalog import SCHEMA_VERSION, Catalog, _MIGRATIONS
+from csi_qsd.catalog import SCHEMA_VERSION, Catalog
+from csi_qsd.catalog.schema import MIGRATIONS
 from csi_qsd.params import QoS, VolumeParameters
 
 V2_SCHEMA = Path(__file__).parent.parent / "data" / "catalog_v2.sql"
@@ -34,7 +35,7 @@ def write_v2_catalog(path: Path) -> None:
 
 
 async def test_schema_2_catalog_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
-    assert SCHEMA_VERSION >= 3 and 3 in _MIGRATIONS
+    assert SCHEMA_VERSION >= 3 and 3 in MIGRATIONS
     path = tmp_path / "catalog.db"
     write_v2_catalog(path)
     async with Catalog(path) as catalog:
@@ -45,7 +46,7 @@ async def test_schema_2_catalog_migrates_and_keeps_its_rows(tmp_path: Path) -> N
         stage = await catalog.stage(VOLUME_ID)
         assert stage is not None and stage.loop_device == "/dev/loop7"
         limited = dataclasses.replace(volume, qos=QoS(iops_total=200, bps_read=1 << 20))
-        await catalog.update_volume(limited)
+        await catalog.set_volume(limited)
     db = sqlite3.connect(path)
     try:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
@@ -58,7 +59,7 @@ async def test_schema_2_catalog_migrates_and_keeps_its_rows(tmp_path: Path) -> N
 async def test_a_failed_migration_leaves_schema_2_untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "catalog.db"
     write_v2_catalog(path)
-    monkeypatch.setitem(_MIGRATIONS, 3, (*_MIGRATIONS[3], "ALTER TABLE nowhere ADD COLUMN x TEXT"))
+    monkeypatch.setitem(MIGRATIONS, 3, (*MIGRATIONS[3], "ALTER TABLE nowhere ADD COLUMN x TEXT"))
     with pytest.raises(sqlite3.OperationalError):
         await Catalog(path).open()
     db = sqlite3.connect(path)
