@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import struct
 from pathlib import Path
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
@@ -42,6 +41,7 @@ from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Lease, Peers, point
 from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost, Unavailable
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import placement
+from csi_qsd.qcow2.backing import names_backing
 from csi_qsd.qsd import attach
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys import nbd_tcp
@@ -53,14 +53,6 @@ POLL_SECONDS = 0.2
 RETRY_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0)
 REACH_TIMEOUT = 3.0
 RENEWALS_PER_TTL = 4  # the copy asks for its lease again this many times per --copy-lease-ttl while it streams
-
-
-def names_backing(image: Path) -> bool:
-    """True while a qcow2 image's header names a backing file (reads the on-disk header)."""
-    with open(image, "rb") as f:
-        header = f.read(20)
-    offset: int = struct.unpack(">Q", header[8:16])[0]
-    return offset != 0
 
 
 def _fingerprint(files: tuple[Path, ...]) -> bytes:

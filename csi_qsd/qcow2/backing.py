@@ -11,11 +11,11 @@ it never opens a link.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
-QCOW2_MAGIC = b"QFI\xfb"
+from csi_qsd.qcow2 import header
+
 MAX_NAME = 4096  # QEMU's limit on a backing file name (PATH_MAX)
 MAX_DEPTH = 256
 
@@ -26,14 +26,17 @@ def backing_name(image: Path) -> str:
     Raises OSError.
     """
     with open(image, "rb") as f:
-        header = f.read(20)
-        if len(header) < 20 or header[:4] != QCOW2_MAGIC:
+        head = header.parse(f.read(header.STRUCT.size))
+        if head is None or head.backing_offset == 0 or head.backing_size == 0 or head.backing_size > MAX_NAME:
             return ""
-        offset, size = struct.unpack(">QI", header[8:20])
-        if offset == 0 or size == 0 or size > MAX_NAME:
-            return ""
-        f.seek(offset)
-        return f.read(size).decode("utf-8", "replace")
+        f.seek(head.backing_offset)
+        return f.read(head.backing_size).decode("utf-8", "replace")
+
+
+def names_backing(image: Path) -> bool:
+    """True while a qcow2 image's header names a backing file (a copy image until it stands alone). Raises OSError."""
+    head = header.read_file(image)
+    return head is not None and head.backing_offset != 0
 
 
 def nbd_address(name: str) -> str:

@@ -27,23 +27,20 @@ import dataclasses
 import os
 import struct
 
+from csi_qsd.qcow2 import header
 from csi_qsd.qcow2.granularity import DEFAULT, SUBCLUSTERS
 
-MAGIC = b"QFI\xfb"
 VERSION = 3
 HEADER_LENGTH = 112  # version 3 with the compression type byte (zlib), padded to 8
 REFCOUNT_ORDER = 4  # 16-bit refcounts, QEMU's default
-INCOMPAT_EXTENDED_L2 = 1 << 4
 AUTOCLEAR_BITMAPS = 1 << 0  # the bitmaps extension is consistent with the image
 EXT_END = 0x00000000
 EXT_BACKING_FORMAT = 0xE2792ACA
 EXT_BITMAPS = 0x23852875
-BITMAP_IN_USE = 1 << 0
 BITMAP_AUTO = 1 << 1  # enabled: every write marks it
 BITMAP_TYPE_DIRTY_TRACKING = 1
 FIRST_L1_CLUSTER = 3
 
-_HEADER = struct.Struct(">4sIQIIQIIQQIIQQQQII")
 _EXTENSION = struct.Struct(">II")
 _BITMAPS_EXTENSION = struct.Struct(">IIQQ")
 _BITMAP_ENTRY = struct.Struct(">QIIBBHI")
@@ -119,14 +116,15 @@ def image_bytes(
     backing_offset = HEADER_LENGTH + len(extensions) if backing_name else 0
     if backing_offset + len(backing_name) > cluster:
         raise ValueError(f"backing file name {backing!r} does not fit the image's header cluster")
-    header = _HEADER.pack(
-        MAGIC, VERSION, backing_offset, len(backing_name), cluster_bits, size, 0, l1_size,
+    fixed = header.Header(
+        VERSION, backing_offset, len(backing_name), cluster_bits, size, 0, l1_size,
         FIRST_L1_CLUSTER * cluster, cluster, 1, 0, 0,
-        INCOMPAT_EXTENDED_L2 if layout.extended_l2 else 0, 0, AUTOCLEAR_BITMAPS, REFCOUNT_ORDER, HEADER_LENGTH,
-    )
-    header += b"\0" * (HEADER_LENGTH - len(header))  # compression type 0 (zlib) and padding
+        incompatible=header.INCOMPAT_EXTENDED_L2 if layout.extended_l2 else 0, autoclear=AUTOCLEAR_BITMAPS,
+        refcount_order=REFCOUNT_ORDER, length=HEADER_LENGTH,
+    ).pack()
+    fixed += b"\0" * (HEADER_LENGTH - len(fixed))  # compression type 0 (zlib) and padding
     return [
-        (0, header + extensions + backing_name),
+        (0, fixed + extensions + backing_name),
         (cluster, struct.pack(">Q", 2 * cluster)),
         (2 * cluster, struct.pack(f">{used}H", *([1] * used))),
         (directory_offset, directory + b"\0" * (cluster - len(directory))),  # also sets the file's length
@@ -148,15 +146,10 @@ def holds_nothing(fd: int, *, backing_allowed: bool = False) -> bool:
     before making one. False whenever unsure (another version, an external
     data file, a header this does not know): the caller then assumes data.
     """
-    head = os.pread(fd, _HEADER.size, 0)
-    if len(head) < _HEADER.size:
+    head = header.read(fd)
+    if head is None or head.version != VERSION or head.incompatible & ~header.INCOMPAT_EXTENDED_L2:
         return False
-    (magic, version, backing_offset, _backing_size, _cluster_bits, _size, _crypt, l1_size, l1_offset,
-     *_rest) = _HEADER.unpack(head)
-    incompatible = _rest[4]
-    if magic != MAGIC or version != VERSION or incompatible & ~INCOMPAT_EXTENDED_L2:
+    if head.backing_offset and not backing_allowed:
         return False
-    if backing_offset and not backing_allowed:
-        return False
-    table = os.pread(fd, l1_size * 8, l1_offset)
-    return len(table) == l1_size * 8 and not any(table)
+    table = os.pread(fd, head.l1_size * 8, head.l1_offset)
+    return len(table) == head.l1_size * 8 and not any(table)

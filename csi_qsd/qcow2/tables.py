@@ -20,19 +20,13 @@ import os
 import struct
 from pathlib import Path
 
-from csi_qsd.qcow2 import extents
+from csi_qsd.qcow2 import extents, header
 from csi_qsd.qcow2.extents import Extent
 
-MAGIC = b"QFI\xfb"
-HEADER = struct.Struct(">4sIQIIQIIQQIIQQQQII")
 OFFSET_MASK = 0x00FFFFFFFFFFFE00  # bits 9-55: a table's or cluster's host offset
 COMPRESSED = 1 << 62
 ZERO = 1  # standard L2 entry, version 3: the cluster reads as zeros
-CORRUPT = 1 << 1
-EXTERNAL_DATA = 1 << 2
-COMPRESSION_TYPE = 1 << 3
-EXTENDED_L2 = 1 << 4
-UNDERSTOOD = COMPRESSION_TYPE | EXTENDED_L2
+UNDERSTOOD = header.INCOMPAT_COMPRESSION_TYPE | header.INCOMPAT_EXTENDED_L2
 SUBCLUSTERS = 32
 
 
@@ -43,19 +37,15 @@ def read_layer(image: Path) -> list[Extent] | None:
     """
     fd = os.open(image, os.O_RDONLY)
     try:
-        head = os.pread(fd, HEADER.size, 0)
-        if len(head) < HEADER.size:
+        head = header.read(fd)
+        if (head is None or head.version != 3 or head.crypt_method or head.incompatible & ~UNDERSTOOD
+                or not 9 <= head.cluster_bits <= 21):
             return None
-        (magic, version, _backing_offset, _backing_size, cluster_bits, size, crypt, l1_size, l1_offset,
-         _refcount_offset, _refcount_clusters, _snapshots, _snapshots_offset, incompatible, _compatible,
-         _autoclear, _refcount_order, _header_length) = HEADER.unpack(head)
-        if magic != MAGIC or version != 3 or crypt or incompatible & ~UNDERSTOOD or not 9 <= cluster_bits <= 21:
-            return None
-        cluster = 1 << cluster_bits
-        extended = bool(incompatible & EXTENDED_L2)
+        cluster, size = 1 << head.cluster_bits, head.size
+        extended = bool(head.incompatible & header.INCOMPAT_EXTENDED_L2)
         entry_size = 16 if extended else 8
         per_table = cluster // entry_size
-        l1 = struct.unpack(f">{l1_size}Q", _read(fd, l1_offset, l1_size * 8))
+        l1 = struct.unpack(f">{head.l1_size}Q", _read(fd, head.l1_offset, head.l1_size * 8))
         found: list[Extent] = []
         for index, l1_entry in enumerate(l1):
             table = l1_entry & OFFSET_MASK

@@ -29,7 +29,7 @@ from csi_qsd.errors import (
     Unavailable,
 )
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.node.copy_streams import CopyStreams, names_backing
+from csi_qsd.node.copy_streams import CopyStreams
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import nbd_tcp
@@ -64,11 +64,11 @@ def test_a_copy_image_names_its_backing_until_it_stands_alone(tmp_path: Path) ->
     with open(image, "wb") as f:
         blank.write(f.fileno(), blank.image_bytes(1 << 26, 1 << 16, layer_bitmaps.OWN,
                                                   backing=nbd_backing("127.0.0.1:1", "e", "n"), backing_format="raw"))
-    assert names_backing(image)
+    assert backing.names_backing(image)
     alone = tmp_path / "alone.qcow2"
     with open(alone, "wb") as f:
         blank.write(f.fileno(), blank.image_bytes(1 << 26, 1 << 16, layer_bitmaps.OWN))
-    assert not names_backing(alone)
+    assert not backing.names_backing(alone)
 
 
 def test_ports_in_use_are_skipped() -> None:

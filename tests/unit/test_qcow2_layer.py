@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.qcow2 import tables as L
+from csi_qsd.qcow2 import header, tables as L
 
 CLUSTER_BITS = 17
 CLUSTER = 1 << CLUSTER_BITS
@@ -23,10 +23,10 @@ SIZE = 64 * CLUSTER
 
 def image_with(path: Path, table: bytes, *, extended: bool) -> Path:
     """An image of SIZE bytes whose L1 table (at cluster 1) points at one L2 table (at cluster 2): `table`."""
-    header = L.HEADER.pack(L.MAGIC, 3, 0, 0, CLUSTER_BITS, SIZE, 0, 1, CLUSTER, 0, 0, 0, 0,
-                           L.EXTENDED_L2 if extended else 0, 0, 0, 4, L.HEADER.size)
+    head = header.Header(3, 0, 0, CLUSTER_BITS, SIZE, 0, 1, CLUSTER, 0, 0, 0, 0,
+                         incompatible=header.INCOMPAT_EXTENDED_L2 if extended else 0, length=header.STRUCT.size)
     with path.open("wb") as out:
-        out.write(header)
+        out.write(head.pack())
         out.seek(CLUSTER)
         out.write(struct.pack(">Q", 2 * CLUSTER))
         out.seek(2 * CLUSTER)
