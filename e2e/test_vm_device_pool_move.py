@@ -38,7 +38,8 @@ async def test_a_vm_keeps_writing_while_its_disk_moves(guest_image: GuestImage) 
                 vol = await csi.create_volume("pvc-vm", 32 * MIB, {"pool": "fast", "export": "vhost-user-blk"})
                 neighbour = await csi.create_volume("pvc-next", 16 * MIB, {"pool": "fast"}, block=True)
                 old = pool.extent_of(vol.volume_id)
-                assert old is not None and pool.extent_of(neighbour.volume_id).start == old.end
+                after = pool.extent_of(neighbour.volume_id)
+                assert old is not None and after is not None and after.start == old.end
                 staging, target = box.staging("vm"), box.target("vm")
                 await csi.stage(vol.volume_id, str(staging))
                 await csi.publish(vol.volume_id, str(staging), str(target))

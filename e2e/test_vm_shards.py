@@ -68,7 +68,7 @@ async def test_a_lost_shard_leaves_the_guest_disk_on_the_other_shard_writing(
         await wait_for_block(vm, 5)
         os.kill(pids[0] or 0, signal.SIGKILL)
         killed_at = len(acknowledged_blocks(vm.output, DEVICE))
-        await wait_new_qsd(served.box, pids[0], RESTART_TIMEOUT_S)
+        await wait_new_qsd(served.box, pids[0] or 0, RESTART_TIMEOUT_S)
         result = await vm.wait()
     assert result.exit_code == 0, result.output
     acked = assert_clean_run(result.output, blocks)

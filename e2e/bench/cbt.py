@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import mmap
-import os
 import random
 import sys
 import tempfile
@@ -48,7 +46,7 @@ from csi_qsd.config import Config
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import GIB, KIB, MIB, Job, ServedBench, bench_main, fio, release, table, verdict
+from e2e.bench.common import GIB, KIB, MIB, Job, ServedBench, bench_main, fio, release, table, verdict, write_direct
 from tests.harness import Sandbox
 
 BLOCK = 4 * KIB
@@ -73,18 +71,6 @@ class Result:
     @property
     def delta(self) -> float:
         return min(self.delta_seconds)
-
-
-def scatter(device: Path, offsets: list[int]) -> None:
-    buf = mmap.mmap(-1, BLOCK)
-    fd = os.open(device, os.O_RDWR | os.O_DIRECT)
-    try:
-        for i, offset in enumerate(offsets):
-            buf[:8] = (i + 1).to_bytes(8, "little")
-            os.pwrite(fd, buf, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def differing_blocks(at: int, old: bytes, new: bytes, out: set[int]) -> None:
@@ -120,7 +106,7 @@ async def measure(bench: Bench, csi: CSIClient, size: int, granularity: int, off
     volume = await bench.stage(csi, name, size, {"changedBlockGranularity": str(granularity)}, block=True)
     vid, device = volume.id, volume.target
     s0 = (await csi.create_snapshot(f"{name}-0", vid)).snapshot_id
-    await asyncio.to_thread(scatter, device, offsets)
+    await asyncio.to_thread(write_direct, device, offsets, BLOCK)
     s1 = (await csi.create_snapshot(f"{name}-1", vid)).snapshot_id
 
     delta_times = []

@@ -15,13 +15,14 @@ import contextlib
 import dataclasses
 import json
 import math
+import mmap
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -90,7 +91,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def cpu_share(pid: int, work: Awaitable[float], runtime: int) -> tuple[float, float]:
+async def cpu_share(pid: int, work: Awaitable[float], runtime: float) -> tuple[float, float]:
     """`work`'s result and the share of one CPU that process `pid` used meanwhile."""
     before = cpu_seconds(pid)
     value = await work
@@ -169,6 +170,11 @@ def ratio(value: float, baseline: float) -> str:
     return f"{r:.0f}x" if r >= 100 else f"{r:.1f}x" if r >= 10 else f"{r:.2f}x"
 
 
+def figure(value: float) -> str:
+    """IOPS or MiB/s: whole above 100, else one decimal."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
 def ms(value: float) -> str:
     return f"{value:.0f}" if value >= 1000 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
@@ -192,6 +198,20 @@ def sh(*argv: str) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout
+
+
+def write_direct(device: Path, offsets: Iterable[int], size: int) -> None:
+    """`size` bytes of random data at each of `offsets` of `device` (O_DIRECT, no two alike), then one fsync."""
+    with mmap.mmap(-1, size) as buffer:  # page-aligned, as O_DIRECT needs
+        buffer.write(os.urandom(size))
+        fd = os.open(device, os.O_WRONLY | os.O_DIRECT)
+        try:
+            for i, offset in enumerate(offsets):
+                buffer[:8] = i.to_bytes(8, "little")
+                os.pwrite(fd, buffer, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 async def output(*argv: str, timeout: float = 1800) -> str:

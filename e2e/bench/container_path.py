@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import os
 import re
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ from pathlib import Path
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys.tools import bundled
 from e2e.bench.common import (
-    GIB, MIB, Job, ServedBench, ThreadCPU, bench_main, ext4_on, fio, lay_out, loop_device, loop_mode_of, output,
+    GIB, MIB, Job, ServedBench, figure, ThreadCPU, bench_main, ext4_on, fio, lay_out, loop_device, loop_mode_of, output,
     progress, ratio, sh, table,
 )
 from tests.harness import Sandbox, qsd_pid
@@ -160,14 +161,6 @@ class Bench(ServedBench):
             raw.unlink()
 
 
-def figure(value: float) -> str:
-    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
 def report(bench: Bench) -> str:
     params = ", ".join(f"{k}={v}" for k, v in sorted(bench.parameters.items())) or \
         "defaults (qcow2, preallocation=off)"
@@ -181,7 +174,7 @@ def report(bench: Bench) -> str:
         done = [job for job in JOBS if job.name in pair.volume and job.name in pair.baseline]
         rows = []
         for job in done:
-            volume, baseline = mean(pair.volume[job.name]), mean(pair.baseline[job.name])
+            volume, baseline = statistics.mean(pair.volume[job.name]), statistics.mean(pair.baseline[job.name])
             spread = f"{figure(min(pair.volume[job.name]))}-{figure(max(pair.volume[job.name]))}"
             rows.append([job.label, figure(volume), spread, figure(baseline), ratio(volume, baseline),
                          pair.threads.get(job.name, "-")])

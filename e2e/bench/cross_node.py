@@ -31,21 +31,10 @@ import time
 from pathlib import Path
 
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import GIB, MIB, table
+from e2e.bench.common import GIB, MIB, stage, table, write_direct
 from tests.certs import mint
 from tests.harness import free_port
 from tests.router_cluster import Node, node_plugin
-
-
-def _fill(device: Path, size: int) -> None:
-    fd = os.open(device, os.O_WRONLY)
-    try:
-        chunk = os.urandom(4 * MIB)
-        for offset in range(0, size, len(chunk)):
-            os.pwrite(fd, chunk[: min(len(chunk), size - offset)], offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _receive(server: socket.socket, out: Path, done: list[int]) -> None:
@@ -119,7 +108,7 @@ async def _restore(a: Node, b: Node, snapshot: str, size: int, name: str) -> tup
 
 
 async def run(args: argparse.Namespace) -> None:
-    size = args.size_gib * GIB
+    size = int(args.size_gib * GIB) // MIB * MIB
     with tempfile.TemporaryDirectory(prefix="cq-cross-bench") as tmp:
         root = Path(tmp)
         pki = mint(root / "pki")
@@ -129,13 +118,11 @@ async def run(args: argparse.Namespace) -> None:
                 node_plugin("node-b", pki, "--peer", f"node-a={a_address}", "--log-level", "info",
                             address=b_address) as b:
             try:
-                vid = (await a.csi.create_volume("source", size, block=True)).volume_id
-                staging, target = a.box.staging(vid), a.box.target(vid)
-                await a.csi.stage(vid, str(staging), block=True)
-                await a.csi.publish(vid, str(staging), str(target), block=True)
+                source = await stage(a.csi, a.box, "source", size, block=True)
+                vid, target = source.id, source.target
                 started = time.perf_counter()
-                await asyncio.to_thread(_fill, target, size)
-                print(f"node-a: {args.size_gib} GiB of random bytes written in {time.perf_counter() - started:.1f} s",
+                await asyncio.to_thread(write_direct, target, range(0, size, MIB), MIB)
+                print(f"node-a: {args.size_gib:g} GiB of random bytes written in {time.perf_counter() - started:.1f} s",
                       file=sys.stderr)
                 snapshot = (await a.csi.create_snapshot("snap", vid)).snapshot_id
                 rows = []
@@ -145,7 +132,7 @@ async def run(args: argparse.Namespace) -> None:
                     first_io, local = await _restore(a, b, snapshot, size, f"restored-{i}")
                     rows.append([str(i + 1), f"{dd:.2f} s ({size / MIB / dd:.0f} MiB/s)", f"{first_io * 1000:.0f} ms",
                                  f"{local:.2f} s ({size / MIB / local:.0f} MiB/s)", f"{local / dd:.2f}x"])
-                print(table(["run", f"dd {args.size_gib} GiB over loopback TCP", "first I/O on node B",
+                print(table(["run", f"dd {args.size_gib:g} GiB over loopback TCP", "first I/O on node B",
                              "fully local on node B", "local / dd"], rows))
             finally:
                 for pid_file in (a.box.state_dir / "copies").glob("*.pid"):
@@ -153,12 +140,13 @@ async def run(args: argparse.Namespace) -> None:
                         os.kill(int(pid_file.read_text()), 9)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gib", type=int, default=1)
+    parser.add_argument("--size-gib", type=float, default=1)
     parser.add_argument("--repeat", type=int, default=1)
-    asyncio.run(run(parser.parse_args()))
+    asyncio.run(run(parser.parse_args(argv)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

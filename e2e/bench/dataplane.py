@@ -46,7 +46,7 @@ from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
 from e2e.bench.common import (
-    MIB, Job, ServedBench, bench_main, ext4_on, loop_device, loop_mode_of, output, progress, ratio, release, table,
+    MIB, Job, ServedBench, figure, bench_main, ext4_on, loop_device, loop_mode_of, output, progress, ratio, release, table,
 )
 from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
 from tests.harness import Sandbox
@@ -223,9 +223,8 @@ class Bench(ServedBench):
         raw.unlink()
 
 
-def figure(results: Results, job: Job) -> str:
-    value = results[job.name].value(job)
-    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+def cell(results: Results, job: Job) -> str:
+    return figure(results[job.name].value(job))
 
 
 def render(bench: Bench) -> str:
@@ -234,8 +233,8 @@ def render(bench: Bench) -> str:
     for job in JOBS:
         a, b, c = (vm["a"][job.name].value(job), vm["b"][job.name].value(job), host["raw"][job.name].value(job))
         vm_rows.append([
-            job.label, figure(vm["a"], job), figure(vm["a'"], job), figure(vm["b"], job), figure(vm["b'"], job),
-            figure(host["raw"], job), ratio(a, b), ratio(a, vm["b'"][job.name].value(job)), ratio(a, c),
+            job.label, cell(vm["a"], job), cell(vm["a'"], job), cell(vm["b"], job), cell(vm["b'"], job),
+            cell(host["raw"], job), ratio(a, b), ratio(a, vm["b'"][job.name].value(job)), ratio(a, c),
         ])
     host_rows = []
     for job in JOBS:
@@ -243,8 +242,8 @@ def render(bench: Bench) -> str:
             return host[key][job.name].value(job)
 
         host_rows.append([
-            job.label, figure(host["fuse"], job), figure(host["raw"], job), ratio(v("fuse"), v("raw")),
-            figure(host["ext4-fuse"], job), figure(host["ext4-raw"], job), ratio(v("ext4-fuse"), v("ext4-raw")),
+            job.label, cell(host["fuse"], job), cell(host["raw"], job), ratio(v("fuse"), v("raw")),
+            cell(host["ext4-fuse"], job), cell(host["ext4-raw"], job), ratio(v("ext4-fuse"), v("ext4-raw")),
         ])
     accel = default_accel()
     return "\n".join([

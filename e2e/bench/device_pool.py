@@ -11,13 +11,12 @@ import contextlib
 import dataclasses
 import shutil
 import sqlite3
-import subprocess
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
-from e2e.bench.common import MIB, sh
+from e2e.bench.common import MIB, loop_device, sh
 from tests.harness import DriverProcess, Sandbox, sandbox
 
 
@@ -50,16 +49,15 @@ async def served_pool(size: int, *, random_data: bool = False, timeout: float = 
     else:
         with open(backing, "wb") as f:
             f.truncate(size)
-    node = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)).strip())
     try:
-        with sandbox() as box:
-            driver = DriverProcess(box, "--device-pool", f"bench={node}{',force' if random_data else ''}")
-            await driver.start()
-            try:
-                async with CSIClient(box.endpoint, timeout=timeout) as csi:
-                    yield ServedPool(box, driver, csi, node, work)
-            finally:
-                await driver.stop()  # the sandbox's cleanup takes down its QSD, mounts and loop devices
+        async with loop_device(backing) as node:
+            with sandbox() as box:
+                driver = DriverProcess(box, "--device-pool", f"bench={node}{',force' if random_data else ''}")
+                await driver.start()
+                try:
+                    async with CSIClient(box.endpoint, timeout=timeout) as csi:
+                        yield ServedPool(box, driver, csi, node, work)
+                finally:
+                    await driver.stop()  # the sandbox's cleanup takes down its QSD, mounts and loop devices
     finally:
-        subprocess.run(["losetup", "-d", str(node)], check=False)
         shutil.rmtree(work, ignore_errors=True)

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import GIB, MIB, Summary, ratio, sh, table
+from e2e.bench.common import GIB, MIB, Summary, ratio, sh, stage, table
 from e2e.bench.device_pool import ServedPool, served_pool
 
 
@@ -78,14 +78,12 @@ async def bench(gib: float) -> str:
 
 async def measure(pool: ServedPool, size: int) -> str:
     csi, box, driver, node, scratch = pool.csi, pool.box, pool.driver, pool.node, pool.work / "copy.img"
-    vol = await csi.create_volume("pvc-fs", size, {"pool": "bench"}, fs_type="xfs")
-    await csi.create_volume("pvc-next", 16 * MIB, {"pool": "bench"}, block=True)
-    staging, target = box.staging("fs"), box.target("fs")
-    await csi.stage(vol.volume_id, str(staging), fs_type="xfs")
-    await csi.publish(vol.volume_id, str(staging), str(target), fs_type="xfs")
+    volume = await stage(csi, box, "pvc-fs", size, {"pool": "bench"}, fs_type="xfs")
+    vid, target = volume.id, volume.target
+    await csi.create_volume("pvc-next", 16 * MIB, {"pool": "bench"}, block=True)  # the space it would grow into
     sh("dd", "if=/dev/urandom", f"of={target / 'data'}", "bs=1M", f"count={size * 3 // 4 // MIB}", "oflag=direct",
        "status=none")
-    start = pool.extent_start(vol.volume_id)
+    start = pool.extent_start(vid)
 
     copy_started = time.monotonic()
     sh("dd", f"if={node}", f"of={scratch}", "bs=1M", f"skip={start // MIB}", f"count={size // MIB}",
@@ -100,7 +98,7 @@ async def measure(pool: ServedPool, size: int) -> str:
     await asyncio.sleep(min(max(copy_s, 2.0), 30.0))
     moved_from = time.monotonic()
     await csi.node.NodeExpandVolume(pb.NodeExpandVolumeRequest(
-        volume_id=vol.volume_id, volume_path=str(target),
+        volume_id=vid, volume_path=str(target),
         capacity_range=pb.CapacityRange(required_bytes=size * 5 // 4)))
     moved_to = time.monotonic()
     await asyncio.sleep(1)
@@ -109,7 +107,7 @@ async def measure(pool: ServedPool, size: int) -> str:
         raise RuntimeError(f"the writer failed: {writer.error}")
     stalls = [f"+{began - moved_from:.2f} s: {(ended - began) * 1000:.0f} ms" for began, ended in writer.latencies
               if ended - began > STALL and began <= moved_to and ended >= moved_from]
-    moved = pool.extent_start(vol.volume_id) != start
+    moved = pool.extent_start(vid) != start
     held = re.findall(r"event=move_switched volume_id=\S+ held_ms=(\d+)", driver.log())
     before = Summary.of(writer.between(quiet_from, moved_from))
     during = Summary.of(writer.between(moved_from, moved_to))
@@ -129,12 +127,14 @@ async def measure(pool: ServedPool, size: int) -> str:
             f"kernel {version}; moved: {moved}; filesystem frozen for the last copy and switch: "
             f"{', '.join(held) or '?'} ms; writer blocks during the move: {during.count}\n\n"
             + table(["figure", "baseline", "measured", "ratio"], rows)
-            + f"\n\nwriter blocks over {STALL * 1000:.0f} ms, from the start of the move: {'; '.join(stalls) or 'none'}\n")
+            + f"\n\nwriter blocks over {STALL * 1000:.0f} ms, from the start of the move: "
+            f"{'; '.join(stalls) or 'none'}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--gib", type=float, default=1.0, help="the volume's size in GiB (xfs needs 0.3 at least)")
+    parser.add_argument("--gib", type=float, default=1.0,
+                        help="the volume's size in GiB (at least 1: at 0.5 its data and the writer's 64 MiB fill it)")
     args = parser.parse_args(argv)
     print(asyncio.run(bench(args.gib)))
     return 0

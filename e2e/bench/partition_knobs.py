@@ -39,10 +39,9 @@ from qemu.qmp import QMPClient
 
 from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import cpu_share, ratio, sh, table
-from e2e.bench.partitions import JOBS, fio, run_cli
+from e2e.bench.common import MIB, cpu_share, fio, lay_out, loop_device, ratio, table
+from e2e.bench.partitions import JOBS, run_cli
 
-MIB = 1 << 20
 REGION = 256 * MIB
 OFFSET = 64 * MIB
 BACKGROUND_LIMITS = (12, fusectl.MAX_BACKGROUND)
@@ -93,12 +92,8 @@ VARIANTS = [
 async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[tuple[Path, int | None]]:
     """A bare QSD serving `variant` over FUSE, and a loop device on the export; yields it and QSD's PID."""
     if variant.kernel:
-        carved = sh("losetup", "--find", "--show", "--direct-io=on", f"--offset={OFFSET}", f"--sizelimit={REGION}",
-                    str(device)).strip()
-        try:
-            yield Path(carved), None
-        finally:
-            subprocess.run(["losetup", "-d", carved], check=False)
+        async with loop_device(device, window=(OFFSET, REGION)) as carved:
+            yield carved, None
         return
     qmp_path, export = work / "qmp.sock", work / "disk"
     export.touch()
@@ -106,7 +101,6 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
         bundled("qemu-storage-daemon"), "--chardev", f"socket,id=m,path={qmp_path},server=on,wait=off",
         "--monitor", "chardev=m", "--object", "iothread,id=io0", start_new_session=True)
     qmp = QMPClient("bench")
-    loopdev = ""
     try:
         for attempt in range(100):  # the socket file appears just before QSD listens on it
             try:
@@ -127,12 +121,9 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
             args["iothread"] = "io0"
         await qmp.execute("block-export-add", args)
         await fusectl.raise_background(export)
-        loopdev = sh("losetup", "--find", "--show", f"--direct-io={'on' if variant.loop_direct else 'off'}",
-                     str(export)).strip()
-        yield Path(loopdev), proc.pid
+        async with loop_device(export, direct=variant.loop_direct) as loopdev:
+            yield loopdev, proc.pid
     finally:
-        if loopdev:
-            subprocess.run(["losetup", "-d", loopdev], check=False)
         with contextlib.suppress(Exception):
             await qmp.execute("quit")
         with contextlib.suppress(Exception):
@@ -147,38 +138,46 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
         qmp_path.unlink(missing_ok=True)  # left behind by a QSD that had to be killed
 
 
-async def bench(runtime: int, rounds: int) -> str:
+async def bench(runtime: float, rounds: int) -> str:
     work = Path(tempfile.mkdtemp(prefix="cqknobs", dir="/tmp"))
     backing = work / "nvme.img"
     with open(backing, "wb") as f:
         f.truncate(OFFSET + REGION + 64 * MIB)
-    device = Path(sh("losetup", "--find", "--show", "--direct-io=on", str(backing)).strip())
     samples: dict[tuple[str, str], list[float]] = {}
     try:
-        sh("fio", "--name=fill", f"--filename={device}", "--rw=write", "--bs=1M", "--iodepth=8",
-           "--ioengine=libaio", "--direct=1", f"--offset={OFFSET}", f"--size={REGION}")
-        async with exported(VARIANTS[0], device, work) as (volume, _):
-            for _ in range(rounds):  # one QSD, the limit switched back and forth: nothing else changes
-                for limit in BACKGROUND_LIMITS:
-                    await fusectl.raise_background(work / "disk", limit)
-                    for job in JOBS:
-                        samples.setdefault((f"max_background {limit}", job.name), []).append(
-                            await fio(volume, job, runtime))
-        for _ in range(rounds):
-            for variant in VARIANTS:
-                async with exported(variant, device, work) as (volume, qsd):
-                    for job in JOBS:
-                        measured = fio(volume, job, runtime)
-                        value, cpu = await cpu_share(qsd, measured, runtime) if qsd else (await measured, 0.0)
-                        samples.setdefault((variant.name, job.name), []).append(value)
-                        samples.setdefault((variant.name, job.name + " cpu"), []).append(cpu)
-                        samples.setdefault((variant.name, job.name + " device"), []).append(
-                            await fio(device, job, runtime, OFFSET))
+        async with loop_device(backing) as device:
+            await measure(device, work, runtime, rounds, samples)
     finally:
-        subprocess.run(["losetup", "-d", str(device)], check=False)
         backing.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             work.rmdir()
+    return render(samples, runtime, rounds)
+
+
+async def measure(device: Path, work: Path, runtime: float, rounds: int,
+                  samples: dict[tuple[str, str], list[float]]) -> None:
+    """Every figure, into `samples` by (variant or limit, job)."""
+    await lay_out(device, REGION, OFFSET)
+    async with exported(VARIANTS[0], device, work) as (volume, _):
+        for _ in range(rounds):  # one QSD, the limit switched back and forth: nothing else changes
+            for limit in BACKGROUND_LIMITS:
+                await fusectl.raise_background(work / "disk", limit)
+                for job in JOBS:
+                    samples.setdefault((f"max_background {limit}", job.name), []).append(
+                        await fio(job, volume, runtime=runtime, size=REGION))
+    for _ in range(rounds):
+        for variant in VARIANTS:
+            async with exported(variant, device, work) as (volume, qsd):
+                for job in JOBS:
+                    measured = fio(job, volume, runtime=runtime, size=REGION)
+                    value, cpu = await cpu_share(qsd, measured, runtime) if qsd else (await measured, 0.0)
+                    samples.setdefault((variant.name, job.name), []).append(value)
+                    samples.setdefault((variant.name, job.name + " cpu"), []).append(cpu)
+                    samples.setdefault((variant.name, job.name + " device"), []).append(
+                        await fio(job, device, runtime=runtime, size=REGION, offset=OFFSET))
+
+
+def render(samples: dict[tuple[str, str], list[float]], runtime: float, rounds: int) -> str:
     limits = table(["FUSE max_background", *(job.label for job in JOBS)],
                    [[f"{limit}{' (kernel default)' if limit == 12 else ' (as served)'}",
                      *(f"{statistics.median(samples[(f'max_background {limit}', job.name)]):,.0f}" for job in JOBS)]
@@ -195,7 +194,7 @@ async def bench(runtime: int, rounds: int) -> str:
     headers = ["variant"]
     for job in JOBS:
         headers += [f"{job.label}: device", "volume", "ratio", "QSD CPU"]
-    return (f"median of {rounds} rounds x {runtime} s per fio job\n\nthe as-served volume on one QSD, the FUSE "
+    return (f"median of {rounds} rounds x {runtime:g} s per fio job\n\nthe as-served volume on one QSD, the FUSE "
             f"connection's background limit switched between runs:\n{limits}\n\none change at a time, a QSD each; "
             "the device region measured right after the volume, in the same round; QSD CPU: its share of one CPU "
             "during the volume's job\n" + table(headers, rows))

@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import collections
 import statistics
-import subprocess
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import Job, ThreadCPU, ratio, sh, table
+from e2e.bench.common import MIB, Job, ThreadCPU, fio, lay_out, ratio, sh, stage, table
 from e2e.bench.device_pool import served_pool
 from tests.harness import qsd_pid
 
-MIB = 1 << 20
 REGION = 256 * MIB
 JOBS = [
     Job("4k randread QD32", "randread", "4k", 32),
@@ -46,72 +44,43 @@ JOBS = [
 AT_ONCE = (1, 2, 4)
 
 
-async def fio(filename: Path, job: Job, runtime: int, offset: int = 0) -> float:
-    """IOPS (random jobs) or MiB/s (sequential jobs) of one fio job on [offset, offset+REGION) of `filename`."""
-    proc = await asyncio.create_subprocess_exec(
-        "fio", "--name=j", f"--filename={filename}", f"--rw={job.rw}", f"--bs={job.bs}",
-        f"--iodepth={job.iodepth}", "--ioengine=libaio", "--direct=1", f"--offset={offset}", f"--size={REGION}",
-        "--time_based", f"--runtime={runtime}", "--output-format=json",
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await proc.communicate()
-    if proc.returncode:
-        raise RuntimeError(f"fio failed: {err.decode()}")
-    result = json.loads(out)["jobs"][0]
-    if job.sequential:
-        return float(result["read"]["bw_bytes"] + result["write"]["bw_bytes"]) / MIB
-    return float(result["read"]["iops"] + result["write"]["iops"])
-
-
-async def fill(filename: Path, offset: int) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        "fio", "--name=fill", f"--filename={filename}", "--rw=write", "--bs=1M", "--iodepth=8",
-        "--ioengine=libaio", "--direct=1", f"--offset={offset}", f"--size={REGION}",
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    await proc.wait()
-
-
 def figure(value: float) -> str:
     return f"{value:,.0f}"
 
 
-async def bench(runtime: int, rounds: int) -> str:
+async def bench(runtime: float, rounds: int) -> str:
     async with served_pool(4 * REGION + 64 * MIB) as pool:
         targets: list[tuple[Path, int]] = []
         for i in range(max(AT_ONCE)):
-            vol = await pool.csi.create_volume(f"pvc-part-{i}", REGION, {"pool": "bench"}, block=True)
-            staging, target = pool.box.staging(f"p{i}"), pool.box.target(f"p{i}")
-            await pool.csi.stage(vol.volume_id, str(staging), block=True)
-            await pool.csi.publish(vol.volume_id, str(staging), str(target), block=True)
-            targets.append((target, pool.extent_start(vol.volume_id)))
+            volume = await stage(pool.csi, pool.box, f"pvc-part-{i}", REGION, {"pool": "bench"}, block=True)
+            targets.append((volume.target, pool.extent_start(volume.id)))
         for target, start in targets:
-            await fill(target, 0)
+            await lay_out(target, REGION)
         pid = qsd_pid(pool.box)
         assert pid is not None
         version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
         return await measure(targets, pool.node, pid, runtime, rounds, version)
 
 
-async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime: int, rounds: int,
+async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime: float, rounds: int,
                   version: str) -> str:
-    samples: dict[str, list[float]] = {}
+    samples: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
     threads: dict[str, str] = {}  # QSD's CPU per thread during the last round's run of each job
-
-    def add(key: str, value: float) -> None:
-        samples.setdefault(key, []).append(value)
 
     for _ in range(rounds):
         target, start = targets[0]
         for job in JOBS:
             before = ThreadCPU.take(pid)
-            add(f"{job.name}/part", await fio(target, job, runtime))
+            samples[f"{job.name}/part"].append(await fio(job, target, runtime=runtime, size=REGION))
             threads[job.name] = ThreadCPU.take(pid).since(before)
-            add(f"{job.name}/device", await fio(node, job, runtime, start))
+            samples[f"{job.name}/device"].append(await fio(job, node, runtime=runtime, size=REGION, offset=start))
         read = JOBS[0]
         for count in AT_ONCE:
-            parts = await asyncio.gather(*(fio(t, read, runtime) for t, _ in targets[:count]))
-            add(f"{count}/part", sum(parts))
-            directs = await asyncio.gather(*(fio(node, read, runtime, s) for _, s in targets[:count]))
-            add(f"{count}/device", sum(directs))
+            parts = await asyncio.gather(*(fio(read, t, runtime=runtime, size=REGION) for t, _ in targets[:count]))
+            samples[f"{count}/part"].append(sum(parts))
+            directs = await asyncio.gather(*(fio(read, node, runtime=runtime, size=REGION, offset=s)
+                                             for _, s in targets[:count]))
+            samples[f"{count}/device"].append(sum(directs))
     med = {key: statistics.median(values) for key, values in samples.items()}
     rows = [[job.label, figure(med[f"{job.name}/device"]), figure(med[f"{job.name}/part"]),
              ratio(med[f"{job.name}/part"], med[f"{job.name}/device"]), threads[job.name]]
@@ -124,14 +93,14 @@ async def measure(targets: list[tuple[Path, int]], node: Path, pid: int, runtime
     second = table(["partitions at once", "device regions at once (baseline)", "aggregate IOPS", "ratio",
                     "vs one partition"], rows)
     return (f"{version}; block volumes (FUSE export > direct-I/O loop device); median of {rounds} rounds x "
-            f"{runtime} s per job, each partition figure and its baseline back to back\n\n{first}\n\n"
+            f"{runtime:g} s per job, each partition figure and its baseline back to back\n\n{first}\n\n"
             f"4k randread QD32 on each partition at once (IOPS):\n{second}\n")
 
 
-def run_cli(doc: str, run: Callable[[int, int], Coroutine[Any, Any, str]], argv: list[str] | None) -> int:
+def run_cli(doc: str, run: Callable[[float, int], Coroutine[Any, Any, str]], argv: list[str] | None) -> int:
     """Parse --runtime and --rounds, run the bench, print its tables (this one's and partition_knobs')."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--runtime", type=int, default=5, help="seconds per fio job")
+    parser.add_argument("--runtime", type=float, default=5, help="seconds per fio job")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every job (medians are printed)")
     args = parser.parse_args(argv)
     print(asyncio.run(run(args.runtime, args.rounds)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import re
 import statistics
@@ -28,11 +29,10 @@ import subprocess
 from pathlib import Path
 
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import ThreadCPU, ratio, sh, table
+from e2e.bench.common import MIB, ThreadCPU, ratio, sh, stage, table
 from e2e.bench.device_pool import served_pool
 from tests.harness import qsd_pid
 
-MIB = 1 << 20
 REGION = 256 * MIB
 
 
@@ -48,8 +48,13 @@ class BenchJob:
     def sequential(self) -> bool:
         return self.size >= MIB
 
+    def scaled(self, share: float) -> BenchJob:
+        """The same job with `share` of its requests (at least the queue depth)."""
+        return dataclasses.replace(self, count=max(self.depth, round(self.count * share)))
+
     def args(self) -> list[str]:
-        return ["-s", str(self.size), "-d", str(self.depth), "-c", str(self.count), "-n", *(["-w"] if self.write else [])]
+        return ["-s", str(self.size), "-d", str(self.depth), "-c", str(self.count), "-n",
+                *(["-w"] if self.write else [])]
 
     def figure(self, seconds: float) -> float:
         """MiB/s for large requests, IOPS for small ones."""
@@ -102,48 +107,43 @@ def blkio_missing() -> str:
     return ""
 
 
-async def bench(rounds: int) -> str:
+async def bench(rounds: int, share: float) -> str:
     missing = blkio_missing()
     if missing:
         return missing
     async with served_pool(2 * REGION + 64 * MIB, random_data=True) as pool:
         published: dict[str, tuple[Path, int]] = {}
         for cache in CACHES:
-            vol = await pool.csi.create_volume(f"pvc-{cache}", REGION, {
-                "pool": "bench", "export": "vhost-user-blk", "cache": cache})
-            staging, target = pool.box.staging(cache), pool.box.target(cache)
-            await pool.csi.stage(vol.volume_id, str(staging))
-            await pool.csi.publish(vol.volume_id, str(staging), str(target))
-            published[cache] = (target / "vhost-user-blk.sock", pool.extent_start(vol.volume_id))
+            params = {"pool": "bench", "export": "vhost-user-blk", "cache": cache}
+            volume = await stage(pool.csi, pool.box, f"pvc-{cache}", REGION, params)
+            published[cache] = (volume.target / "vhost-user-blk.sock", pool.extent_start(volume.id))
         pid = qsd_pid(pool.box)
         assert pid is not None
         version = sh(bundled("qemu-storage-daemon"), "--version").splitlines()[0]
-        return await measure(published, pool.node, pid, rounds, version)
+        return await measure(published, pool.node, pid, rounds, version, [job.scaled(share) for job in JOBS])
 
 
-async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, rounds: int, version: str) -> str:
-    samples: dict[str, list[float]] = {}
+async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, rounds: int, version: str,
+                  jobs: list[BenchJob]) -> str:
+    samples: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
     threads: dict[str, str] = {}  # QSD's CPU per thread during the last round's run
-
-    def add(key: str, value: float) -> None:
-        samples.setdefault(key, []).append(value)
-
     for _ in range(rounds):
-        for job in JOBS:
+        for job in jobs:
             for cache, (socket, start) in published.items():
                 before = ThreadCPU.take(pid)
-                add(f"{job.label}/{cache}", await qemu_img_bench(through_socket(socket), job))
+                samples[f"{job.label}/{cache}"].append(await qemu_img_bench(through_socket(socket), job))
                 threads[f"{job.label}/{cache}"] = ThreadCPU.take(pid).since(before)
-                add(f"{job.label}/device", await qemu_img_bench(device_region(node, start), job))
+                samples[f"{job.label}/device"].append(await qemu_img_bench(device_region(node, start), job))
                 if job.write:
-                    add(f"{job.label}/device+flush", await qemu_img_bench(device_region(node, start), job, flush=True))
+                    flushed = await qemu_img_bench(device_region(node, start), job, flush=True)
+                    samples[f"{job.label}/device+flush"].append(flushed)
     med = {key: statistics.median(values) for key, values in samples.items()}
 
     def cell(key: str) -> str:
         return f"{med[key]:,.0f}" if key in med else "-"
 
     rows = []
-    for job in JOBS:
+    for job in jobs:
         flushed = med.get(f"{job.label}/device+flush", med[f"{job.label}/device"])
         rows.append([
             job.label, cell(f"{job.label}/device"), cell(f"{job.label}/writeback"),
@@ -158,14 +158,16 @@ async def measure(published: dict[str, tuple[Path, int]], node: Path, pid: int, 
     return (f"{version}; VM volumes (vhost-user-blk export > raw window > direct-I/O loop device), "
             f"qemu-img bench with libblkio's virtio-blk-vhost-user driver; median of {rounds} rounds. A "
             "writethrough volume acknowledges a write once it is on the device (QSD flushes after it): its "
-            "baseline flushes once per queue depth of writes (the most qemu-img bench allows).\n\n" + table(headers, rows) + "\n")
+            "baseline flushes once per queue depth of writes (the most qemu-img bench allows).\n\n"
+            + table(headers, rows) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every job (medians are printed)")
+    parser.add_argument("--share", type=float, default=1.0, help="this share of each job's requests (default 1)")
     args = parser.parse_args(argv)
-    print(asyncio.run(bench(args.rounds)))
+    print(asyncio.run(bench(args.rounds, args.share)))
     return 0
 
 

@@ -33,6 +33,7 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -117,7 +118,8 @@ def _claim(name: str) -> dict[str, Any]:
 def _driver_seconds(cluster: Cluster) -> dict[str, float]:
     """The driver's summed call time per CSI method, from its metrics (through the API server's pod proxy)."""
     pod = deploy.driver_pod(cluster)["metadata"]["name"]
-    text = cluster.kubectl("get", "--raw", f"/api/v1/namespaces/{deploy.DRIVER_NAMESPACE}/pods/{pod}:9810/proxy/metrics").stdout
+    text = cluster.kubectl("get", "--raw",
+                           f"/api/v1/namespaces/{deploy.DRIVER_NAMESPACE}/pods/{pod}:9810/proxy/metrics").stdout
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("csi_qsd_rpc_duration_seconds_sum{"):
@@ -205,10 +207,10 @@ def report(csi: list[Sample], baseline: list[Sample], hostpath_error: str) -> No
     print(f"  the driver's share of PVC -> Running: {share:.0%} (p50)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--claims", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with deployed_cluster(build_all()) as cluster:
         namespace = f"bench-{uuid.uuid4().hex[:6]}"
         cluster.kubectl("create", "namespace", namespace)
@@ -219,6 +221,8 @@ def main() -> None:
         report(csi, baseline, hostpath_available())
         cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s", timeout=330)
         deploy.wait_until(lambda: not deploy.get_json(cluster, "pv")["items"], 300, "every PV to be deleted")
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import mmap
-import os
 import random
 import sys
 import tempfile
@@ -38,36 +36,21 @@ from typing import Any
 import grpc
 
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import GIB, KIB, Summary, ms, status_field_kib, table, timed
+from e2e.bench.common import GIB, KIB, Summary, ms, stage, status_field_kib, table, timed, write_direct
 from tests.certs import mint
 from tests.router_cluster import Node, Router, node_plugin
 
 CLUSTER = 64 * KIB
 
 
-def _write_blocks(device: Path, offsets: list[int]) -> None:
-    """4 KiB O_DIRECT writes at `offsets`, one fsync at the end."""
-    buf = mmap.mmap(-1, 4 * KIB)
-    buf.write(b"\xa5" * 4 * KIB)
-    fd = os.open(device, os.O_WRONLY | os.O_DIRECT)
-    try:
-        for offset in offsets:
-            assert os.pwrite(fd, buf, offset) == 4 * KIB
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 async def _prepare(node: Node, size: int, writes: int) -> tuple[str, str]:
-    vid = (await node.csi.create_volume(f"pvc-{node.name}", size, block=True)).volume_id
-    staging, target = node.box.staging(vid), node.box.target(vid)
-    await node.csi.stage(vid, str(staging), block=True)
-    await node.csi.publish(vid, str(staging), str(target), block=True)
+    volume = await stage(node.csi, node.box, f"pvc-{node.name}", size, block=True)
+    vid, target = volume.id, volume.target
     clusters = random.Random(7).sample(range(size // CLUSTER), 16 + writes)
-    await asyncio.to_thread(_write_blocks, target, [c * CLUSTER for c in clusters[:16]])
+    await asyncio.to_thread(write_direct, target, [c * CLUSTER for c in clusters[:16]], 4 * KIB)
     s0 = (await node.csi.create_snapshot(f"s0-{node.name}", vid)).snapshot_id
     started = time.perf_counter()
-    await asyncio.to_thread(_write_blocks, target, [c * CLUSTER + 4 * KIB * (c % 16) for c in clusters[16:]])
+    await asyncio.to_thread(write_direct, target, [c * CLUSTER + 4 * KIB * (c % 16) for c in clusters[16:]], 4 * KIB)
     print(f"{node.name}: {writes} scattered 4 KiB writes in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     s1 = (await node.csi.create_snapshot(f"s1-{node.name}", vid)).snapshot_id
     return s0, s1
@@ -156,15 +139,16 @@ async def report(args: argparse.Namespace, a: Node, routed: Any, router_pid: int
           f"{(hwm_after - hwm_before) / 1024:.1f} MiB while relaying them (largest {largest / 1024:.0f} KiB)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gib", type=int, default=4)
     parser.add_argument("--writes", type=int, default=20000)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--max-results", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
-    asyncio.run(run(parser.parse_args()))
+    asyncio.run(run(parser.parse_args(argv)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

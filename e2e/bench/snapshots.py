@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import mmap
 import os
 import platform
 import re
@@ -55,7 +54,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.controller.snapshots import MAX_CHAIN_DEPTH
 from csi_qsd.sys.durable import fsync_path
 from e2e.bench.common import (
-    GIB, MIB, ServedBench, Summary, bench_main, log_problems, ms, progress, sh, table, timed, verdict,
+    GIB, MIB, ServedBench, Summary, bench_main, log_problems, ms, progress, sh, table, timed, verdict, write_direct,
 )
 from tests.harness import Sandbox
 
@@ -73,21 +72,6 @@ FLAT_LIMIT = 2.0  # p50 at the largest size / p50 at the smallest: a copy would 
 SPACE_MARGIN = 2 * GIB
 
 T = TypeVar("T")
-
-
-def fill_device(device: Path, length: int) -> None:
-    """Write `length` bytes of non-zero, incompressible data at the start of `device` (O_DIRECT), then fsync."""
-    buffer = mmap.mmap(-1, WRITE_CHUNK)  # page-aligned, as O_DIRECT needs
-    buffer.write(os.urandom(WRITE_CHUNK))
-    fd = os.open(device, os.O_WRONLY | os.O_DIRECT)
-    try:
-        for offset in range(0, length, WRITE_CHUNK):
-            buffer[:8] = offset.to_bytes(8, "little")  # no two chunks alike
-            os.pwrite(fd, buffer, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        buffer.close()
 
 
 def allocated_bytes(image: Path) -> int:
@@ -185,7 +169,7 @@ class Bench(ServedBench):
         source, target = volume.id, volume.target
         r.fill_bytes = int(size * FILL_FRACTION) // WRITE_CHUNK * WRITE_CHUNK
         start = time.monotonic()
-        await asyncio.to_thread(fill_device, target, r.fill_bytes)
+        await asyncio.to_thread(write_direct, target, range(0, r.fill_bytes, WRITE_CHUNK), WRITE_CHUNK)
         r.fill_seconds = time.monotonic() - start
         image = self.pool / f"{source}.qcow2"
         r.allocated = await asyncio.to_thread(allocated_bytes, image)

@@ -18,6 +18,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,25 +28,31 @@ from e2e.cluster.build import build_all
 from e2e.cluster.session import deployed_cluster
 
 
-def main() -> None:
+def summary(result: storage_e2e.SuiteResult, focus: str, keep: Path, hostpath: str) -> str:
+    """What the bench prints: the counts beside csi-driver-host-path's (or why it was not run), each failed test."""
+    return "\n".join([
+        f"Kubernetes storage e2e (External Storage, focus {focus!r}, skipping {storage_e2e.ALWAYS_SKIP!r}):",
+        f"  csi-qsd               {result.counts()}",
+        "  csi-driver-host-path  " + (f"not run: its module cannot be fetched here: {hostpath}" if hostpath
+                                     else "its module is fetchable now, but this bench does not deploy it yet"),
+        *(f"  FAILED {name}" for name in result.failed),
+        f"  the suite's log and JUnit report: {keep}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--focus", default=".", help="only the External Storage tests matching this")
     parser.add_argument("--fs-type", default="", help="the shipped filesystem class with this default filesystem")
     parser.add_argument("--timeout-minutes", type=int, default=150)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     built = build_all()
     keep = Path(tempfile.mkdtemp(prefix="csi-qsd-storage-e2e-", dir="/var/tmp"))
     with deployed_cluster(built) as cluster:
         result = storage_e2e.run_suite(cluster, built.kubernetes / "e2e.test", keep, focus=args.focus,
                                        fs_type=args.fs_type, timeout_minutes=args.timeout_minutes)
-    hostpath = hostpath_available()
-    print(f"Kubernetes storage e2e (External Storage, focus {args.focus!r}, skipping {storage_e2e.ALWAYS_SKIP!r}):")
-    print(f"  csi-qsd               {result.counts()}")
-    print("  csi-driver-host-path  " + (f"not run: its module cannot be fetched here: {hostpath}" if hostpath
-                                       else "its module is fetchable now, but this bench does not deploy it yet"))
-    for name in result.failed:
-        print(f"  FAILED {name}")
-    print(f"  the suite's log and JUnit report: {keep}")
+    print(summary(result, args.focus, keep, hostpath_available()))
+    return 0
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -29,18 +29,16 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import os
 import sys
 
 import grpc
 
 from csi_qsd.qsd import features
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import table
+from e2e.bench.common import MIB, missing, stage, table
 from tests.harness import in_process_driver, qsd_pid, sandbox
 from tests.integration.test_vhost_churn import CONNECTIONS, VM, come_and_go, graph_round
 
-MIB = 1 << 20
 PLACEMENTS = ("main", "one", "pool", "shards")
 ALWAYS = (0, 0, 0)
 
@@ -64,7 +62,7 @@ def place(placement: str) -> None:
         features.VHOST_IOTHREAD_ABORTS = ALWAYS
 
 
-async def one_run(qsd: str, placement: str, tally: Tally) -> None:
+async def one_run(qsd: str, placement: str, tally: Tally, connections: int = CONNECTIONS) -> None:
     place(placement)
     with sandbox() as box:
         shards = 2 if placement == "shards" else 1
@@ -73,16 +71,13 @@ async def one_run(qsd: str, placement: str, tally: Tally) -> None:
                 return ([qsd_pid(box, k) for k in range(shards)], [d.restarts for d in driver.qsd.daemons])
 
             before = alive()
-            vid = (await csi.create_volume("pvc-vm-churn", 32 * MIB, VM)).volume_id
-            staging, target = box.staging("vm-churn"), box.target("vm-churn")
-            await csi.stage(vid, str(staging))
-            await csi.publish(vid, str(staging), str(target))
+            target = (await stage(csi, box, "pvc-vm-churn", 32 * MIB, VM)).target
             stop, count = asyncio.Event(), [0]
             clients = asyncio.create_task(come_and_go(str(target / "vhost-user-blk.sock"), stop, count))
             deadline = asyncio.get_running_loop().time() + 240
             i = 0
             try:
-                while count[0] < CONNECTIONS and asyncio.get_running_loop().time() < deadline:
+                while count[0] < connections and asyncio.get_running_loop().time() < deadline:
                     await graph_round(csi, box, i)
                     i += 1
             except grpc.aio.AioRpcError as exc:
@@ -100,25 +95,27 @@ async def one_run(qsd: str, placement: str, tally: Tally) -> None:
                 tally.died += 1
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--qsd", default="11", choices=["10", "11"], help="the install's qemu-storage-daemon-N")
     parser.add_argument("--runs", type=int, default=5, help="runs per placement")
     parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated: main, one, pool, shards")
-    args = parser.parse_args()
-    if os.geteuid() != 0:
-        print("needs root (mounts, FUSE)", file=sys.stderr)
-        return 1
+    parser.add_argument("--connections", type=int, default=CONNECTIONS, help="churn to this many a run (default 500)")
+    args = parser.parse_args(argv)
+    problem = missing()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     qsd = bundled(f"qemu-storage-daemon-{args.qsd}")
     rows = []
     for placement in args.placements.split(","):
         tally = Tally()
         for _ in range(args.runs):
-            asyncio.run(one_run(qsd, placement, tally))
+            asyncio.run(one_run(qsd, placement, tally, args.connections))
         errors = "; ".join(f"{n}x {text}" for text, n in tally.errors.most_common(2)) or "-"
         rows.append([placement, str(tally.runs), str(tally.connections), str(tally.died), str(tally.failed), errors])
         print(f"{placement}: {rows[-1][1:]}", file=sys.stderr, flush=True)
-    print(f"QSD {args.qsd} (qemu-storage-daemon-{args.qsd}), churn to {CONNECTIONS} connections a run")
+    print(f"QSD {args.qsd} (qemu-storage-daemon-{args.qsd}), churn to {args.connections} connections a run")
     print(table(["placement", "runs", "connections", "QSD died", "calls failed", "errors"], rows))
     return 0
 

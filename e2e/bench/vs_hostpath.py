@@ -45,14 +45,13 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
-from e2e.bench.common import ms, ratio, retrying, sh, stop_driver_and_qsd, table, timed
-from tests.harness import DriverProcess, Sandbox, sandbox, terminate, until
+from e2e.bench.common import MIB, ServedBench, bench_main, ms, ratio, sh, table, timed, verdict
+from e2e.bench.control_plane import MKFS_EXT4
+from tests.harness import Sandbox, terminate, until
 
-MIB = 1 << 20
 MODES = ("filesystem", "block")
 STEPS = ("CreateVolume", "Stage + Publish", "Unpublish + Unstage", "DeleteVolume")
 TARGET = 2.0
-MKFS_EXT4 = ("mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard")
 REFERENCE = "hostpathplugin"
 IN_NAMESPACE = "CSI_QSD_BENCH_MTAB_HIDDEN"
 
@@ -214,7 +213,7 @@ def report(mine: Samples, theirs: Samples, reference: str, header: str) -> str:
             ref_p50 = statistics.median(theirs[(mode, step)])
             r = ours_p50 / ref_p50 if ref_p50 else float("inf")
             rows.append([f"{step} ({mode})", ms(ours_p50), ms(ref_p50), ratio(ours_p50, ref_p50)])
-            verdicts.append([f"{step} ({mode}) <= {TARGET:.0f}x", f"{r:.2f}x", "PASS" if r <= TARGET else "MISS"])
+            verdicts.append([f"{step} ({mode}) <= {TARGET:.0f}x", f"{r:.2f}x", verdict(lambda: r <= TARGET)])
     return "\n\n".join([
         header,
         table(["p50, ms", "csi-qsd", reference, "ratio"], rows),
@@ -235,14 +234,23 @@ def rerun_without_mtab(argv: list[str]) -> int:
     return subprocess.run(command, env=dict(os.environ, **{IN_NAMESPACE: "1"}), check=False).returncode
 
 
-async def run(box: Sandbox, n: int, size: int) -> str:
-    driver = DriverProcess(box, "--log-level", "warning")
-    await driver.start(timeout=60)
+class Bench(ServedBench):
+    """Ours served and driven beside the reference (or its floor); whatever a failed run left, through the driver."""
+
+    client_timeout = 120.0
+
+    def __init__(self, box: Sandbox, n: int, size: int) -> None:
+        super().__init__(box, "--log-level", "warning")
+        self.n, self.size = n, size
+        self.text = "not measured"
+
+    async def phases(self, csi: CSIClient) -> None:
+        self.text = await run(self.box, csi, self.n, self.size)
+
+
+async def run(box: Sandbox, csi: CSIClient, n: int, size: int) -> str:
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(stop_driver_and_qsd, driver)
-        csi = await stack.enter_async_context(CSIClient(box.endpoint, timeout=120))
         ours = Driven(csi, box, "ours", size, {})
-        stack.push_async_callback(cleanup, ours)
         if shutil.which(REFERENCE):
             endpoint = await serve_reference(box, stack)
             ref_csi = await stack.enter_async_context(CSIClient(endpoint, timeout=120))
@@ -261,12 +269,6 @@ async def run(box: Sandbox, n: int, size: int) -> str:
     return report(mine, theirs, name, header)
 
 
-async def cleanup(ours: Driven) -> None:
-    """Whatever a failed run left of ours, through the driver."""
-    for volume in await ours.csi.list_volumes():
-        await retrying(f"delete {volume.volume_id}", lambda: ours.csi.delete_volume(volume.volume_id))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.bench.vs_hostpath", description=__doc__.split("\n")[0])
     parser.add_argument("--volumes", type=int, default=40, help="volumes per mode (default 40)")
@@ -282,10 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mtab == "image" and mtab_kept() and not os.environ.get(IN_NAMESPACE):
         return rerun_without_mtab(sys.argv[1:] if argv is None else argv)
     started = time.monotonic()
-    with sandbox() as box:
-        print(asyncio.run(run(box, args.volumes, args.size_mib * MIB)), flush=True)
+    status = bench_main(lambda box: Bench(box, args.volumes, args.size_mib * MIB), lambda bench: bench.text)
     print(f"wall time {time.monotonic() - started:.0f} s", file=sys.stderr)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def wait_pod_running(cluster: Cluster, namespace: str, name: str, timeout: float
 def wait_pvc_bound(cluster: Cluster, namespace: str, name: str, timeout: float = 120) -> dict[str, Any]:
     def bound() -> dict[str, Any] | None:
         pvc = get_json(cluster, "-n", namespace, "pvc", name)
-        return pvc if pvc["status"].get("phase") == "Bound" else None  # type: ignore[no-any-return]
+        return pvc if pvc["status"].get("phase") == "Bound" else None
     try:
         return wait_until(bound, timeout, f"PVC {namespace}/{name} to be Bound", interval=1)  # type: ignore[no-any-return]
     except TimeoutError as error:

@@ -29,5 +29,5 @@ def test_storage_capacity_published_per_class(cluster: Cluster) -> None:
                                                          "csistoragecapacities")["items"]
         return [c for c in items if c.get("capacity")]
     found = deploy.wait_until(capacities, 120, "CSIStorageCapacity objects from the provisioner")
-    classes = {c["storageClassName"] for c in found}  # type: ignore[index]
+    classes = {c["storageClassName"] for c in found}
     assert {"csi-qsd-fs", "csi-qsd-block", "csi-qsd-vm"} <= classes, classes
