@@ -41,7 +41,7 @@ from csi_qsd.errors import InvalidArgument, NBDError
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.granularity import BACKUP_OPTIONS
 from csi_qsd.qcow2.imagemap import qcow2_spec
-from csi_qsd.sys import durable, qemu_nbd as qemu_nbd_server
+from csi_qsd.sys import durable, nbd_unix
 from csi_qsd.sys.run import run
 
 CHUNK = 4 << 20  # bytes per NBD request; qemu-nbd accepts up to 32 MiB
@@ -114,10 +114,10 @@ class NBDClient:
 async def nbd_export(qemu_nbd: str, spec: str, socket: Path, *, read_only: bool) -> AsyncIterator[NBDClient]:
     """Serve `spec` with qemu-nbd on `socket`, connected as its one client; the server is gone when this exits.
 
-    Its exit is awaited (bounded, `csi_qsd.sys.qemu_nbd`), so a written
+    Its exit is awaited (bounded, `csi_qsd.sys.nbd_unix`), so a written
     image is closed before the caller uses it.
     """
-    async with qemu_nbd_server.serving(qemu_nbd, spec, socket, writable=not read_only):
+    async with nbd_unix.serving(qemu_nbd, spec, socket, writable=not read_only):
         client = await NBDClient.connect(socket)
         try:
             yield client

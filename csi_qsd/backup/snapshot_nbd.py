@@ -12,7 +12,7 @@ these NBD metadata contexts:
   (`csi_qsd.qcow2.layer_bitmaps`), and `qemu:dirty-bitmap:cbt-NNN-IMAGE` for the
   layers a flatten merged into it. Bitmaps QSD left inconsistent are not offered.
 
-It runs until SIGINT or SIGTERM (`csi_qsd.sys.qemu_nbd` starts and stops
+It runs until SIGINT or SIGTERM (`csi_qsd.sys.nbd_unix` starts and stops
 the server). Only snapshots this node's catalog holds can be served.
 
 `--socket` names a path the server binds; qemu-nbd removes whatever is there
@@ -35,7 +35,7 @@ from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotState
 from csi_qsd.errors import InvalidArgument, NBDError, NotFound
 from csi_qsd.qcow2.imagemap import qcow2_spec
-from csi_qsd.sys import qemu_nbd as qemu_nbd_server
+from csi_qsd.sys import nbd_unix
 from csi_qsd.sys.signals import stop_event
 
 
@@ -82,7 +82,7 @@ async def serve(
     bitmaps = await served_contexts(qemu_img, image)
     remove_stale_socket(socket)
     try:
-        async with qemu_nbd_server.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
+        async with nbd_unix.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
                                            clients=16, bitmaps=bitmaps, allocation_depth=True) as server:
             print(json.dumps({
                 "snapshot_id": snapshot_id, "uri": f"nbd+unix:///?socket={socket}",

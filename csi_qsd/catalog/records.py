@@ -12,9 +12,7 @@ import enum
 import time
 from pathlib import Path
 
-from csi_qsd.params import QoS, VolumeParameters
-
-DEFAULT_POOL = "default"
+from csi_qsd.params import DEFAULT_POOL_NAME, QoS, VolumeParameters
 
 
 class VolumeState(enum.Enum):
@@ -82,7 +80,7 @@ class VolumeRecord:
     backing: str = ""  # the image the volume's top image is an overlay on ('' = none)
     generation: int = 0  # how many times the top image was replaced by a new overlay
     source: str = ""  # "snapshot:<id>" or "volume:<id>" it was made from
-    pool: str = DEFAULT_POOL  # the pool the volume's images live in
+    pool: str = DEFAULT_POOL_NAME  # the pool the volume's images live in
     qos: QoS = QoS()  # I/O limits, the mutable parameters (ControllerModifyVolume changes them)
     image_pending: bool = False  # the image may not be written or on disk yet (`Catalog.add_volume`)
 

@@ -163,12 +163,13 @@ class SourceLeases:
             except BaseException:
                 await self._drop(record)
                 raise
-            size = (await self._catalog.snapshot(record.snapshot_id))
-            if size is None:  # deleted before the lease row was seen
+            snapshot = await self._catalog.snapshot(record.snapshot_id)
+            if snapshot is None:  # deleted before the lease row was seen
                 await self._drop(record)
                 raise NotFound(f"snapshot {record.snapshot_id} does not exist")
             self._renewed[copy_volume_id] = self._clock()
-            return Lease("", record.snapshot_id, record.address, copy_volume_id, size.size, self._settings.lease_ttl)
+            return Lease("", record.snapshot_id, record.address, copy_volume_id, snapshot.size,
+                         self._settings.lease_ttl)
 
     async def _refuse_beyond_limit(self, node: str) -> None:
         """ResourceExhausted if `node` already holds as many leases here as one node may (a renewal is never

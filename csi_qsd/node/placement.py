@@ -12,7 +12,8 @@ is recorded in the stage row and kept until unstage.
 
 from __future__ import annotations
 
-from csi_qsd.catalog import DEFAULT_POOL, Catalog, VolumeRecord
+from csi_qsd.catalog import Catalog, VolumeRecord
+from csi_qsd.params import DEFAULT_POOL_NAME
 from csi_qsd.qsd.shards import place
 
 # A lineage deeper than this is cut short (the key is still stable: the same volume gives the same walk).
@@ -20,7 +21,7 @@ MAX_LINEAGE = 64
 
 
 async def shard_for(catalog: Catalog, volume: VolumeRecord, count: int) -> int:
-    if count == 1 or volume.pool != DEFAULT_POOL:
+    if count == 1 or volume.pool != DEFAULT_POOL_NAME:
         return 0
     return place(await placement_key(catalog, volume), count)
 

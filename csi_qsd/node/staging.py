@@ -155,7 +155,7 @@ class NodeVolumes:
                 raise InvalidArgument(
                     f"volume {spec.volume_id} is staged as {stage.access_type.value}; publish it the same way"
                 )
-            self._client(stage)
+            self._check_shard_ready(stage)
             stalled = self._rebuild.stalled(spec.volume_id)
             if stalled is not None:
                 raise Unavailable(f"{stalled}; retry the publish then")
@@ -217,7 +217,7 @@ class NodeVolumes:
                 raise OutOfRange(
                     f"volume {volume_id} cannot grow to {size} bytes: its pool has {available} bytes free"
                 )
-            self._client(stage)
+            self._check_shard_ready(stage)
             kind = self._exports.of(volume)
             publishes = await self._catalog.publishes(volume_id)
             await kind.check_expand(volume, stage, publishes, size)
@@ -303,11 +303,18 @@ class NodeVolumes:
 
         Raises Unavailable while that shard's QSD is starting or restarting, unless not `required`.
         """
+        if required:
+            self._check_shard_ready(stage)
+        else:
+            self._qsd.place(stage.volume_id, stage.shard)
+        return self._qsd.daemons[stage.shard].client
+
+    def _check_shard_ready(self, stage: StageRecord) -> None:
+        """Record where the staged volume is served; raise Unavailable while that shard's QSD is starting or
+        restarting (for a call that sends it nothing itself but must not go on without it)."""
         self._qsd.place(stage.volume_id, stage.shard)
-        daemon = self._qsd.daemons[stage.shard]
-        if required and not daemon.ready:
+        if not self._qsd.daemons[stage.shard].ready:
             raise Unavailable("qemu-storage-daemon is not ready (starting or restarting); retry shortly")
-        return daemon.client
 
 
 async def _stage_at(catalog: Catalog, volume_id: str, path: Path) -> StageRecord:

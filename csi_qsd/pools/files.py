@@ -16,10 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.qcow2 import image_bitmaps, layer_bitmaps
-from csi_qsd.catalog import DEFAULT_POOL
 from csi_qsd.errors import ResourceExhausted
 from csi_qsd.qcow2.granularity import qcow2_options
-from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
+from csi_qsd.params import DEFAULT_POOL_NAME, ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.qcow2 import blank
 from csi_qsd.pools.base import NewImage, Pool, PoolUsage
 from csi_qsd.qsd import file_aio
@@ -43,7 +42,7 @@ _CHECK_FINE = (0, 3, 63)
 class FilePool(Pool):
     """Image files in `directory`, one per volume."""
 
-    def __init__(self, directory: Path, qemu_img: str = "qemu-img", pool_id: str = DEFAULT_POOL,
+    def __init__(self, directory: Path, qemu_img: str = "qemu-img", pool_id: str = DEFAULT_POOL_NAME,
                  aio_probe: Path | None = None) -> None:
         """`aio_probe`: an empty file of the driver's own (not in the pool) that QSD opens to show it can use
         io_uring (`csi_qsd.qsd.file_aio`); without one, QSD's thread pool serves the images."""

@@ -21,7 +21,7 @@ from csi_qsd.errors import HostCommandError
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.imagemap import layer_spec, qcow2_spec
 from csi_qsd.qcow2.layer_bitmaps import Bitmap
-from csi_qsd.sys import qemu_nbd as qemu_nbd_server
+from csi_qsd.sys import nbd_unix
 from csi_qsd.sys.run import run
 
 
@@ -74,7 +74,7 @@ async def read(qemu_img: str, qemu_nbd: str, image: Path, names: list[str]) -> l
     """
     with tempfile.TemporaryDirectory(prefix="csi-qsd-bitmap-") as work:
         socket = Path(work) / "nbd.sock"
-        async with qemu_nbd_server.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
+        async with nbd_unix.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
                                            bitmaps=names):
             return [await _dirty_ranges(qemu_img, image, socket, name) for name in names]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from csi_qsd.errors import HostCommandError, QSDError
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.sys import fusectl, loop_calls, mounts
+from csi_qsd.sys import fusectl, loop_ioctl, mounts
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +134,11 @@ async def async_dio(client: QSDClient, workdir: Path) -> bool:
                                  "mountpoint": str(mountpoint), "writable": False, "allow-other": "off"})
         try:
             await fusectl.raise_background(mountpoint)
-            device = await asyncio.to_thread(loop_calls.attach, mountpoint, readonly=True, direct_io=True)
+            device = await asyncio.to_thread(loop_ioctl.attach, mountpoint, readonly=True, direct_io=True)
             try:
                 most = await asyncio.to_thread(_most_waiting, device, mountpoint)
             finally:
-                await asyncio.to_thread(loop_calls.detach, device)
+                await asyncio.to_thread(loop_ioctl.detach, device)
         finally:
             await client.execute("block-export-del", {"id": PROBE_EXPORT, "mode": "hard"})
     finally:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from csi_qsd.errors import HostCommandError
-from csi_qsd.sys import loop_calls
+from csi_qsd.sys import loop_ioctl
 from csi_qsd.sys.run import run
 
 
@@ -57,7 +57,7 @@ def find_loop(backing_file: Path, *, readonly: bool | None = None) -> list[LoopD
     """Loop devices over `backing_file`, optionally only read-only or read-write ones.
 
     Matched by the file's device and inode where it can be stat'ed, so a loop device attached through
-    another mount namespace's view of the same file is found too (`loop_calls.backing_identity`); by
+    another mount namespace's view of the same file is found too (`loop_ioctl.backing_identity`); by
     sysfs' path otherwise.
     """
     identity = file_identity(backing_file)
@@ -78,12 +78,12 @@ def serves(device: Path, backing_file: Path) -> bool:
 def _over(device: Path, sysfs_path: Path, backing_file: Path, identity: tuple[int, int, int] | None) -> bool:
     if sysfs_path == backing_file:
         return True
-    return identity is not None and loop_calls.backing_identity(device) == identity
+    return identity is not None and loop_ioctl.backing_identity(device) == identity
 
 
 async def attach(backing_file: Path, *, readonly: bool = False, direct_io: bool = False) -> Path:
-    """A loop device over `backing_file` (`loop_calls`: the ioctls losetup makes). Raises HostCommandError."""
-    return await asyncio.to_thread(loop_calls.attach, backing_file, readonly=readonly, direct_io=direct_io)
+    """A loop device over `backing_file` (`loop_ioctl`: the ioctls losetup makes). Raises HostCommandError."""
+    return await asyncio.to_thread(loop_ioctl.attach, backing_file, readonly=readonly, direct_io=direct_io)
 
 
 async def detach(device: Path) -> None:
@@ -91,7 +91,7 @@ async def detach(device: Path) -> None:
     if not device.exists():
         return
     try:
-        await asyncio.to_thread(loop_calls.detach, device)
+        await asyncio.to_thread(loop_ioctl.detach, device)
     except HostCommandError:
         if _backing(device) is not None:
             raise

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from csi_qsd.sys import loop_calls
+from csi_qsd.sys import loop_ioctl
 from e2e.cluster import namespace
 from e2e.cluster.pki import CertPair, ClusterPKI
 from e2e.cluster.versions import PAUSE_IMAGE
@@ -172,7 +172,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         found = []
         for attribute in Path("/sys/block").glob("loop*/loop/backing_file"):
             device = Path("/dev") / attribute.parent.parent.name
-            identity = loop_calls.backing_identity(device)
+            identity = loop_ioctl.backing_identity(device)
             if identity is not None and identity[:2] in exports:
                 found.append(device)
         return found
@@ -189,5 +189,5 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             loops = []
         problems = self.namespace.stop()
         for device in loops:
-            loop_calls.detach(device)
+            loop_ioctl.detach(device)
         return problems

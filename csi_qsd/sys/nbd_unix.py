@@ -1,4 +1,4 @@
-"""qemu-nbd as the driver's tools run it: one launcher that starts it, waits for its socket, and stops it.
+"""qemu-nbd on a UNIX socket for the driver's tools: one launcher that starts it, waits for its socket, stops it.
 
 Backups read a snapshot and write a backup file through it, changed-block
 records are read through it, and `csi-qsd volume nbd-export` serves a
@@ -11,7 +11,8 @@ a pidfd (`csi_qsd.sys.processes`).
 Stopping is qemu.machine's ladder: SIGTERM (qemu-nbd ends its main loop and
 closes its images), a bounded wait, then SIGKILL and an NBDError. Callers
 rely on the wait: a backup file is used only once the server that wrote it
-has closed it.
+has closed it. (A copy across nodes reads a snapshot over TCP instead:
+`nbd_tcp`.)
 """
 
 from __future__ import annotations
