@@ -162,7 +162,6 @@ _PARSERS: dict[str, tuple[str, Any]] = {
 }
 
 VHOST_ONLY_KEYS = frozenset({"numQueues", "logicalBlockSize", "cache", "iothreadPollMaxNs", "vmmGroup"})
-SUPPORTED_KEYS = frozenset(_PARSERS)
 
 
 def parse_parameters(parameters: Mapping[str, str]) -> VolumeParameters:

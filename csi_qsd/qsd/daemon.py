@@ -62,9 +62,6 @@ class QSDState(enum.Enum):
     RESTARTING = "restarting"  # lost (crashed or killed): a new QSD is coming up and being rebuilt
 
 
-StateObserver = Callable[["QSDState"], None]
-
-
 def ping_interval(qmp_timeout: float) -> float:
     """Seconds between liveness pings of an idle session, for a given QMP timeout."""
     return max(PING_MIN, min(qmp_timeout / 2, PING_MAX))
@@ -170,7 +167,6 @@ class QSDDaemon:
         self.iothreads = iothreads.IOThreadPool(config.iothreads, config.poll_max_ns)
         self._state = QSDState.STOPPED
         self._state_changed = asyncio.Event()
-        self._observers: list[StateObserver] = []
         self._wedge: NoAnswer | None = None
         self._wedge_reported = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
@@ -195,13 +191,6 @@ class QSDDaemon:
         await self._state_changed.wait()
         return self._state
 
-    def add_observer(self, observer: StateObserver) -> None:
-        """Call `observer(state)` on every transition, synchronously, so no transition is missed."""
-        self._observers.append(observer)
-
-    def remove_observer(self, observer: StateObserver) -> None:
-        self._observers.remove(observer)
-
     def _set_state(self, state: QSDState, reason: str = "") -> None:
         if state is self._state:
             return
@@ -211,8 +200,6 @@ class QSDDaemon:
                 f" reason={reason}" if reason else "")
         self._state_changed.set()
         self._state_changed = asyncio.Event()
-        for observer in list(self._observers):
-            observer(state)
 
     async def start(self, rebuild: Rebuild) -> None:
         """Adopt the running QSD or start one, `rebuild` the graph, then supervise.

@@ -39,10 +39,6 @@ class VolumeNodes:
     throttle_group: str  # the object holding the volume's limits
     move_job: str  # the block job that moves the volume to a new home (`csi_qsd.qsd.move`)
 
-    @property
-    def all_nodes(self) -> tuple[str, str]:
-        return (self.format, self.file)
-
 
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 
@@ -119,12 +115,6 @@ def parse_name(name: str) -> ParsedName | None:
     if generation > MAX_GENERATION:
         return None
     return ParsedName(volume_id, layer, generation)
-
-
-def generation_of(node_name: str) -> int | None:
-    """The image generation of one of our format or file node names, else None."""
-    parsed = parse_name(node_name)
-    return parsed.generation if parsed is not None else None
 
 
 def format_generations(names: Iterable[str], volume_id: str) -> list[int]:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,21 +34,35 @@ DETECT_MARGIN = 10.0
 RECOVER_MARGIN = 30.0
 
 
-class Transitions:
-    """Every runstate transition with its time, recorded synchronously (none can be missed)."""
+# The line the supervisor logs as it makes each transition (`QSDDaemon._set_state`).
+STATE_LOGGED = re.compile(r"\bevent=qsd_state from=\S+ to=(\w+)")
 
-    def __init__(self, driver: Driver) -> None:
+
+class Transitions(logging.Handler):
+    """Every runstate transition with its time, recorded synchronously (none can be missed).
+
+    Read from the supervisor's log, which it writes in the transition itself; the driver here runs one QSD.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
         self.seen: list[tuple[QSDState, float]] = []
         self._changed = asyncio.Event()
-        self._daemon = driver.daemon
-        self._daemon.add_observer(self._record)
+        self._logger = logging.getLogger("csi_qsd.qsd.daemon")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self)
 
-    def _record(self, state: QSDState) -> None:
-        self.seen.append((state, asyncio.get_running_loop().time()))
-        self._changed.set()
+    def emit(self, record: logging.LogRecord) -> None:
+        found = STATE_LOGGED.search(record.getMessage())
+        if found is not None:
+            self.seen.append((QSDState(found.group(1)), asyncio.get_running_loop().time()))
+            self._changed.set()
 
     def close(self) -> None:
-        self._daemon.remove_observer(self._record)
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+        super().close()
 
     def states(self) -> list[QSDState]:
         return [state for state, _ in self.seen]
@@ -137,7 +152,7 @@ async def test_sigstopped_qsd_under_a_mounted_volume_is_replaced(
 
         old_pid = qsd_pid(box)
         assert old_pid is not None
-        transitions = Transitions(driver)
+        transitions = Transitions()
         probes = ProbeWatch(csi)
         try:
             loop = asyncio.get_running_loop()

@@ -48,7 +48,7 @@ async def settled(f: FakeNode, volume: VolumeRecord, *, generation: int, capacit
     assert f.moving_pool.moves_under_way() == {}
     client = f.client()
     assert client.reads(volume.id) == graph.nodes_for(volume.id, generation).format
-    assert {graph.generation_of(n) for n in client.volume_nodes(volume.id)} - {None} == {generation}
+    assert {p.generation for n in client.volume_nodes(volume.id) if (p := graph.parse_name(n))} - {None} == {generation}
     assert client.nodes[graph.nodes_for(volume.id, generation).file]["filename"].endswith(f"@{generation}")
     assert f.kind.state.frozen == set()
 

@@ -105,7 +105,7 @@ async def test_a_switch_qsd_refuses_is_undone(f: FakeNode) -> None:
 
     await unchanged(f, volume)
     assert f.client().reads(volume.id) == top(volume, 0)
-    assert not {n for n in f.client().nodes if graph.generation_of(n) == 1}
+    assert not {n for n in f.client().nodes if (p := graph.parse_name(n)) and p.generation == 1}
     assert f.kind.state.frozen == set()
 
 
