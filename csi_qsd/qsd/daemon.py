@@ -1,4 +1,4 @@
-"""Start, adopt and supervise the pool's qemu-storage-daemon.
+"""Start, adopt and supervise one qemu-storage-daemon: a node runs one per shard (`shards`).
 
 The data plane outlives the control plane: QSD runs detached (its own session,
 a pidfile and a QMP socket in the state dir), so a driver restart adopts it
@@ -151,7 +151,7 @@ def thread_diagnostics(pid: int) -> list[ThreadDiagnostics]:
 
 
 class QSDDaemon:
-    """The supervised QSD of one pool, the QMP session to it and its runstate."""
+    """The supervised QSD of one shard, the QMP session to it and its runstate."""
 
     def __init__(self, config: QSDSettings) -> None:
         self._config = config

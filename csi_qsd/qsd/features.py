@@ -1,12 +1,24 @@
-"""Which loop device a container volume gets over its FUSE export: direct I/O or buffered.
+"""What a QSD release can safely do, each rule with the releases it was measured on.
 
-A direct-I/O loop device passes the kernel's parallel requests straight to
-QSD's FUSE export: 4.8x the random-read speed of a buffered one. But QSD's
-FUSE export before QEMU 10.0.8 corrupts parallel writes (nested polling
-overwrote the request buffer: 14-16 bad blocks in 16 parallel verified
-writers on 7.2.22 and 10.0.2, none on 10.0.13), so older daemons get the
-buffered loop device, which serialises I/O and stays intact on every version.
-Decided from the version QSD reports over QMP, never from hope.
+Every answer is decided from the version QSD reports over QMP, never from
+hope, and each constant below names the first release that behaves:
+
+* Which loop device a container volume gets over its FUSE export
+  (`direct_io`, `LoopIO`). A direct-I/O loop device passes the kernel's
+  parallel requests straight to QSD's FUSE export: 4.8x the random-read
+  speed of a buffered one. But QSD's FUSE export before QEMU 10.0.8 corrupts
+  parallel writes (nested polling overwrote the request buffer: 14-16 bad
+  blocks in 16 parallel verified writers on 7.2.22 and 10.0.2, none on
+  10.0.13), so older daemons get the buffered loop device, which serialises
+  I/O and stays intact on every version.
+* Whether a guest learns of a live resize under its vhost-user-blk export
+  (`live_resize_reaches_guest`).
+* Where vhost-user-blk exports run: in an iothread, and spread over several,
+  or in QSD's main loop (`vhost_export_in_iothread`, `vhost_exports_spread`).
+* Which iothreads serve a FUSE export on QEMU 11 and later
+  (`fuse_iothreads`, `FuseThreads`).
+* When a flatten carries the merged layers' changed-block records
+  (`bitmaps_carried_before_stream`).
 """
 
 from __future__ import annotations
