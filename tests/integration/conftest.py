@@ -11,6 +11,7 @@ import pytest
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from tests.harness import DriverProcess, Sandbox, in_process_driver, running_driver, sandbox
+from tests.helpers.device_pools import FakeNVMe
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mkfs.xfs", "blkid")
 
@@ -50,3 +51,13 @@ async def process(box: Sandbox) -> AsyncIterator[DriverProcess]:
     """The driver as a separate `csi-qsd serve` process, as in a pod."""
     async with running_driver(box) as driver:
         yield driver
+
+
+@pytest.fixture
+def nvme() -> Iterator[FakeNVMe]:
+    """A stand-in NVMe drive (a loop device) for a device pool, detached afterwards."""
+    device = FakeNVMe()
+    try:
+        yield device
+    finally:
+        device.close()

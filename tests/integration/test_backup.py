@@ -21,7 +21,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
 from tests.harness import Sandbox
-from tests.integration.test_snapshot_metadata import BlockDevice
+from tests.helpers.changed_blocks import BlockDevice
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZE = 64 * MIB

@@ -39,7 +39,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid, terminate, until
-from tests.integration.test_device_pool import pool_of
+from tests.helpers.device_pools import pool_of
 
 MIB = 1 << 20
 CLAIM_BYTES = 128 * MIB

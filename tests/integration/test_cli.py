@@ -13,17 +13,7 @@ import socket
 import sys
 
 from tests.harness import DriverProcess, Sandbox, qsd_pid, until
-from tests.integration.test_external_qsd import start_qsd_container
-
-
-async def csi_qsd(*argv: str) -> tuple[int, str, str]:
-    """`csi-qsd ARGV...` in a child process: its exit status, stdout and stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "csi_qsd.cli", *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+from tests.helpers.cli import csi_qsd, start_qsd_container
 
 
 async def cli(box: Sandbox, *args: str, expect: int = 0) -> str:

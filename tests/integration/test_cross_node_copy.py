@@ -35,7 +35,7 @@ from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
 from tests.certs import Pki, mint
 from tests.harness import Sandbox, free_port, qsd_pids, until
-from tests.integration.test_cli import csi_qsd
+from tests.helpers.cli import csi_qsd
 from tests.router_cluster import Node, copies_call, node_plugin
 
 MIB = 1 << 20

@@ -13,95 +13,25 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
-from csi_qsd.pools.spec import DevicePoolSpec
-from csi_qsd.csi.client import CSIClient, capability
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ImageFormat
-from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.regions import Region
 from csi_qsd.qsd import attach, graph
-from csi_qsd.server import Driver
 from tests.harness import Sandbox, free_port, in_process_driver, qsd_pid, running_driver, until
-from tests.integration.test_expansion import Writer, fs_bytes
-from tests.integration.test_metrics import Scrape, scrape
+from tests.helpers.device_pools import (
+    DEVICE_BYTES, PATTERN, FakeNVMe, capacity, grow_while_writing, pool_of, published_xfs, read_block, spec,
+    window_bytes, write_block,
+)
+from tests.helpers.metrics import Scrape, scrape
+from tests.helpers.writers import fs_bytes
 
 MIB = 1 << 20
-DEVICE_BYTES = 512 * MIB
-PATTERN = b"tenant A secret\n" * 4096  # 64 KiB
-
-
-class FakeNVMe:
-    """A loop device over a sparse file, and a stable-name symlink to it."""
-
-    def __init__(self, size: int = DEVICE_BYTES) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="cqnvme", dir="/tmp"))
-        self.backing = self.dir / "nvme.img"
-        with open(self.backing, "wb") as f:
-            f.truncate(size)
-        out = subprocess.run(["losetup", "--find", "--show", str(self.backing)], check=True,
-                             capture_output=True, text=True)
-        self.node = Path(out.stdout.strip())
-        self.link = self.dir / "nvme-FAKE_SERIAL_0001"
-        self.link.symlink_to(self.node)
-
-    def read(self, offset: int, length: int) -> bytes:
-        with open(self.backing, "rb") as f:
-            f.seek(offset)
-            return f.read(length)
-
-    def close(self) -> None:
-        subprocess.run(["losetup", "-d", str(self.node)], check=False, capture_output=True)
-        self.link.unlink(missing_ok=True)
-        self.backing.unlink(missing_ok=True)
-        self.dir.rmdir()
-
-
-@pytest.fixture
-def nvme() -> Iterator[FakeNVMe]:
-    device = FakeNVMe()
-    try:
-        yield device
-    finally:
-        device.close()
-
-
-def spec(device: FakeNVMe, name: str = "fast", force: bool = False) -> tuple[DevicePoolSpec, ...]:
-    return (DevicePoolSpec(name, device.link, force),)
-
-
-def pool_of(driver: Driver, name: str = "fast") -> DevicePool:
-    pool = driver.pools[name]
-    assert isinstance(pool, DevicePool)
-    return pool
-
-
-async def capacity(csi: CSIClient, pool: str) -> tuple[int, int]:
-    response = await csi.controller.GetCapacity(pb.GetCapacityRequest(
-        parameters={"pool": pool}, volume_capabilities=[capability()]))
-    return response.available_capacity, response.maximum_volume_size.value
-
-
-def write_block(path: Path, data: bytes, offset: int = 0) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, data, offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_block(path: Path, length: int, offset: int = 0) -> bytes:
-    with open(path, "rb", buffering=0) as f:  # a loop device attached at stage: nothing cached from before
-        f.seek(offset)
-        return f.read(length)
 
 
 async def test_volumes_of_every_kind_live_in_their_extents(box: Sandbox, nvme: FakeNVMe) -> None:
@@ -269,39 +199,6 @@ async def test_a_vanished_device_is_reported_not_waited_on(box: Sandbox, nvme: F
         await csi.delete_volume(vol.volume_id)
 
 
-async def expand(csi: CSIClient, vid: str, path: Path, size: int) -> int:
-    response = await csi.node.NodeExpandVolume(pb.NodeExpandVolumeRequest(
-        volume_id=vid, volume_path=str(path), capacity_range=pb.CapacityRange(required_bytes=size)))
-    return int(response.capacity_bytes)
-
-
-async def published_xfs(csi: CSIClient, box: Sandbox, volume_id: str) -> tuple[Path, Path, int]:
-    """Stage and publish an xfs volume, PATTERN in its file "before": (staging, target, filesystem bytes)."""
-    staging, target = box.staging("fs"), box.target("fs")
-    await csi.stage(volume_id, str(staging), fs_type="xfs")
-    await csi.publish(volume_id, str(staging), str(target), fs_type="xfs")
-    (target / "before").write_bytes(PATTERN)
-    return staging, target, fs_bytes(target)
-
-
-async def grow_while_writing(csi: CSIClient, volume_id: str, target: Path, size: int) -> Writer:
-    """Grow a published filesystem while a writer appends to it; the writer's blocks are verified after."""
-    async with Writer(target / "log") as writer:
-        assert await expand(csi, volume_id, target, size) == size
-        grown_at = writer.blocks
-        await until(lambda: writer.blocks >= grown_at + 4, "writes after the growth")
-    writer.verify()
-    return writer
-
-
-def window_bytes(path: Path) -> int:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.lseek(fd, 0, os.SEEK_END)
-    finally:
-        os.close(fd)
-
-
 async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
     """Each kind grows into the free space after its extent, live; a taken neighbour refuses it, naming why."""
     nvme = FakeNVMe(1024 * MIB)  # xfs needs 300 MiB
@@ -335,14 +232,14 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             await csi.stage(blk.volume_id, str(bstaging), block=True)
             await csi.publish(blk.volume_id, str(bstaging), str(btarget), block=True)
             write_block(btarget, PATTERN)
-            assert await expand(csi, blk.volume_id, btarget, 32 * MIB) == 32 * MIB
+            assert await csi.expand(blk.volume_id, str(btarget), 32 * MIB) == 32 * MIB
             assert window_bytes(btarget) == 32 * MIB
             write_block(btarget, PATTERN, 24 * MIB)
             assert read_block(btarget, len(PATTERN)) == PATTERN
             assert nvme.read(401 * MIB + 24 * MIB, len(PATTERN)) == PATTERN
             # More than the pool holds is refused, naming the volume and what is free.
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await expand(csi, blk.volume_id, btarget, 900 * MIB)
+                await csi.expand(blk.volume_id, str(btarget), 900 * MIB)
             details = err.value.details() or ""
             assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE, details
             assert blk.volume_id in details and str(pool.usage().available) in details
@@ -355,17 +252,17 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             await csi.stage(vm.volume_id, str(vstaging))
             await csi.publish(vm.volume_id, str(vstaging), str(vtarget))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await expand(csi, vm.volume_id, vtarget, 32 * MIB)
+                await csi.expand(vm.volume_id, str(vtarget), 32 * MIB)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert vm.volume_id in (err.value.details() or "") and "unpublish" in (err.value.details() or "")
             assert pool.extent_of(vm.volume_id).length == 16 * MIB  # refused before anything changed
             await csi.unpublish(vm.volume_id, str(vtarget))
-            assert await expand(csi, vm.volume_id, vstaging, 32 * MIB) == 32 * MIB
+            assert await csi.expand(vm.volume_id, str(vstaging), 32 * MIB) == 32 * MIB
             nodes = graph.nodes_for(vm.volume_id)
             assert (await client.named_nodes())[nodes.throttle]["virtual_size"] == 32 * MIB
             assert await attach.has_export(client, nodes.vhost_export)
             assert qsd_pid(box) == pid, "QSD died under the growth"
-            assert await expand(csi, vm.volume_id, vstaging, 32 * MIB) == 32 * MIB  # a retry changes nothing
+            assert await csi.expand(vm.volume_id, str(vstaging), 32 * MIB) == 32 * MIB  # a retry changes nothing
 
             assert await capacity(csi, "fast") == (total - 112 * MIB, pool.layout.data_end - 465 * MIB)
             got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=blk.volume_id))

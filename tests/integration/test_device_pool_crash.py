@@ -10,28 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sqlite3
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient, capability
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from tests.harness import DriverProcess, Sandbox, until
-from tests.integration.test_device_pool import PATTERN, FakeNVMe, expand, write_block
+from tests.helpers.device_pools import PATTERN, FakeNVMe, extent_rows, free, write_block
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def nvme() -> Iterator[FakeNVMe]:
-    device = FakeNVMe()
-    try:
-        yield device
-    finally:
-        device.close()
 
 
 @pytest.fixture
@@ -42,20 +32,6 @@ async def process(box: Sandbox, nvme: FakeNVMe) -> AsyncIterator[DriverProcess]:
         yield driver
     finally:
         await driver.stop()
-
-
-def extent_rows(box: Sandbox) -> list[tuple[int, int, str, str]]:
-    db = sqlite3.connect(box.state_dir / "catalog.db")
-    try:
-        return list(db.execute("SELECT start, length, volume_id, state FROM extents ORDER BY start"))
-    finally:
-        db.close()
-
-
-async def free(csi: CSIClient) -> int:
-    response = await csi.controller.GetCapacity(pb.GetCapacityRequest(
-        parameters={"pool": "fast"}, volume_capabilities=[capability()]))
-    return int(response.available_capacity)
 
 
 async def published_block_volume(
@@ -137,7 +113,7 @@ async def test_crash_while_growing_an_extent(box: Sandbox, process: DriverProces
         await process.stop()
         await process.start(failpoints="extent.after_grow")
         with pytest.raises(grpc.aio.AioRpcError):
-            await expand(csi, vol.volume_id, target, 32 * MIB)
+            await csi.expand(vol.volume_id, str(target), 32 * MIB)
         assert await process.wait_exit() != 0
         assert "event=failpoint name=extent.after_grow" in process.log()
         await process.start()
@@ -147,7 +123,7 @@ async def test_crash_while_growing_an_extent(box: Sandbox, process: DriverProces
         assert await free(csi) == total - 32 * MIB
         got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vol.volume_id))
         assert got.volume.capacity_bytes == 16 * MIB
-        assert await expand(csi, vol.volume_id, target, 32 * MIB) == 32 * MIB  # kubelet's retry
+        assert await csi.expand(vol.volume_id, str(target), 32 * MIB) == 32 * MIB  # kubelet's retry
         fd = os.open(target, os.O_RDWR)
         try:
             assert os.lseek(fd, 0, os.SEEK_END) == 32 * MIB

@@ -23,9 +23,8 @@ import pytest
 
 from csi_qsd.csi.client import CSIClient
 from tests.harness import DriverProcess, Sandbox, until
-from tests.integration.test_device_pool import PATTERN, FakeNVMe, expand
-from tests.integration.test_device_pool_crash import extent_rows, free
-from tests.integration.test_expansion import Writer, fs_bytes
+from tests.helpers.device_pools import PATTERN, FakeNVMe, extent_rows, free
+from tests.helpers.writers import Writer, fs_bytes
 
 MIB = 1 << 20
 
@@ -70,7 +69,7 @@ async def test_crash_while_a_filesystem_moves(box: Sandbox, big_nvme: FakeNVMe, 
             await process.start(failpoints=point)
             async with Writer(target / "log") as writer:
                 with pytest.raises(grpc.aio.AioRpcError):
-                    await expand(csi, fs.volume_id, target, 400 * MIB)
+                    await csi.expand(fs.volume_id, str(target), 400 * MIB)
                 assert await process.wait_exit() != 0
                 assert f"event=failpoint name={point}" in process.log()
                 await process.start()
@@ -86,7 +85,7 @@ async def test_crash_while_a_filesystem_moves(box: Sandbox, big_nvme: FakeNVMe, 
                 going = writer.blocks
                 await asyncio.wait_for(_until_more(writer, going + 4), 60)
 
-                assert await expand(csi, fs.volume_id, target, 400 * MIB) == 400 * MIB  # kubelet's retry
+                assert await csi.expand(fs.volume_id, str(target), 400 * MIB) == 400 * MIB  # kubelet's retry
                 assert fs_bytes(target) > before + 70 * MIB
             writer.verify()
             assert (target / "before").read_bytes() == PATTERN
@@ -128,14 +127,14 @@ async def test_crash_after_a_mirror_commits(box: Sandbox, big_nvme: FakeNVMe) ->
             await process.stop()
             await process.start(failpoints="move.after_commit")
             with pytest.raises(grpc.aio.AioRpcError):
-                await expand(csi, vm.volume_id, staging, 32 * MIB)
+                await csi.expand(vm.volume_id, str(staging), 32 * MIB)
             assert await process.wait_exit() != 0
             await process.start()
             ((start, length, state),) = own_rows(box, vm.volume_id)
             assert start != old_start and state == "used"
             assert big_nvme.read(start + 3 * MIB, len(PATTERN)) == PATTERN
             assert big_nvme.read(old_start, old_length) == bytes(old_length)
-            assert await expand(csi, vm.volume_id, staging, 32 * MIB) == 32 * MIB
+            assert await csi.expand(vm.volume_id, str(staging), 32 * MIB) == 32 * MIB
             assert await free(csi) == total - 48 * MIB
             await csi.unstage(vm.volume_id, str(staging))
             for vid in (vm.volume_id, neighbour.volume_id):

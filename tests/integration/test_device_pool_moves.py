@@ -15,11 +15,11 @@ import pytest
 
 from csi_qsd.qsd import attach, graph
 from tests.harness import Sandbox, in_process_driver, qsd_pid
-from tests.integration.test_device_pool import (
-    MIB, PATTERN, FakeNVMe, capacity, expand, grow_while_writing, pool_of, published_xfs, read_block, spec,
+from tests.helpers.device_pools import (
+    MIB, PATTERN, FakeNVMe, capacity, grow_while_writing, pool_of, published_xfs, read_block, spec,
     window_bytes, write_block,
 )
-from tests.integration.test_expansion import fs_bytes
+from tests.helpers.writers import fs_bytes
 
 
 async def test_a_filesystem_in_use_moves_to_grow(box: Sandbox) -> None:
@@ -87,13 +87,13 @@ async def test_block_and_vm_volumes_move_to_grow(box: Sandbox) -> None:
             write_block(btarget, PATTERN)
             write_block(btarget, PATTERN, 15 * MIB)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await expand(csi, blk.volume_id, btarget, 32 * MIB)
+                await csi.expand(blk.volume_id, str(btarget), 32 * MIB)
             details = err.value.details() or ""
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
             assert blk.volume_id in details and "unpublish" in details
             assert pool.extent_of(blk.volume_id) == blk_old and pool.moves_under_way() == {}
             await csi.unpublish(blk.volume_id, str(btarget))
-            assert await expand(csi, blk.volume_id, bstaging, 32 * MIB) == 32 * MIB
+            assert await csi.expand(blk.volume_id, str(bstaging), 32 * MIB) == 32 * MIB
             blk_new = pool.extent_of(blk.volume_id)
             assert blk_new is not None and blk_new.length == 32 * MIB and blk_new.start >= pool.extent_of(last.volume_id).end
             assert nvme.read(blk_new.start, len(PATTERN)) == PATTERN
@@ -111,7 +111,7 @@ async def test_block_and_vm_volumes_move_to_grow(box: Sandbox) -> None:
             with open(nvme.node, "r+b", buffering=0) as device:
                 device.seek(vm_old.start + 5 * MIB)
                 device.write(PATTERN)
-            assert await expand(csi, vm.volume_id, vstaging, 32 * MIB) == 32 * MIB
+            assert await csi.expand(vm.volume_id, str(vstaging), 32 * MIB) == 32 * MIB
             vm_new = pool.extent_of(vm.volume_id)
             assert vm_new is not None and vm_new.length == 32 * MIB and vm_new != vm_old
             assert nvme.read(vm_new.start + 5 * MIB, len(PATTERN)) == PATTERN
@@ -121,7 +121,7 @@ async def test_block_and_vm_volumes_move_to_grow(box: Sandbox) -> None:
             assert await attach.has_export(client, nodes.vhost_export)
             assert graph.nodes_for(vm.volume_id, 0).format not in await client.node_names()
             assert qsd_pid(box) == pid, "QSD died under the moves"
-            assert await expand(csi, vm.volume_id, vstaging, 32 * MIB) == 32 * MIB  # a retry changes nothing
+            assert await csi.expand(vm.volume_id, str(vstaging), 32 * MIB) == 32 * MIB  # a retry changes nothing
 
             await csi.unpublish(blk.volume_id, str(btarget))
             for vid, st in ((blk.volume_id, bstaging), (vm.volume_id, vstaging)):

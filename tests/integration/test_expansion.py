@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import threading
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,14 +14,9 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys import caps
 from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd, wait_restored
+from tests.helpers.writers import Writer, fs_bytes
 
 MIB = 1 << 20
-
-
-async def expand(csi: CSIClient, vid: str, path: str, size: int) -> int:
-    response = await csi.node.NodeExpandVolume(pb.NodeExpandVolumeRequest(
-        volume_id=vid, volume_path=path, capacity_range=pb.CapacityRange(required_bytes=size)))
-    return int(response.capacity_bytes)
 
 
 async def test_plugin_advertises_online_expansion(driver: tuple[Driver, CSIClient]) -> None:
@@ -32,56 +24,6 @@ async def test_plugin_advertises_online_expansion(driver: tuple[Driver, CSIClien
     caps = await csi.identity.GetPluginCapabilities(pb.GetPluginCapabilitiesRequest())
     kinds = [c.volume_expansion.type for c in caps.capabilities if c.HasField("volume_expansion")]
     assert kinds == [pb.PluginCapability.VolumeExpansion.ONLINE]
-
-
-class Writer:
-    """A thread appending synced 64 KiB blocks to a file until stopped: the volume is in use throughout.
-
-    Paced (`PACE` seconds between blocks, at most ~6 MiB/s), so a fast data path cannot fill a
-    small filesystem before the growth a test waits for.
-    """
-
-    PACE = 0.01
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.blocks = 0
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            with open(self.path, "ab") as f:
-                while not self._stop.is_set():
-                    f.write(bytes([self.blocks % 251]) * (64 << 10))
-                    f.flush()
-                    os.fsync(f.fileno())
-                    self.blocks += 1
-                    self._stop.wait(self.PACE)
-        except BaseException as exc:  # reported by stop()
-            self.error = exc
-
-    async def __aenter__(self) -> "Writer":
-        self._thread.start()
-        await until(lambda: self.blocks >= 4, "the writer to get going")
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._stop.set()
-        await asyncio.to_thread(self._thread.join, 30)
-        assert self.error is None, f"the writer failed during expansion: {self.error!r}"
-
-    def verify(self) -> None:
-        data = self.path.read_bytes()
-        assert len(data) == self.blocks * (64 << 10)
-        for i in range(self.blocks):
-            assert data[i << 16:(i + 1) << 16] == bytes([i % 251]) * (64 << 10), f"block {i} changed"
-
-
-def fs_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_blocks * st.f_frsize
 
 
 ONLINE_EXT4 = caps.has(caps.CAP_SYS_RESOURCE)
@@ -100,7 +42,7 @@ async def test_expand_published_filesystem_in_use(box: Sandbox, driver: tuple[Dr
     await csi.publish(vid, str(staging), str(target), fs_type=fs_type)
     before = fs_bytes(target)
     async with Writer(target / "log") as writer:
-        assert await expand(csi, vid, str(target), 640 * MIB) == 640 * MIB
+        assert await csi.expand(vid, str(target), 640 * MIB) == 640 * MIB
         assert fs_bytes(target) > before + 250 * MIB
         grown_at = writer.blocks
         await until(lambda: writer.blocks >= grown_at + 4, "writes after the growth")
@@ -119,13 +61,13 @@ async def test_expand_published_ext4_without_cap_sys_resource_is_refused(
     await csi.stage(vid, str(staging))
     await csi.publish(vid, str(staging), str(target))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await expand(csi, vid, str(target), 128 * MIB)
+        await csi.expand(vid, str(target), 128 * MIB)
     assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "CAP_SYS_RESOURCE" in str(caught.value.details()) and vid in str(caught.value.details())
     got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vid))
     assert got.volume.capacity_bytes == 64 * MIB  # nothing changed
     await csi.unpublish(vid, str(target))
-    assert await expand(csi, vid, str(staging), 128 * MIB) == 128 * MIB  # not in use: grown offline
+    assert await csi.expand(vid, str(staging), 128 * MIB) == 128 * MIB  # not in use: grown offline
     assert fs_bytes(staging) > 100 * MIB
     await csi.unstage(vid, str(staging))
 
@@ -141,12 +83,12 @@ async def test_expand_staged_filesystem(box: Sandbox, driver: tuple[Driver, CSIC
     os.sync()
     await csi.unpublish(vid, str(target))
     before = os.statvfs(staging).f_blocks * os.statvfs(staging).f_frsize
-    assert await expand(csi, vid, str(staging), 640 * MIB) == 640 * MIB
+    assert await csi.expand(vid, str(staging), 640 * MIB) == 640 * MIB
     after = os.statvfs(staging).f_blocks * os.statvfs(staging).f_frsize
     assert after > before + 250 * MIB
     got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vid))
     assert got.volume.capacity_bytes == 640 * MIB
-    assert await expand(csi, vid, str(staging), 100 * MIB) == 640 * MIB  # never shrinks
+    assert await csi.expand(vid, str(staging), 100 * MIB) == 640 * MIB  # never shrinks
     await csi.publish(vid, str(staging), str(target), fs_type=fs_type)
     assert (target / "keep").read_bytes() == b"survives expansion"
     await csi.unpublish(vid, str(target))
@@ -162,7 +104,7 @@ async def test_expand_block_volume(box: Sandbox, driver: tuple[Driver, CSIClient
     staging, target = box.staging("gb"), box.target("gb")
     await csi.stage(vid, str(staging), block=True)
     await csi.publish(vid, str(staging), str(target), block=True)
-    assert await expand(csi, vid, str(target), 96 * MIB) == 96 * MIB
+    assert await csi.expand(vid, str(target), 96 * MIB) == 96 * MIB
     fd = os.open(target, os.O_RDWR)
     try:
         assert os.lseek(fd, 0, os.SEEK_END) == 96 * MIB
@@ -195,7 +137,7 @@ async def test_expand_after_a_qsd_crash(box: Sandbox, driver: tuple[Driver, CSIC
     os.kill(old, signal.SIGKILL)
     await wait_new_qsd(box, old)
     await wait_restored(csi, vid, target)
-    assert await expand(csi, vid, str(target), 96 * MIB) == 96 * MIB
+    assert await csi.expand(vid, str(target), 96 * MIB) == 96 * MIB
     fd = os.open(target, os.O_RDONLY)
     try:
         assert os.lseek(fd, 0, os.SEEK_END) == 96 * MIB
@@ -220,9 +162,9 @@ async def test_expand_vm_volume_that_no_guest_ever_opened(box: Sandbox, driver: 
     await csi.publish(vid, str(staging), str(target))
     published = 64 * MIB if features.live_resize_reaches_guest(daemon.daemon.version) else 32 * MIB
     if published > 32 * MIB:
-        assert await expand(csi, vid, str(target), published) == published
+        assert await csi.expand(vid, str(target), published) == published
     await csi.unpublish(vid, str(target))
-    assert await expand(csi, vid, str(staging), 96 * MIB) == 96 * MIB
+    assert await csi.expand(vid, str(staging), 96 * MIB) == 96 * MIB
     assert (qsd_pid(box), daemon.daemon.restarts) == (pid, restarts), "QSD died under the resize"
     got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vid))
     assert got.volume.capacity_bytes == 96 * MIB

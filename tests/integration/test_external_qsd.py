@@ -10,21 +10,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 
 from csi_qsd.catalog import Catalog
 from csi_qsd.csi.client import CSIClient
 from tests.harness import DriverProcess, Sandbox, qsd_pid, until, wait_restored, write_synced
+from tests.helpers.cli import start_qsd_container
 
 MIB = 1 << 20
-
-
-async def start_qsd_container(box: Sandbox, *extra: str) -> asyncio.subprocess.Process:
-    """`csi-qsd qsd-run`, as the qsd container's command: QSD in the foreground."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "csi_qsd.cli", "qsd-run", "--state-dir", str(box.state_dir), *extra,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
-    )
 
 
 async def test_plugin_adopts_and_rebuilds_an_external_qsd(box: Sandbox) -> None:

@@ -112,7 +112,7 @@ ALLOWED: dict[str, set[Code]] = {
 
 
 @dataclasses.dataclass
-class Served:
+class FuzzRun:
     """The driver process, its stubs, and what the run made (for cleanup and for known IDs)."""
 
     box: Sandbox
@@ -195,7 +195,7 @@ def snapshot_tree(root: Path) -> list[tuple[str, int, int, bytes]]:
 
 
 @pytest.fixture
-def served(box: Sandbox) -> Iterator[Served]:
+def run(box: Sandbox) -> Iterator[FuzzRun]:
     outside = _traps(box)
     log = open(box.root / "driver.log", "ab")
     proc = subprocess.Popen(
@@ -217,7 +217,7 @@ def served(box: Sandbox) -> Iterator[Served]:
                 pass
             assert time.monotonic() < deadline, "driver not ready in 60 s"
             time.sleep(0.1)
-        yield Served(box, proc, channel, stubs, outside)
+        yield FuzzRun(box, proc, channel, stubs, outside)
     finally:
         channel.close()
         if proc.poll() is None:
@@ -257,7 +257,7 @@ SEGMENT_VALUES = ["node-a", "node-b", "", "x" * 4096]
 class Draw:
     """Hypothesis draws for the parts of requests, resolved against the live run."""
 
-    def __init__(self, data: st.DataObject, run: Served) -> None:
+    def __init__(self, data: st.DataObject, run: FuzzRun) -> None:
         self.data = data
         self.run = run
         box = run.box
@@ -511,7 +511,7 @@ def _lifecycle(d: Draw) -> None:
 # the run ------------------------------------------------------------------------
 
 
-def _check_batch(run: Served, before: list[tuple[str, int, int, bytes]]) -> None:
+def _check_batch(run: FuzzRun, before: list[tuple[str, int, int, bytes]]) -> None:
     assert run.proc.poll() is None, f"driver exited: {(run.box.root / 'driver.log').read_text()[-4000:]}"
     code, _, details = run.call("Probe", pb.ProbeRequest())
     assert code == Code.OK, f"Probe: {code.name} {details!r}"
@@ -519,7 +519,7 @@ def _check_batch(run: Served, before: list[tuple[str, int, int, bytes]]) -> None
     assert not any(run.outside == e.mount_point or run.outside in e.mount_point.parents for e in mounts.mount_table())
 
 
-def _cleanup(run: Served) -> None:
+def _cleanup(run: FuzzRun) -> None:
     """Delete everything the run made, through the driver, in the order the spec wants."""
     for vid, target in sorted(run.published):
         run.call("NodeUnpublishVolume", pb.NodeUnpublishVolumeRequest(volume_id=vid, target_path=target))
@@ -541,7 +541,7 @@ def _cleanup(run: Served) -> None:
     assert not run.stubs["ListSnapshots"](pb.ListSnapshotsRequest(), timeout=60).entries
 
 
-def _assert_nothing_left(run: Served) -> None:
+def _assert_nothing_left(run: FuzzRun) -> None:
     box = run.box
     run.proc.send_signal(signal.SIGTERM)
     assert run.proc.wait(60) == 0, (box.root / "driver.log").read_text()[-4000:]
@@ -557,8 +557,7 @@ def _assert_nothing_left(run: Served) -> None:
             assert rows == 0, f"{rows} rows left in catalog table {table}"
 
 
-def test_fuzz_every_rpc(served: Served) -> None:
-    run = served
+def test_fuzz_every_rpc(run: FuzzRun) -> None:
     before = snapshot_tree(run.outside)
     started = time.monotonic()
 

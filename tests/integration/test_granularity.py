@@ -22,7 +22,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
 from tests.harness import Sandbox
-from tests.integration.test_snapshot_metadata import SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
+from tests.helpers.changed_blocks import SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
 
 KIB, MIB = 1 << 10, 1 << 20
 GRANULE = 4 * KIB

@@ -36,8 +36,7 @@ from csi_qsd.qsd import attach, graph
 from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.server import Driver
 from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_new_qsd
-from tests.integration.test_device_pool import (  # noqa: F401
-    DEVICE_BYTES, MIB, PATTERN, FakeNVMe, capacity, expand, nvme)
+from tests.helpers.device_pools import DEVICE_BYTES, MIB, PATTERN, FakeNVMe, capacity
 
 VM = VolumeParameters(format=ImageFormat.RAW, export=ExportKind.VHOST_USER_BLK)
 
@@ -162,7 +161,7 @@ async def test_vm_volume_lifecycle_and_a_qsd_restart(
         assert extent is not None and (await capacity(csi, "fast"))[0] == total - 64 * MIB
         staging, target = box.staging("vm"), box.target("vm")
         await csi.stage(vm.volume_id, str(staging))
-        assert await expand(csi, vm.volume_id, staging, 128 * MIB) == 128 * MIB  # in place, before publishing
+        assert await csi.expand(vm.volume_id, str(staging), 128 * MIB) == 128 * MIB  # in place, before publishing
         await csi.publish(vm.volume_id, str(staging), str(target))
         client = driver.daemon.client
         nodes = graph.nodes_for(vm.volume_id)

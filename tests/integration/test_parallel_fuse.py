@@ -21,7 +21,7 @@ from csi_qsd.exports import fuse_loop
 from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid
-from tests.integration.test_integrity import GROUPS, MIB, THREADS, cgroups, loop_dio, published, run_fio
+from tests.helpers.parallel_io import GROUPS, MIB, THREADS, cgroups, loop_dio, published, run_fio
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
 

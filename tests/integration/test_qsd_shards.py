@@ -20,13 +20,13 @@ import pytest
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import StartupError
 from csi_qsd.metrics import Metrics
+from csi_qsd.params import NAMESPACE_KEY
 from csi_qsd.qsd import vhost_greeting
-from csi_qsd.qsd.shards import place
 from csi_qsd.server import Driver, serving
 from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored, write_synced
+from tests.helpers.shards import namespace_on
 
 MIB = 1 << 20
-NAMESPACE_KEY = "csi.storage.k8s.io/pvc/namespace"
 
 
 async def exports_of(driver: Driver, shard: int) -> set[str]:
@@ -45,11 +45,6 @@ async def stage_until_both_shards(driver: Driver, csi: CSIClient, box: Sandbox) 
         if all(len(v) >= 2 for v in placed_on.values()):
             return placed_on
     raise AssertionError(f"24 volumes never spread over both shards: {placed_on}")
-
-
-def namespace_on(shard: int, count: int) -> str:
-    """A claim namespace the driver places on `shard` (its own rule, `csi_qsd.qsd.shards.place`)."""
-    return next(f"ns-{n}" for n in range(1000) if place(f"namespace:ns-{n}", count) == shard)
 
 
 async def unstage_when_free(csi: CSIClient, vid: str, path: Path) -> None:

@@ -19,8 +19,8 @@ from csi_qsd.errors import (
 )
 from csi_qsd.node.staging import PublishSpec, StageSpec
 from csi_qsd.qsd import graph
-from csi_qsd.qsd.shards import place
 from tests.fakes import FakeNode, fake_node
+from tests.helpers.shards import namespace_on
 
 
 @pytest.fixture
@@ -37,11 +37,6 @@ def staged_at(volume: VolumeRecord, *, path: str = "/staging/a", block: bool = F
 def published_at(volume: VolumeRecord, target: str, *, readonly: bool = False, single_writer: bool = False,
                  ) -> PublishSpec:
     return PublishSpec(volume.id, Path("/staging/a"), Path(target), False, readonly, (), single_writer=single_writer)
-
-
-def namespace_on(shard: int, count: int) -> str:
-    """A claim namespace that the placement puts on `shard` of `count`."""
-    return next(ns for ns in (f"ns-{i}" for i in range(1000)) if place(f"namespace:{ns}", count) == shard)
 
 
 # stage -----------------------------------------------------------------

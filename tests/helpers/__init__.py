@@ -1,0 +1,19 @@
+"""Helpers over real parts, shared by test modules so that no test module imports another.
+
+`tests/fakes` holds doubles for the unit tier; these drive the real things
+the integration and e2e tiers run on (root, loop devices, QSD, cgroups,
+the driver's own listeners), on top of `tests/harness.py`, which runs the
+driver itself. Nothing here is a test, and nothing in `csi_qsd` imports it.
+
+* `device_pools`: `FakeNVMe`, a loop device under a stable name standing
+  in for a drive, and a device pool's capacity, extents and bytes on it.
+* `writers`: `Writer`, a thread keeping a published filesystem in use with
+  blocks it can check afterwards; `fs_bytes`.
+* `changed_blocks`: `BlockDevice`, writes that remember the granules they
+  touched, and `check_delta`, GetMetadataDelta against the truth.
+* `parallel_io`: private cgroups, verified fio jobs in each at once, and a
+  published volume for them with its loop device's mode.
+* `metrics`: `scrape`, one parsed /metrics exposition.
+* `cli`: `csi-qsd` as a child process, and the qsd container's command.
+* `shards`: a claim namespace the driver places on a given shard.
+"""
