@@ -28,6 +28,7 @@ own tests fake the protocol:
   assembles the real one.
 * `context`: `FakeContext`, a gRPC servicer context that records each abort,
   for the `@rpc` decorator and the request checks without a server.
+* `records`: `volume`, a catalog row made up from a number.
 
 The integration tier runs the same code against a real QSD; these are for
 the orchestration logic only. Nothing here is imported by `csi_qsd`.

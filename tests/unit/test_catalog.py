@@ -16,22 +16,14 @@ import pytest
 
 from csi_qsd.catalog import (
     SCHEMA_VERSION, AccessType, Catalog, GroupRecord, PublishRecord, PublishState, StageRecord, StageState,
-    VolumeRecord, VolumeState,
+    VolumeState,
 )
 from csi_qsd.catalog import store as catalog_store
 from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
+from tests.fakes.records import volume
 
 MIB = 1 << 20
-
-
-def volume(n: int, state: VolumeState = VolumeState.READY, **changes: object) -> VolumeRecord:
-    volume_id = f"vol-{n:024x}"
-    record = VolumeRecord(
-        id=volume_id, name=f"pvc-{n}", capacity=n * MIB, params=VolumeParameters(),
-        image=Path(f"/pool/{volume_id}.qcow2"), state=state, created_at=1700000000.25 + n,
-    )
-    return dataclasses.replace(record, **changes)  # type: ignore[arg-type]
 
 
 @pytest.fixture
