@@ -42,8 +42,10 @@ TIMEOUTS = {"PVDelete": "2m", "PVDeleteSlow": "3m", "PodDelete": "2m"}
 
 # Never run: they stop or restart kubelet or the node (the suite expects ssh or a cloud to do it),
 # need Windows, are marked flaky upstream, or need images whose modules the Go module proxy refuses
-# (the volume populator test: hello-populator and volume-data-source-validator).
-ALWAYS_SKIP = r"Disruptive|Feature:Windows|Flaky|any volume data source"
+# (the volume populator test: hello-populator and volume-data-source-validator); and the topology tests
+# of classes that bind at once: the driver provisions a claim on the node its first pod is scheduled to
+# (WaitForFirstConsumer, deploy/README.md), so an Immediate claim is never provisioned.
+ALWAYS_SKIP = r"Disruptive|Feature:Windows|Flaky|any volume data source|\(immediate binding\)\] topology"
 
 # The focused set CI runs: one or two tests of each suite the driver answers to, filesystem and block;
 # each pattern matches exactly one test that runs.
