@@ -28,14 +28,19 @@ from e2e.cluster.build import build_all
 from e2e.cluster.session import deployed_cluster
 
 
-def summary(result: storage_e2e.SuiteResult, focus: str, keep: Path, hostpath: str) -> str:
-    """What the bench prints: the counts beside csi-driver-host-path's (or why it was not run), each failed test."""
+def summary(result: storage_e2e.SuiteResult, focus: str, skip: str, keep: Path, hostpath: str,
+            growth: tuple[str, storage_e2e.SuiteResult] | None = None) -> str:
+    """What the bench prints: the counts beside csi-driver-host-path's (or why it was not run), each failed test;
+    with `growth`, the filesystem expansion tests run on another filesystem (its name) on their own line."""
+    runs = [result, *([growth[1]] if growth else [])]
     return "\n".join([
-        f"Kubernetes storage e2e (External Storage, focus {focus!r}, skipping {storage_e2e.ALWAYS_SKIP!r}):",
+        f"Kubernetes storage e2e (External Storage, focus {focus!r}, skipping {skip!r}):",
         f"  csi-qsd               {result.counts()}",
+        *([f"  csi-qsd, filesystem expansion on {growth[0]} (ext4 grows in use only with CAP_SYS_RESOURCE, which "
+           f"this host withholds): {growth[1].counts()}"] if growth else []),
         "  csi-driver-host-path  " + (f"not run: its module cannot be fetched here: {hostpath}" if hostpath
                                      else "its module is fetchable now, but this bench does not deploy it yet"),
-        *(f"  FAILED {name}" for name in result.failed),
+        *(f"  FAILED {name}" for run in runs for name in run.failed),
         f"  the suite's log and JUnit report: {keep}",
     ])
 
@@ -48,10 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     built = build_all()
     keep = Path(tempfile.mkdtemp(prefix="csi-qsd-storage-e2e-", dir="/var/tmp"))
+    growable = storage_e2e.online_growable_fs()
+    # Where the class's filesystem cannot grow in use here, its expansion tests run on one that can.
+    apart = args.fs_type in ("", "ext4") and growable != "ext4"
+    skip = storage_e2e.ALWAYS_SKIP + ("|" + "|".join(storage_e2e.FS_EXPANSION) if apart else "")
     with deployed_cluster(built) as cluster:
-        result = storage_e2e.run_suite(cluster, built.kubernetes / "e2e.test", keep, focus=args.focus,
+        e2e_test = built.kubernetes / "e2e.test"
+        result = storage_e2e.run_suite(cluster, e2e_test, keep, focus=args.focus, skip=skip,
                                        fs_type=args.fs_type, timeout_minutes=args.timeout_minutes)
-    print(summary(result, args.focus, keep, hostpath_available()))
+        growth = None
+        if apart and args.focus == ".":  # the full set
+            growth = (growable, storage_e2e.run_suite(cluster, e2e_test, keep / f"fs-expansion-{growable}",
+                                                      focus="|".join(storage_e2e.FS_EXPANSION), fs_type=growable,
+                                                      timeout_minutes=20))
+    print(summary(result, args.focus, skip, keep, hostpath_available(), growth))
     return 0
 
 if __name__ == "__main__":
