@@ -212,12 +212,21 @@ class Bench(ServedBench):
 
     async def undo(self, csi: CSIClient) -> None:
         await super().undo(csi)
-        self._check_pool_empty()
+        await self._check_pool_empty()
 
-    def _check_pool_empty(self) -> None:
-        left = sorted(p.name for p in self.pool.iterdir()) if self.pool.exists() else []
-        if left:
-            self.leftovers.append(f"{len(left)} image(s) left in the pool: {', '.join(left[:4])}")
+    async def _check_pool_empty(self, wait: float = 30.0) -> None:
+        """DeleteVolume answers once the deletion is durable and frees the images in the background (with the
+        hidden snapshots only the volume kept): give that `wait` seconds before calling what is left a leak."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = sorted(p.name for p in self.pool.iterdir()) if self.pool.exists() else []
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                self.leftovers.append(f"{len(left)} image(s) left in the pool {wait:.0f} s after the last delete: "
+                                      f"{', '.join(left[:4])}")
+                return
+            await asyncio.sleep(0.2)
 
 
 
