@@ -51,7 +51,6 @@ from typing import Any
 import grpc
 import kubernetes_validate
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
@@ -82,7 +81,9 @@ from tests.deploy.helpers import (
 )
 from tests.deploy.kustomize import load_yaml_documents, render
 from e2e.conftest import e2e_marks
-from tests.harness import DriverProcess, Sandbox, free_port, running_driver, sandbox, until
+from e2e.helpers.served import Served, run, serving
+from tests.harness import DriverProcess, free_port, until
+from tests.helpers.metrics import scrape
 
 pytestmark = e2e_marks(("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount"))
 
@@ -445,43 +446,18 @@ class Kubelet:
 
 async def metric(port: int, name: str, **labels: str) -> float | None:
     """One sample from the driver's /metrics (None if absent)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        await writer.drain()
-        response = await asyncio.wait_for(reader.read(), 30)
-    finally:
-        writer.close()
-        await writer.wait_closed()
-    head, _, body = response.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200"), head
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return float(sample.value)
-    return None
-
-
-@dataclass
-class Served:
-    box: Sandbox
-    driver: DriverProcess
-    csi: CSIClient
-    metrics_port: int
+    return (await scrape(port)).samples.get(name, {}).get(frozenset(labels.items()))
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.fail("the Kubernetes flow needs root (mounts, loop devices) and /dev/fuse")
-    with sandbox() as box:
-        port = free_port()
-        async with (
-            running_driver(box, "--metrics-address", f"127.0.0.1:{port}") as driver,
-            CSIClient(box.endpoint, timeout=120) as csi,
-        ):
-            yield Served(box, driver, csi, port)
+def metrics_port() -> int:
+    return free_port()
 
+
+@pytest.fixture
+async def served(metrics_port: int) -> AsyncIterator[Served[DriverProcess]]:
+    async with serving("--metrics-address", f"127.0.0.1:{metrics_port}", fuse=True, timeout=120) as value:
+        yield value
 
 
 @contextlib.contextmanager
@@ -504,14 +480,7 @@ def container_view(root: Path, mount_path: str, published: Path) -> Iterator[Pat
         subprocess.run(["umount", str(point)], check=True)
 
 
-async def run(*argv: str) -> str:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = await proc.communicate()
-    assert proc.returncode == 0, f"{' '.join(argv)} failed: {out.decode(errors='replace')}"
-    return out.decode(errors="replace")
-
-
-async def setup_components(served: Served, deploy: Deploy) -> tuple[Node, Provisioner, Kubelet]:
+async def setup_components(served: Served[DriverProcess], deploy: Deploy) -> tuple[Node, Provisioner, Kubelet]:
     node = await register(served.csi, deploy)
     provisioner = Provisioner(served.csi, deploy, node)
     await provisioner.start()
@@ -520,7 +489,7 @@ async def setup_components(served: Served, deploy: Deploy) -> tuple[Node, Provis
     return node, provisioner, kubelet
 
 
-def image_of(served: Served, pv: Obj) -> Path:
+def image_of(served: Served[DriverProcess], pv: Obj) -> Path:
     """The volume's image in the pool (default pool dir: <state>/pool), for checks from outside the driver."""
     attributes = pv["spec"]["csi"]["volumeAttributes"]
     return served.box.state_dir / "pool" / f"{pv['spec']['csi']['volumeHandle']}.{attributes['format']}"
@@ -534,7 +503,7 @@ SEED, BLOCKS = 4242, 8
 
 
 async def test_vm_pod_boots_from_the_published_socket(
-    served: Served, deploy: Deploy, guest_image: GuestImage
+    served: Served[DriverProcess], deploy: Deploy, guest_image: GuestImage, metrics_port: int
 ) -> None:
     pvc, pod = deploy.example(VM_EXAMPLE)
     sc = deploy.storage_class(pvc["spec"]["storageClassName"])
@@ -583,7 +552,7 @@ async def test_vm_pod_boots_from_the_published_socket(
             finished = asyncio.ensure_future(vm.wait())
             try:
                 while not finished.done():  # scrape /metrics during the guest's I/O
-                    offsets.append(await metric(served.metrics_port, "csi_qsd_volume_write_highest_offset_bytes",
+                    offsets.append(await metric(metrics_port, "csi_qsd_volume_write_highest_offset_bytes",
                                                 volume_id=volume_id))
                     await asyncio.wait({finished}, timeout=0.5)
             finally:
@@ -593,7 +562,7 @@ async def test_vm_pod_boots_from_the_published_socket(
     assert (summary.ok, summary.mismatch, summary.ioerrors) == (BLOCKS, 0, 0), result.output
     assert "KERNEL_IO_ERRORS 0" in result.lines
     assert offsets, "/metrics was not scraped while the guest ran"
-    highest = await metric(served.metrics_port, "csi_qsd_volume_write_highest_offset_bytes", volume_id=volume_id)
+    highest = await metric(metrics_port, "csi_qsd_volume_write_highest_offset_bytes", volume_id=volume_id)
     assert highest is not None and highest >= BLOCKS * MIB
 
     # The pod is gone: kubelet tears the volume down, then the claim is deleted.
@@ -611,7 +580,7 @@ async def test_vm_pod_boots_from_the_published_socket(
     assert volume_id not in {entry.volume.volume_id for entry in listed.entries}
 
 
-async def test_filesystem_pod_writes_into_the_published_mount(served: Served, deploy: Deploy) -> None:
+async def test_filesystem_pod_writes_into_the_published_mount(served: Served[DriverProcess], deploy: Deploy) -> None:
     pvc, pod = deploy.example(FS_EXAMPLE)
     sc = deploy.storage_class(pvc["spec"]["storageClassName"])
     assert sc["metadata"]["name"] == "csi-qsd-fs"
@@ -668,7 +637,7 @@ CLASS_NAMES = sorted(sc["metadata"]["name"] for sc in select(render(DEPLOY_DIR),
 
 @pytest.mark.parametrize("class_name", CLASS_NAMES)
 async def test_storage_class_parameters_are_accepted_by_the_driver(
-    served: Served, deploy: Deploy, class_name: str
+    served: Served[DriverProcess], deploy: Deploy, class_name: str
 ) -> None:
     """Every class's parameters create a volume on a real driver, as the provisioner sends them and verbatim."""
     sc = deploy.storage_class(class_name)

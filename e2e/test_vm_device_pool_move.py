@@ -20,9 +20,9 @@ from e2e.guest import (
     BLOCK_SIZE, GuestImage, VhostUserDisk, count_kernel_io_errors, guest_script, pattern_block, start_vm,
     verify_pattern,
 )
-from e2e.test_vm_volumes import DEVICE, VM_TIMEOUT_S, assert_clean_run, paced_writes, wait_for_block
+from e2e.helpers.writes import DEVICE, VM_TIMEOUT_S, assert_clean_run, paced_writes, wait_for_block
 from tests.harness import in_process_driver, sandbox
-from tests.integration.test_device_pool import FakeNVMe, pool_of, spec
+from tests.helpers.device_pools import FakeNVMe, pool_of, spec
 
 pytestmark = e2e_marks()
 

@@ -61,17 +61,9 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
-from e2e.test_vm_volumes import (
-    RESTART_TIMEOUT_S,
-    SIZE,
-    SOCKET,
-    Served,
-    assert_blocks,
-    run,
-    serving_vm_volumes,
-)
-from e2e.test_vm_snapshots import read_image
-from tests.harness import qsd_pid, wait_new_qsd
+from e2e.helpers.served import SIZE, SOCKET, Served, read_image, run, serving
+from e2e.helpers.writes import RESTART_TIMEOUT_S, assert_blocks
+from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
 
 pytestmark = e2e_marks()
 
@@ -192,7 +184,7 @@ async def wait_block(vm: RunningVM, device: str, index: int, timeout: float = VM
     return len(acked(vm, device))
 
 
-async def image_bytes(served: Served, image: Path) -> bytes:
+async def image_bytes(served: Served[DriverProcess], image: Path) -> bytes:
     return await read_image(image, served.box.root)
 
 
@@ -202,12 +194,14 @@ def top_image(pool: Path, volume_id: str) -> Path:
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    async with serving_vm_volumes() as value:
+async def served() -> AsyncIterator[Served[DriverProcess]]:
+    async with serving() as value:
         yield value
 
 
-async def test_hotplug_through_an_attachment_pod_into_a_running_vm(served: Served, guest_image: GuestImage) -> None:
+async def test_hotplug_through_an_attachment_pod_into_a_running_vm(
+    served: Served[DriverProcess], guest_image: GuestImage
+) -> None:
     csi, box = served.csi, served.box
     pool = box.state_dir / "pool"
     boot = (await csi.create_volume("vm-boot", SIZE, VM_CLASS)).volume_id

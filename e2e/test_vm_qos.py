@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import statistics
 import time
@@ -56,7 +55,8 @@ from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
 from e2e.conftest import e2e_marks
 from e2e.guest import GuestImage, RunningVM, VhostUserDisk, count_kernel_io_errors, guest_script, start_vm
-from tests.harness import Sandbox, in_process_driver, qsd_pid, sandbox
+from e2e.helpers.served import Served, serving_in_process
+from tests.harness import qsd_pid
 
 pytestmark = e2e_marks()
 
@@ -154,21 +154,11 @@ async def counting(vm: RunningVM) -> AsyncIterator[ReadCounter]:
             await task
 
 
-@dataclass
-class Served:
-    box: Sandbox
-    driver: Driver
-    csi: CSIClient
-
-
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
+async def served() -> AsyncIterator[Served[Driver]]:
     """The driver in this event loop, so that the test can ask its QSD client what QSD holds."""
-    if os.geteuid() != 0:
-        pytest.fail("VM volume tests need root (bind mounts, socket ownership)")
-    with sandbox() as box:
-        async with in_process_driver(box) as (driver, csi):
-            yield Served(box, driver, csi)
+    async with serving_in_process() as value:
+        yield value
 
 
 async def modify(csi: CSIClient, volume_id: str, **mutable: str) -> float:
@@ -178,7 +168,9 @@ async def modify(csi: CSIClient, volume_id: str, **mutable: str) -> float:
     return time.monotonic()
 
 
-async def test_iops_limit_set_and_lifted_live_under_a_running_vm(served: Served, guest_image: GuestImage) -> None:
+async def test_iops_limit_set_and_lifted_live_under_a_running_vm(
+    served: Served[Driver], guest_image: GuestImage
+) -> None:
     box, client, csi = served.box, served.driver.daemon.client, served.csi
     staging, target = box.staging("vm-qos"), box.target("vm-qos")
     vid = (await csi.create_volume("pvc-vm-qos", SIZE, VM)).volume_id

@@ -57,6 +57,7 @@ from qemu.qmp import EventListener
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.qsd import features
 from csi_qsd.sys.tools import bundled
 from e2e.conftest import e2e_marks
 from e2e.guest import (
@@ -75,8 +76,8 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
-from e2e.test_vm_volumes import Served, provision, serving_vm_volumes
-from tests.harness import qemu_io_session, qsd_pid
+from e2e.helpers.served import Served, provision, serving
+from tests.harness import DriverProcess, qemu_io_session, qsd_pid
 
 pytestmark = e2e_marks()
 
@@ -91,7 +92,6 @@ SEE_GROWTH_S = 5.0
 # under TCG; a reconnect of the guest's QEMU alone takes at least its 1 s reconnect delay).
 MAX_GAP_S = 1.0
 QSD_VERSION_RE = re.compile(rb"version (\d+)\.(\d+)\.(\d+)")
-LIVE_RESIZE_QSD = (10, 0, 0)
 
 
 def qsd_version(binary: str) -> tuple[int, int, int] | None:
@@ -110,7 +110,7 @@ def driver_qsd_binary() -> str:
 
 
 needs_live_resize = pytest.mark.skipif(
-    (qsd_version(driver_qsd_binary()) or (0, 0, 0)) < LIVE_RESIZE_QSD,
+    not features.live_resize_reaches_guest(qsd_version(driver_qsd_binary()) or (0, 0, 0)),
     reason="QSD before 10 never tells a running guest that its vhost-user-blk disk grew",
 )
 
@@ -255,7 +255,7 @@ async def storage_daemon(root: Path, names: tuple[str, ...]) -> AsyncIterator[St
     daemon = await start_storage_daemon([], root / "qmp.sock")
     try:
         version = (await qmp(daemon, "query-version"))["qemu"]
-        if (version["major"], version["minor"], version["micro"]) < LIVE_RESIZE_QSD:
+        if not features.live_resize_reaches_guest((version["major"], version["minor"], version["micro"])):
             pytest.skip(f"QSD {version} never tells a running guest that its disk grew")
         for name in names:
             await qmp(daemon, "blockdev-add", {
@@ -332,8 +332,8 @@ async def test_qsd_hard_export_del_with_a_guest_connected_answers_at_once(guest_
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    async with serving_vm_volumes() as value:
+async def served() -> AsyncIterator[Served[DriverProcess]]:
+    async with serving() as value:
         yield value
 
 
@@ -345,7 +345,9 @@ async def expansion_mode(csi: CSIClient) -> int:
 
 
 @needs_live_resize
-async def test_online_expansion_seen_by_running_guest(served: Served, guest_image: GuestImage) -> None:
+async def test_online_expansion_seen_by_running_guest(
+    served: Served[DriverProcess], guest_image: GuestImage
+) -> None:
     """NodeExpandVolume of a published VM volume while its guest runs: the guest sees the new size at once.
 
     No reconnect (the export stays), no I/O error, and the grown space is
@@ -404,7 +406,7 @@ def libblkio_client(socket: Path) -> contextlib.AbstractAsyncContextManager[None
 
 @needs_live_resize
 async def test_growth_under_a_libblkio_client_is_refused_while_a_guest_beside_it_grows_live(
-    served: Served, guest_image: GuestImage,
+    served: Served[DriverProcess], guest_image: GuestImage,
 ) -> None:
     """Two volumes of one QSD: libblkio (no back-end channel) on one, a guest's QEMU on the other.
 
@@ -438,7 +440,9 @@ async def test_growth_under_a_libblkio_client_is_refused_while_a_guest_beside_it
 
 
 @needs_live_resize
-async def test_expand_retry_without_growth_keeps_guest_connected(served: Served, guest_image: GuestImage) -> None:
+async def test_expand_retry_without_growth_keeps_guest_connected(
+    served: Served[DriverProcess], guest_image: GuestImage
+) -> None:
     """A NodeExpandVolume retry asking for the size the volume has: nothing the guest can notice."""
     volume = await provision(served, "vm-expand-retry")
     qsd_before = qsd_pid(served.box)

@@ -26,35 +26,26 @@ from e2e.guest import (
     start_vm,
     verify_pattern,
 )
-from e2e.test_vm_volumes import (
-    DEVICE,
-    RESTART_TIMEOUT_S,
-    VM_TIMEOUT_S,
-    Served,
-    assert_blocks,
-    assert_clean_run,
-    host_bytes,
-    paced_writes,
-    provision,
-    release,
-    serving_vm_volumes,
-    wait_for_block,
+from e2e.helpers.served import Served, host_bytes, provision, release, serving
+from e2e.helpers.writes import (
+    DEVICE, RESTART_TIMEOUT_S, VM_TIMEOUT_S, assert_blocks, assert_clean_run, paced_writes, wait_for_block,
 )
+from csi_qsd.params import NAMESPACE_KEY
 from csi_qsd.qsd import vhost_greeting
-from tests.harness import qsd_pid, wait_new_qsd
-from tests.integration.test_qsd_shards import NAMESPACE_KEY, namespace_on
+from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
+from tests.helpers.shards import namespace_on
 
 pytestmark = e2e_marks()
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    async with serving_vm_volumes("--qsd-shards", "2") as value:
+async def served() -> AsyncIterator[Served[DriverProcess]]:
+    async with serving("--qsd-shards", "2") as value:
         yield value
 
 
 async def test_a_lost_shard_leaves_the_guest_disk_on_the_other_shard_writing(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     on_one = await provision(served, "vm-shard1", {NAMESPACE_KEY: namespace_on(1, 2)})
     on_zero = await provision(served, "vm-shard0", {NAMESPACE_KEY: namespace_on(0, 2)})

@@ -19,8 +19,6 @@ or zero). Nothing acknowledged after the call returned may be in it.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
 from e2e.guest import (
     BLOCK_SIZE,
     GuestImage,
@@ -42,11 +39,12 @@ from e2e.guest import (
     start_vm,
     verify_pattern,
     verify_summaries,
-    write_pattern,
     write_summaries,
 )
 from e2e.conftest import e2e_marks
-from tests.harness import DriverProcess, Sandbox, qsd_pid, running_driver, sandbox, until
+from e2e.helpers.served import Served, read_image, serving
+from e2e.helpers.writes import paced_writes
+from tests.harness import DriverProcess, qsd_pid, until
 
 pytestmark = e2e_marks()
 
@@ -54,9 +52,8 @@ MIB = 1 << 20
 SECTOR = 512
 SEED = 8128
 BLOCKS = 36  # the guest writes blocks 0..35: long enough to cut twice mid-write
-# At most CHUNK blocks between pauses of PAUSE_S: caps the guest at ~20 blocks/s, so
+# Paced writes (`paced_writes`: 2 blocks, then 0.1 s) cap the guest at ~20 blocks/s, so
 # a fast guest (KVM) cannot finish before both cuts; TCG is slower than that anyway.
-CHUNK, PAUSE_S = 2, 0.1
 SIZE = 64 * MIB
 VM_PARAMETERS = {"format": "qcow2", "export": "vhost-user-blk"}
 VM_TIMEOUT_S = 55.0
@@ -64,21 +61,10 @@ DEVICE = "/dev/vda"
 WROTE = re.compile(rf"^WROTE (\d+) dev={re.escape(DEVICE)}")
 
 
-@dataclass
-class Served:
-    box: Sandbox
-    driver: DriverProcess
-    csi: CSIClient
-
-
-
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.fail("VM snapshot tests need root (mounts) and /dev/fuse")
-    with sandbox() as box:
-        async with running_driver(box) as driver, CSIClient(box.endpoint, timeout=60) as csi:
-            yield Served(box, driver, csi)
+async def served() -> AsyncIterator[Served[DriverProcess]]:
+    async with serving(fuse=True) as value:
+        yield value
 
 
 @dataclass(frozen=True)
@@ -119,25 +105,6 @@ async def acked_after_return(vm: RunningVM, what: str) -> int:
     return acked(vm)
 
 
-async def run(*argv: str) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    out, _ = await proc.communicate()
-    assert proc.returncode == 0, f"{' '.join(argv)} failed: {out.decode(errors='replace')}"
-    return out.decode(errors="replace")
-
-
-async def read_image(image: Path, scratch: Path) -> bytes:
-    """Guest-visible bytes of a qcow2 image and its backing chain, read by qemu-img (not QSD)."""
-    raw = scratch / f"{image.name}.raw"
-    await run("qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(image), str(raw))
-    try:
-        return raw.read_bytes()
-    finally:
-        raw.unlink()
-
-
 def classify(data: bytes, index: int) -> str:
     """'pattern', 'zero', 'torn' (every sector the pattern or zero) or 'garbage' for block `index`."""
     got = data[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]
@@ -175,7 +142,7 @@ def assert_consistent_prefix(data: bytes, cut: Cut) -> int:
 
 
 async def test_live_snapshot_and_clone_of_a_vm_volume_under_writes(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     box, csi = served.box, served.csi
     pool = box.state_dir / "pool"
@@ -186,11 +153,7 @@ async def test_live_snapshot_and_clone_of_a_vm_volume_under_writes(
     socket = target / "vhost-user-blk.sock"
     qsd_before, socket_inode = qsd_pid(box), socket.stat().st_ino
 
-    writes = [
-        write_pattern(DEVICE, SEED, min(CHUNK, BLOCKS - first), start=first) + f"sleep {PAUSE_S}\n"
-        for first in range(0, BLOCKS, CHUNK)
-    ]
-    script = guest_script(*writes, verify_pattern(DEVICE, SEED, BLOCKS), count_kernel_io_errors())
+    script = guest_script(*paced_writes(SEED, BLOCKS), verify_pattern(DEVICE, SEED, BLOCKS), count_kernel_io_errors())
     # config_wce=False as in the harness tests: the guest sees a write-back cache and flushes.
     vm = await start_vm(guest_image, [VhostUserDisk(socket, config_wce=False)], script, timeout=VM_TIMEOUT_S)
     cuts: list[Cut] = []

@@ -32,30 +32,23 @@ bound only: VMs with more vCPUs than it must set ``num-queues=`` on the device.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import re
 import signal
 import stat
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
-from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.guest import (
     BLOCK_SIZE,
     GuestImage,
-    RunningVM,
     VhostUserDisk,
     acknowledged_blocks,
     count_kernel_io_errors,
     guest_script,
-    pattern_block,
     run_guest,
     start_vm,
     verify_pattern,
@@ -64,130 +57,28 @@ from e2e.guest import (
     write_summaries,
 )
 from e2e.conftest import e2e_marks
-from tests.harness import DriverProcess, Sandbox, qsd_pid, running_driver, sandbox, until, wait_new_qsd
+from e2e.helpers.served import SIZE, SOCKET, Served, Volume, host_bytes, provision, release, serving
+from e2e.helpers.writes import (
+    DEVICE, RESTART_TIMEOUT_S, VM_TIMEOUT_S, assert_blocks, assert_clean_run, paced_writes, wait_for_block,
+)
+from tests.harness import DriverProcess, qsd_pid, until, wait_new_qsd
 
 pytestmark = e2e_marks()
 
-MIB = 1 << 20
-SIZE = 64 * MIB
-VM = {"export": "vhost-user-blk"}
-DEVICE = "/dev/vda"
-SOCKET = "vhost-user-blk.sock"
-VM_TIMEOUT_S = 90.0
-RESTART_TIMEOUT_S = 30.0
-# Writes are paced (CHUNK blocks, then PAUSE_S) so that even a fast (KVM) guest
-# is still writing when the test kills something; TCG is slower than that anyway.
-CHUNK, PAUSE_S = 2, 0.1
 GROUP = "4321"
 
 
-@dataclass
-class Served:
-    box: Sandbox
-    driver: DriverProcess
-    csi: CSIClient
-
-
-@dataclass(frozen=True)
-class Volume:
-    id: str
-    staging: Path
-    target: Path
-
-    @property
-    def socket(self) -> Path:
-        return self.target / SOCKET
-
-
-
-@contextlib.asynccontextmanager
-async def serving_vm_volumes(*driver_args: str) -> AsyncIterator[Served]:
-    """`csi-qsd serve` with `driver_args` in a sandbox of its own, and a client."""
-    if os.geteuid() != 0:
-        pytest.fail("VM volume tests need root (bind mounts, socket ownership)")
-    with sandbox() as box:
-        async with running_driver(box, *driver_args) as driver, CSIClient(box.endpoint, timeout=60) as csi:
-            yield Served(box, driver, csi)
-
-
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    async with serving_vm_volumes() as value:
+async def served() -> AsyncIterator[Served[DriverProcess]]:
+    async with serving() as value:
         yield value
 
 
 # --- helpers -------------------------------------------------------------------
 
 
-async def provision(
-    served: Served, name: str, parameters: dict[str, str] | None = None, *, group: str = "", readonly: bool = False
-) -> Volume:
-    """CreateVolume, NodeStageVolume and NodePublishVolume, as the provisioner and kubelet call them."""
-    csi, box = served.csi, served.box
-    vid = (await csi.create_volume(name, SIZE, {**VM, **(parameters or {})})).volume_id
-    volume = Volume(vid, box.staging(name), box.target(name))
-    await csi.stage(vid, str(volume.staging), mount_group=group)
-    await csi.publish(vid, str(volume.staging), str(volume.target), mount_group=group, readonly=readonly)
-    return volume
-
-
-async def release(served: Served, volume: Volume) -> None:
-    await served.csi.unpublish(volume.id, str(volume.target))
-    await served.csi.unstage(volume.id, str(volume.staging))
-
-
-async def run(*argv: str) -> str:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    out, _ = await proc.communicate()
-    assert proc.returncode == 0, f"{' '.join(argv)} failed: {out.decode(errors='replace')}"
-    return out.decode(errors="replace")
-
-
-async def host_bytes(served: Served, volume: Volume) -> bytes:
-    """The volume's guest-visible bytes read by qemu-img from its image (QSD must have closed it)."""
-    image = served.box.state_dir / "pool" / f"{volume.id}.qcow2"
-    raw = served.box.root / f"{volume.id}.raw"
-    await run("qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(image), str(raw))
-    try:
-        return raw.read_bytes()
-    finally:
-        raw.unlink()
-
-
-def assert_blocks(data: bytes, seed: int, blocks: Sequence[int], what: str) -> None:
-    assert blocks, f"{what}: no block to check"
-    bad = [i for i in blocks if data[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE] != pattern_block(seed, i)]
-    assert not bad, f"{what}: acknowledged blocks {bad} do not hold what the guest wrote"
-
-
-def paced_writes(seed: int, blocks: int, pause: float = PAUSE_S) -> list[str]:
-    return [
-        write_pattern(DEVICE, seed, min(CHUNK, blocks - first), start=first) + f"sleep {pause}\n"
-        for first in range(0, blocks, CHUNK)
-    ]
-
-
 def write_cache_probe() -> str:
     return 'echo "WRITE_CACHE $(cat /sys/block/vda/queue/write_cache)"\n'
-
-
-def assert_clean_run(output: str, blocks: int) -> list[int]:
-    """The guest wrote every block in order with no error and read them all back; returns the acked list."""
-    acked = acknowledged_blocks(output, DEVICE)
-    assert acked == list(range(blocks)), f"acknowledged {acked}"
-    assert sum(s.errors for s in write_summaries(output)) == 0, "the guest saw write errors"
-    (verify,) = verify_summaries(output)
-    assert (verify.ok, verify.mismatch, verify.ioerrors) == (blocks, 0, 0), verify
-    assert "KERNEL_IO_ERRORS 0" in output.splitlines(), "the guest kernel logged I/O errors"
-    return acked
-
-
-async def wait_for_block(vm: RunningVM, index: int, timeout: float = VM_TIMEOUT_S) -> None:
-    """Until the guest has acknowledged block `index`; GuestError if it ends first."""
-    pattern = re.compile(rf"^WROTE (\d+) dev={re.escape(DEVICE)}")
-    async with asyncio.timeout(timeout):
-        while max(acknowledged_blocks(vm.output, DEVICE), default=-1) < index:
-            await vm.wait_for_line(pattern)
 
 
 def mode_of(path: Path) -> tuple[int, int, int]:
@@ -205,7 +96,7 @@ class AutoQueuesDisk(VhostUserDisk):
 
 
 async def crash_qsd_during_writes(
-    served: Served, guest_image: GuestImage, volume: Volume, disk: VhostUserDisk, seed: int
+    served: Served[DriverProcess], guest_image: GuestImage, volume: Volume, disk: VhostUserDisk, seed: int
 ) -> tuple[list[int], str]:
     """SIGKILL QSD while the guest writes; returns the acked blocks and the guest's output."""
     blocks = 24
@@ -230,7 +121,7 @@ async def crash_qsd_during_writes(
 
 
 async def test_guest_writes_through_the_published_socket_and_the_host_reads_the_same_bytes(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     volume = await provision(served, "vm-roundtrip")
     seed, blocks = 101, 8
@@ -253,7 +144,7 @@ async def test_guest_writes_through_the_published_socket_and_the_host_reads_the_
 
 
 async def test_qsd_sigkill_under_a_default_vm_loses_no_acknowledged_write(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     """Default class (export writethrough=on) and default VM (config-wce on: the guest never flushes)."""
     volume = await provision(served, "vm-qsd-crash", group=GROUP)
@@ -270,7 +161,7 @@ async def test_qsd_sigkill_under_a_default_vm_loses_no_acknowledged_write(
 
 
 async def test_writeback_class_with_a_flushing_vm_survives_qsd_sigkill(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     """`cache: writeback` is only offered for VMs with config-wce=off, which flush; nothing acked is lost."""
     volume = await provision(served, "vm-writeback", {"cache": "writeback"})
@@ -284,7 +175,7 @@ async def test_writeback_class_with_a_flushing_vm_survives_qsd_sigkill(
 
 
 async def test_driver_sigkill_and_restart_do_not_interrupt_the_guest(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     volume = await provision(served, "vm-driver-crash")
     seed, blocks = 404, 30
@@ -315,7 +206,7 @@ async def test_driver_sigkill_and_restart_do_not_interrupt_the_guest(
 
 
 async def test_two_vms_on_one_qsd_each_see_only_their_own_volume(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     volumes = [await provision(served, f"vm-pair-{i}") for i in range(2)]
     seeds, blocks = (505, 606), 8
@@ -356,7 +247,7 @@ async def test_two_vms_on_one_qsd_each_see_only_their_own_volume(
 
 
 async def test_multi_queue_vm_on_the_default_export_and_the_refusal_below_it(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     """Default numQueues (64) serves a 2-vCPU VM with QEMU's default device (2 queues).
 
@@ -389,7 +280,7 @@ async def test_multi_queue_vm_on_the_default_export_and_the_refusal_below_it(
     assert result.exit_code == 0 and "MQ 1" in result.lines, result.output
 
 
-async def test_socket_directory_follows_volume_mount_group(served: Served) -> None:
+async def test_socket_directory_follows_volume_mount_group(served: Served[DriverProcess]) -> None:
     grouped = await provision(served, "vm-group", group=GROUP)
     assert mode_of(grouped.target) == (0o750, 0, int(GROUP))
     assert mode_of(grouped.socket) == (0o660, 0, int(GROUP))
@@ -403,7 +294,7 @@ async def test_socket_directory_follows_volume_mount_group(served: Served) -> No
 
 
 async def test_readonly_publish_gives_the_vm_a_readonly_disk_and_one_vm_per_socket(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     volume = await provision(served, "vm-ro-src")
     seed, blocks = 808, 2
@@ -441,14 +332,8 @@ async def test_readonly_publish_gives_the_vm_a_readonly_disk_and_one_vm_per_sock
     assert result.exit_code == 0 and "RO 0" in result.lines, result.output
 
 
-async def expand(csi: CSIClient, vid: str, path: Path, size: int) -> int:
-    response = await csi.node.NodeExpandVolume(pb.NodeExpandVolumeRequest(
-        volume_id=vid, volume_path=str(path), capacity_range=pb.CapacityRange(required_bytes=size)))
-    return int(response.capacity_bytes)
-
-
 async def test_offline_expansion_is_seen_by_the_next_vm_and_stalls_no_other(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     """NodeExpandVolume on an unused VM volume (OFFLINE, as kubelet calls it after staging).
 
@@ -468,7 +353,7 @@ async def test_offline_expansion_is_seen_by_the_next_vm_and_stalls_no_other(
     vm = await start_vm(guest_image, [VhostUserDisk(busy.socket)], script, timeout=VM_TIMEOUT_S)
     async with vm:
         await wait_for_block(vm, 3)
-        assert await expand(served.csi, grown.id, grown.staging, 2 * SIZE) == 2 * SIZE
+        assert await served.csi.expand(grown.id, str(grown.staging), 2 * SIZE) == 2 * SIZE
         at_expand = len(acknowledged_blocks(vm.output, DEVICE))
         await wait_for_block(vm, at_expand + 2, timeout=20)  # still writing: nothing stalled
         result = await vm.wait()
@@ -484,7 +369,7 @@ async def test_offline_expansion_is_seen_by_the_next_vm_and_stalls_no_other(
     assert f"SECTORS {2 * SIZE // 512}" in result.lines
 
 
-async def test_own_iothread_with_polling_budget(served: Served, guest_image: GuestImage) -> None:
+async def test_own_iothread_with_polling_budget(served: Served[DriverProcess], guest_image: GuestImage) -> None:
     """`iothreadPollMaxNs` gives the volume its own QSD iothread with that polling budget (QSD < 10).
 
     On QSD 10.0 the export runs in QSD's main loop instead (an iothread export

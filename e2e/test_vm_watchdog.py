@@ -22,21 +22,11 @@ import pytest
 from e2e.conftest import e2e_marks
 from e2e.guest import GuestImage, VhostUserDisk, acknowledged_blocks, count_kernel_io_errors, guest_script, start_vm
 from e2e.guest import verify_pattern
-from e2e.test_vm_volumes import (
-    DEVICE,
-    RESTART_TIMEOUT_S,
-    VM_TIMEOUT_S,
-    Served,
-    assert_blocks,
-    assert_clean_run,
-    host_bytes,
-    paced_writes,
-    provision,
-    release,
-    serving_vm_volumes,
-    wait_for_block,
+from e2e.helpers.served import Served, host_bytes, provision, release, serving
+from e2e.helpers.writes import (
+    DEVICE, RESTART_TIMEOUT_S, VM_TIMEOUT_S, assert_blocks, assert_clean_run, paced_writes, wait_for_block,
 )
-from tests.harness import qsd_pid, wait_new_qsd
+from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
 
 pytestmark = e2e_marks()
 
@@ -44,13 +34,13 @@ QMP_TIMEOUT_S = "2"
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    async with serving_vm_volumes("--qmp-timeout", QMP_TIMEOUT_S) as value:
+async def served() -> AsyncIterator[Served[DriverProcess]]:
+    async with serving("--qmp-timeout", QMP_TIMEOUT_S) as value:
         yield value
 
 
 async def test_qsd_frozen_under_a_writing_guest_is_replaced_and_loses_no_acknowledged_write(
-    served: Served, guest_image: GuestImage
+    served: Served[DriverProcess], guest_image: GuestImage
 ) -> None:
     volume = await provision(served, "vm-frozen")
     seed, blocks = 303, 24
