@@ -169,3 +169,23 @@ async def test_expand_vm_volume_that_no_guest_ever_opened(box: Sandbox, driver: 
     got = await csi.controller.ControllerGetVolume(pb.ControllerGetVolumeRequest(volume_id=vid))
     assert got.volume.capacity_bytes == 96 * MIB
     await csi.unstage(vid, str(staging))
+
+
+async def test_expanding_a_published_ext4_volume_to_the_size_it_has_succeeds(
+    box: Sandbox, driver: tuple[Driver, CSIClient]
+) -> None:
+    """NodeExpandVolume is idempotent: a call repeated once a pod has the volume (kubelet retrying after a lost
+    answer, or a volume grown while no pod used it) has nothing to grow and succeeds, with or without
+    CAP_SYS_RESOURCE (before, it was refused while published on a host without it)."""
+    _, csi = driver
+    vid = (await csi.create_volume("pvc-again", 64 * MIB)).volume_id
+    staging, target = box.staging("again"), box.target("again")
+    await csi.stage(vid, str(staging))
+    assert await csi.expand(vid, str(staging), 256 * MIB) == 256 * MIB  # no pod: grown offline
+    await csi.publish(vid, str(staging), str(target))
+    (target / "keep").write_bytes(b"survives the repeated call")
+    assert await csi.expand(vid, str(target), 256 * MIB) == 256 * MIB
+    assert fs_bytes(target) > 200 * MIB
+    assert (target / "keep").read_bytes() == b"survives the repeated call"
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))
