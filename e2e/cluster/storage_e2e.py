@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from csi_qsd.config import TOPOLOGY_KEY_FUSE, TOPOLOGY_KEY_NODE, TOPOLOGY_KEY_VHOST_USER
 from csi_qsd.sys import caps
 from e2e.cluster.cluster import Cluster
 
@@ -104,7 +105,9 @@ def driver_definition(storage_class_file: Path | None = None) -> dict[str, objec
             "Name": "csi-qsd.io",
             "SupportedSizeRange": {"Min": "1Mi", "Max": "10Gi"},
             "SupportedFsType": {"": {}, "ext4": {}, "xfs": {}},
-            "TopologyKeys": ["topology.csi-qsd.io/node"],
+            # Every key a node reports (NodeGetInfo); the CSIStorageCapacity objects carry all of them, and the
+            # capacity test expects objects of the one key it is given when it is given only one.
+            "TopologyKeys": [TOPOLOGY_KEY_NODE, TOPOLOGY_KEY_FUSE, TOPOLOGY_KEY_VHOST_USER],
             "NumAllowedTopologies": 1,
             "Capabilities": CAPABILITIES,
         },
