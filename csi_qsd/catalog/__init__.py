@@ -11,14 +11,14 @@ May import: errors, params.
 """
 
 from csi_qsd.catalog.records import (
-    AccessType, CopyRecord, CopyRole, CopyState, ExtentRecord, ExtentState, GroupRecord, PublishRecord,
-    PublishState, SnapshotRecord, SnapshotState, StageRecord, StageState, VolumeRecord, VolumeState, now,
+    AccessType, CopyRecord, CopyRole, CopyState, ExtentChoice, ExtentRecord, ExtentState, GroupRecord,
+    PublishRecord, PublishState, SnapshotRecord, SnapshotState, StageRecord, StageState, VolumeRecord, VolumeState, now,
 )
 from csi_qsd.catalog.schema import SCHEMA_VERSION
 from csi_qsd.catalog.store import Catalog
 
 __all__ = [
-    "SCHEMA_VERSION", "AccessType", "Catalog", "CopyRecord", "CopyRole", "CopyState", "ExtentRecord",
-    "ExtentState", "GroupRecord", "PublishRecord", "PublishState", "SnapshotRecord", "SnapshotState", "StageRecord",
-    "StageState", "VolumeRecord", "VolumeState", "now",
+    "SCHEMA_VERSION", "AccessType", "Catalog", "CopyRecord", "CopyRole", "CopyState", "ExtentChoice",
+    "ExtentRecord", "ExtentState", "GroupRecord", "PublishRecord", "PublishState", "SnapshotRecord",
+    "SnapshotState", "StageRecord", "StageState", "VolumeRecord", "VolumeState", "now",
 ]

@@ -97,6 +97,14 @@ class ExtentRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExtentChoice:
+    """Where a new extent goes: `length` bytes from `start`, as picked by the `choose` of `Catalog.take_extent`."""
+
+    start: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SnapshotRecord:
     """A frozen image; `hidden` once deleted by the user while other images still depend on it."""
 

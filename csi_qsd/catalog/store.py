@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 from csi_qsd.catalog import rows, schema
 from csi_qsd.catalog.records import (
-    CopyRecord, CopyRole, ExtentRecord, ExtentState, GroupRecord, PublishRecord, SnapshotRecord, StageRecord,
-    VolumeRecord, VolumeState,
+    CopyRecord, CopyRole, ExtentChoice, ExtentRecord, ExtentState, GroupRecord, PublishRecord, SnapshotRecord,
+    StageRecord, VolumeRecord, VolumeState,
 )
 from csi_qsd.errors import Unavailable
 
@@ -42,8 +42,8 @@ CHECKPOINT_EVERY = 200
 # A durable commit that took longer than this (seconds) sends the next ones off the event loop (`Catalog._run`).
 LOOP_COMMIT_MAX = 0.002
 
-# Given every extent row of a pool: the (start, length) to hand out, or None when nothing fits.
-Choose = Callable[[list[ExtentRecord]], tuple[int, int] | None]
+# Given every extent row of a pool: where the extent to hand out goes, or None when nothing fits.
+Choose = Callable[[list[ExtentRecord]], ExtentChoice | None]
 
 
 class Catalog:
@@ -58,9 +58,9 @@ class Catalog:
     - `delete_*` removes rows: a missing row is no error;
     - `take_*` hands out an extent of a device pool (the one held, or a new one).
 
-    The extents of a device pool also move through `resize_extent`,
-    `commit_move`, `scrub_extents`/`release_extents` and `drop_extent`: the
-    steps of a move and of a scrub, each one transaction.
+    The steps of an extent's move and scrub are `set_*` and `delete_*` too
+    (`set_extent_length`, `set_move_committed`, `set_extents_scrubbing`,
+    `delete_extent`), each one transaction.
 
     Reads are named after what they return: a record or None (`volume`), or
     a list (`volumes`). Every write is one transaction, durable (fsynced)
@@ -299,10 +299,10 @@ class Catalog:
         """Give `volume_id` an extent of `pool`, durably in one transaction: the one it holds, or `choose`'s pick.
 
         `choose` sees every row of the pool (free space is what lies between
-        them) and returns (start, length) or None when nothing fits (then
-        None, nothing written). Reading and inserting under one write lock
-        means two volumes can never be given overlapping extents, whatever
-        runs concurrently.
+        them) and returns where the new extent goes (an ExtentChoice), or
+        None when nothing fits (then None, nothing written). Reading and
+        inserting under one write lock means two volumes can never be given
+        overlapping extents, whatever runs concurrently.
         """
         return await self._take_extent(pool, volume_id, ExtentState.USED, choose)
 
@@ -319,15 +319,15 @@ class Catalog:
             picked = choose(extents)
             if picked is None:
                 return None
-            record = ExtentRecord(pool, picked[0], picked[1], volume_id, state)
+            record = ExtentRecord(pool, picked.start, picked.length, volume_id, state)
             rows.add_extent(db, record)
             return record
 
         return await self._run(take)
 
-    async def commit_move(self, pool: str, volume_id: str, generation: int) -> bool:
-        """The move's point of no return, durably in one transaction; False, nothing written, if `volume_id` has no
-        MOVING extent.
+    async def set_move_committed(self, pool: str, volume_id: str, generation: int) -> bool:
+        """Record a move committed, its point of no return, durably in one transaction; False, nothing written, if
+        `volume_id` has no MOVING extent.
 
         The MOVING extent becomes the volume's (USED), its old one RETIRING,
         and the volume's image generation `generation` (the names of the
@@ -345,23 +345,22 @@ class Catalog:
 
         return await self._run(commit)
 
-    async def scrub_extents(self, pool: str, volume_id: str, state: ExtentState) -> None:
-        """Mark `volume_id`'s extents in `state` (an undone move's, a finished move's old home) SCRUBBING, durably;
-        none is no error."""
+    async def set_extents_scrubbing(self, pool: str, volume_id: str, state: ExtentState | None = None) -> None:
+        """Mark `volume_id`'s extents in `pool` SCRUBBING, durably: all it holds (a deleted volume's), or only
+        those in `state` (an undone move's MOVING one, a finished move's RETIRING old home); none is no error.
+
+        A SCRUBBING extent is never handed out until its scrub is recorded
+        (`delete_extent`).
+        """
         await self._run(lambda db: _set_extents_state(db, pool, volume_id, ExtentState.SCRUBBING, state))
 
-    async def release_extents(self, pool: str, volume_id: str) -> None:
-        """Mark all `volume_id` holds in `pool` SCRUBBING, durably: never handed out until its scrub is recorded
-        (`drop_extent`); none is no error."""
-        await self._run(lambda db: _set_extents_state(db, pool, volume_id, ExtentState.SCRUBBING))
-
-    async def drop_extent(self, pool: str, start: int) -> None:
+    async def delete_extent(self, pool: str, start: int) -> None:
         """A scrubbed extent becomes free space: the SCRUBBING row at `start` goes, durably; a row in another
         state, or none, is left as it is."""
         await self._run(lambda db: db.execute(
             "DELETE FROM extents WHERE pool=? AND start=? AND state=?", (pool, start, ExtentState.SCRUBBING.value)))
 
-    async def resize_extent(
+    async def set_extent_length(
         self, pool: str, start: int, length: int, fits: Callable[[list[ExtentRecord]], bool],
     ) -> bool:
         """Set the length of the extent at `start` if `fits` (given every row of the pool) agrees, durably and

@@ -62,7 +62,7 @@ from pathlib import Path
 
 import pyudev
 
-from csi_qsd.catalog import Catalog, ExtentRecord, ExtentState
+from csi_qsd.catalog import Catalog, ExtentChoice, ExtentRecord, ExtentState
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, StartupError
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
@@ -359,7 +359,7 @@ class DevicePool(Pool):
                 return False
             return regions.grows_in_place(layout, [Region(r.start, r.length) for r in rows], extent, size)
 
-        if not await self._catalog.resize_extent(self.id, extent.start, length, fits):
+        if not await self._catalog.set_extent_length(self.id, extent.start, length, fits):
             if regions.choose(layout, self._taken(), size) is not None:
                 return False
             limit = regions.grow_limit(layout, self._taken(), extent)
@@ -392,7 +392,7 @@ class DevicePool(Pool):
 
     async def commit_move(self, image: Path, generation: int) -> None:
         volume_id = self._volume_of(image)
-        if not await self._catalog.commit_move(self.id, volume_id, generation):
+        if not await self._catalog.set_move_committed(self.id, volume_id, generation):
             raise FailedPrecondition(f"device pool {self.id} has no move under way for volume {volume_id}")
         self._rows = {row.start: row for row in await self._catalog.extents(self.id)}
         self._failpoints.hit("move.after_commit")
@@ -402,7 +402,7 @@ class DevicePool(Pool):
         """Scrub and free the old extent (`committed`) or the new one (an undone move)."""
         volume_id = self._volume_of(image)
         state = ExtentState.RETIRING if committed else ExtentState.MOVING
-        await self._catalog.scrub_extents(self.id, volume_id, state)
+        await self._catalog.set_extents_scrubbing(self.id, volume_id, state)
         for start, row in list(self._rows.items()):
             if row.volume_id == volume_id and row.state is state:
                 self._rows[start] = dataclasses.replace(row, state=ExtentState.SCRUBBING)
@@ -431,7 +431,7 @@ class DevicePool(Pool):
         await self._scrub_pending()
 
     async def _release(self, volume_id: str) -> None:
-        await self._catalog.release_extents(self.id, volume_id)
+        await self._catalog.set_extents_scrubbing(self.id, volume_id)
         for start, row in list(self._rows.items()):
             if row.volume_id == volume_id:
                 self._rows[start] = dataclasses.replace(row, state=ExtentState.SCRUBBING)
@@ -448,7 +448,7 @@ class DevicePool(Pool):
                 continue
             await self._zero(row.start, row.length)
             self._failpoints.hit("extent.after_scrub")
-            await self._catalog.drop_extent(self.id, row.start)
+            await self._catalog.delete_extent(self.id, row.start)
             del self._rows[row.start]
             log.info("event=extent_scrubbed pool=%s volume_id=%s start=%d length=%d",
                      self.id, row.volume_id, row.start, row.length)
@@ -476,13 +476,13 @@ class DevicePool(Pool):
 
     # helpers ------------------------------------------------------------
 
-    def _best_fit(self, size: int) -> Callable[[list[ExtentRecord]], tuple[int, int] | None]:
+    def _best_fit(self, size: int) -> Callable[[list[ExtentRecord]], ExtentChoice | None]:
         """What the catalog calls, under its write lock, to pick a free extent of `size` bytes among its rows."""
         layout = self.layout
 
-        def choose(rows: list[ExtentRecord]) -> tuple[int, int] | None:
+        def choose(rows: list[ExtentRecord]) -> ExtentChoice | None:
             picked = regions.choose(layout, [Region(r.start, r.length) for r in rows], size)
-            return (picked.start, picked.length) if picked is not None else None
+            return ExtentChoice(picked.start, picked.length) if picked is not None else None
 
         return choose
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from csi_qsd.catalog import Catalog, ExtentRecord, ExtentState
+from csi_qsd.catalog import Catalog, ExtentChoice, ExtentRecord, ExtentState
 from csi_qsd.errors import FailedPrecondition, ResourceExhausted
 from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.pools.base import Pool, PoolUsage
@@ -80,7 +80,7 @@ class FakeMovingPool(FakePool):
     """A pool whose volumes live in fixed homes and grow by moving, as a device pool's do.
 
     Homes are rows of the catalog's `extents` table, so a move's commit and
-    the volume's new image generation are one transaction (`commit_move`)
+    the volume's new image generation are one transaction (`Catalog.set_move_committed`)
     and a restarted driver finds a move a crash cut off by reading them back
     (`load`). `room_in_place` says whether a volume can grow where it is.
     """
@@ -110,7 +110,7 @@ class FakeMovingPool(FakePool):
             return True
         if not self.room_in_place:
             return False
-        await self.catalog.resize_extent(self.id, home.start, size, lambda rows: True)
+        await self.catalog.set_extent_length(self.id, home.start, size, lambda rows: True)
         await self.load()
         return True
 
@@ -123,14 +123,14 @@ class FakeMovingPool(FakePool):
         return self._storage_at(volume_id, new)
 
     async def commit_move(self, image: Path, generation: int) -> None:
-        if not await self.catalog.commit_move(self.id, _volume_of(image), generation):
+        if not await self.catalog.set_move_committed(self.id, _volume_of(image), generation):
             raise FailedPrecondition(f"pool {self.id} has no move under way for {image}")
         await self.load()
 
     async def end_move(self, image: Path, *, committed: bool) -> None:
         volume_id = _volume_of(image)
         state = ExtentState.RETIRING if committed else ExtentState.MOVING
-        await self.catalog.scrub_extents(self.id, volume_id, state)
+        await self.catalog.set_extents_scrubbing(self.id, volume_id, state)
         await self._drop_scrubbed(volume_id)
 
     def moves_under_way(self) -> dict[str, bool]:
@@ -142,7 +142,7 @@ class FakeMovingPool(FakePool):
 
     async def delete(self, image: Path) -> None:
         volume_id = _volume_of(image)
-        await self.catalog.release_extents(self.id, volume_id)
+        await self.catalog.set_extents_scrubbing(self.id, volume_id)
         await self._drop_scrubbed(volume_id)
         await super().delete(image)
 
@@ -159,13 +159,13 @@ class FakeMovingPool(FakePool):
             raise FailedPrecondition(f"pool {self.id} has no {state.value} home for volume {volume_id}")
         return found[0]
 
-    def _free_slot(self, length: int) -> Callable[[list[ExtentRecord]], tuple[int, int]]:
-        return lambda rows: ((max((row.start // SLOT for row in rows), default=-1) + 1) * SLOT, length)
+    def _free_slot(self, length: int) -> Callable[[list[ExtentRecord]], ExtentChoice]:
+        return lambda rows: ExtentChoice((max((row.start // SLOT for row in rows), default=-1) + 1) * SLOT, length)
 
     async def _drop_scrubbed(self, volume_id: str) -> None:
         for row in await self.catalog.extents(self.id):
             if row.volume_id == volume_id and row.state is ExtentState.SCRUBBING:
-                await self.catalog.drop_extent(self.id, row.start)
+                await self.catalog.delete_extent(self.id, row.start)
         await self.load()
 
 
