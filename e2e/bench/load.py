@@ -27,7 +27,8 @@ Checked, and printed as PASS or FAIL (the exit status is 1 on any FAIL; a
 check that could not be made, such as the leak check cut short, is a FAIL):
 
     every call answered a code the spec allows for its RPC (the fuzz test's
-        table, plus UNAVAILABLE while QSD or the driver is down)
+        table, `tests.helpers.fuzz_codes`, plus UNAVAILABLE while QSD or
+        the driver is down)
     every step succeeded within the bound, retries included
     no synced data was lost, across the QSD kills too
     nothing leaked: no volume listed, no catalog row, no mount or loop device
@@ -74,7 +75,7 @@ from e2e.bench.common import MIB, Summary, missing, ms, retrying, run_to_end, st
 from e2e.bench.control_plane import REQUIRED_TOOLS
 from e2e.bench.restart import KINDS, SIZE, Kind
 from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox, until, wait_new_qsd, wait_restored, write_synced
-from tests.integration.test_fuzz import ALLOWED
+from tests.helpers.fuzz_codes import ALLOWED
 from tests.leftovers import qsd_leftovers
 
 T = TypeVar("T")

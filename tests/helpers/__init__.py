@@ -16,4 +16,8 @@ driver itself. Nothing here is a test, and nothing in `csi_qsd` imports it.
 * `metrics`: `scrape`, one parsed /metrics exposition.
 * `cli`: `csi-qsd` as a child process, and the qsd container's command.
 * `shards`: a claim namespace the driver places on a given shard.
+* `fuzz_codes`: `ALLOWED`, the codes the spec allows each RPC, by which
+  the fuzz test and the load bench judge every answer.
+* `vhost_churn`: VM clients coming and going (`come_and_go`) while other
+  volumes change (`graph_round`), for the vhost churn test and bench.
 """

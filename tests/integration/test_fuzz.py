@@ -46,6 +46,7 @@ from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.csi.client import capability
 from csi_qsd.sys import mounts
 from tests.harness import Sandbox
+from tests.helpers.fuzz_codes import ALLOWED
 from tests.leftovers import host_leftovers, qsd_leftovers
 
 MIB = 1 << 20
@@ -57,55 +58,6 @@ BATCHES = int(os.environ.get("CSI_QSD_FUZZ_EXAMPLES", "0")) or DEFAULT_BATCHES
 MIN_REQUESTS = 10_000
 TOPOLOGY_KEY = "topology.csi-qsd.io/node"
 Mode = pb.VolumeCapability.AccessMode
-
-# Codes the spec allows per RPC. Every RPC may answer INVALID_ARGUMENT (a bad or missing field)
-# and ABORTED (an operation pending on the object); on top come the codes of the RPC's own error
-# table, and a few the driver adds where the spec leaves the code open ("MUST return a non-ok
-# code"), each named with its reason. INTERNAL, UNKNOWN and UNAVAILABLE are never allowed here:
-# no request, however malformed, may break the driver, and QSD is not restarted during the run.
-_GENERAL = {Code.OK, Code.INVALID_ARGUMENT, Code.ABORTED}
-_NOT_OFFERED = {Code.UNIMPLEMENTED}
-ALLOWED: dict[str, set[Code]] = {
-    "GetPluginInfo": {Code.OK},
-    "GetPluginCapabilities": {Code.OK},
-    "Probe": {Code.OK, Code.FAILED_PRECONDITION},
-    "CreateVolume": _GENERAL | {Code.NOT_FOUND, Code.ALREADY_EXISTS, Code.RESOURCE_EXHAUSTED, Code.OUT_OF_RANGE},
-    "DeleteVolume": _GENERAL | {Code.FAILED_PRECONDITION},
-    "ControllerPublishVolume": _NOT_OFFERED,
-    "ControllerUnpublishVolume": _NOT_OFFERED,
-    "ValidateVolumeCapabilities": _GENERAL | {Code.NOT_FOUND},
-    "ListVolumes": _GENERAL,
-    "ControllerGetVolume": _GENERAL | {Code.NOT_FOUND},
-    "ControllerModifyVolume": _GENERAL | {Code.NOT_FOUND},
-    "GetCapacity": _GENERAL,
-    "ControllerGetCapabilities": {Code.OK},
-    # Driver additions: an unknown source volume is NOT_FOUND; a raw volume cannot be snapshotted
-    # and a snapshot name in mid-creation is busy (FAILED_PRECONDITION).
-    "CreateSnapshot": _GENERAL | {Code.ALREADY_EXISTS, Code.RESOURCE_EXHAUSTED, Code.NOT_FOUND,
-                                  Code.FAILED_PRECONDITION},
-    "DeleteSnapshot": _GENERAL | {Code.FAILED_PRECONDITION},
-    "ListSnapshots": _GENERAL,
-    "GetSnapshot": _GENERAL | {Code.NOT_FOUND},
-    "ControllerExpandVolume": _NOT_OFFERED,
-    "NodeStageVolume": _GENERAL | {Code.NOT_FOUND, Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION},
-    # Driver addition: unstaging a volume still published is FAILED_PRECONDITION (the spec's
-    # reference-counting rule: every NodeUnpublishVolume comes before NodeUnstageVolume).
-    "NodeUnstageVolume": _GENERAL | {Code.NOT_FOUND, Code.FAILED_PRECONDITION},
-    "NodePublishVolume": _GENERAL | {Code.NOT_FOUND, Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION},
-    "NodeUnpublishVolume": _GENERAL | {Code.NOT_FOUND},
-    "NodeGetVolumeStats": _GENERAL | {Code.NOT_FOUND},
-    # Driver addition: a size the pool cannot hold is RESOURCE_EXHAUSTED, as in CreateVolume.
-    "NodeExpandVolume": _GENERAL | {Code.NOT_FOUND, Code.FAILED_PRECONDITION, Code.OUT_OF_RANGE,
-                                    Code.RESOURCE_EXHAUSTED},
-    "NodeGetCapabilities": {Code.OK},
-    "NodeGetInfo": {Code.OK},
-    "GroupControllerGetCapabilities": {Code.OK},
-    # Driver addition: an unknown source volume is NOT_FOUND.
-    "CreateVolumeGroupSnapshot": _GENERAL | {Code.ALREADY_EXISTS, Code.RESOURCE_EXHAUSTED, Code.FAILED_PRECONDITION,
-                                             Code.NOT_FOUND},
-    "DeleteVolumeGroupSnapshot": _GENERAL | {Code.FAILED_PRECONDITION},
-    "GetVolumeGroupSnapshot": _GENERAL | {Code.NOT_FOUND},
-}
 
 
 # the served driver -------------------------------------------------------------

@@ -14,7 +14,6 @@ default QSD and on the 11 runtime the install provides beside it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -24,36 +23,11 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid
+from tests.helpers.vhost_churn import CONNECTIONS, VM, come_and_go, graph_round
 
 MIB = 1 << 20
-VM = {"export": "vhost-user-blk"}
-
-
-CONNECTIONS = 500  # the bar the runtime's move to iothreads was decided by
 ROUNDS_MIN = 10
 TIME_LIMIT = 240.0
-
-
-async def come_and_go(socket: str, stop: asyncio.Event, count: list[int]) -> None:
-    """Connect to the export and leave, again and again, as VMs starting and stopping do; counted in `count`."""
-    while not stop.is_set():
-        _, writer = await asyncio.open_unix_connection(socket)
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        count[0] += 1
-        await asyncio.sleep(0.005)
-
-
-async def graph_round(csi: CSIClient, box: Sandbox, i: int) -> None:
-    """Another VM volume made, staged, snapshotted and taken away again: block nodes added and removed."""
-    other = (await csi.create_volume(f"pvc-other-{i}", 32 * MIB, VM)).volume_id
-    other_staging = box.staging(f"other-{i}")
-    await csi.stage(other, str(other_staging))
-    snapshot = await csi.create_snapshot(f"snap-other-{i}", other)
-    await csi.delete_snapshot(snapshot.snapshot_id)
-    await csi.unstage(other, str(other_staging))
-    await csi.delete_volume(other)
 
 
 @pytest.fixture(params=["default", "11"])
