@@ -24,23 +24,29 @@ from google.protobuf.message import Message
 
 from csi_qsd import __version__
 from csi_qsd.config import (
-    DEFAULT_COPY_CALLS_PER_NODE, DEFAULT_COPY_LEASE_TTL, DEFAULT_DRIVER_NAME, DEFAULT_STATE_DIR, DEFAULT_TARGET_ROOT,
-    POLL_MAX_NS_RANGE, Config, parse_remote_pool,
+    DEFAULT_COPY_CALLS_PER_NODE,
+    DEFAULT_COPY_LEASE_TTL,
+    DEFAULT_DRIVER_NAME,
+    DEFAULT_STATE_DIR,
+    DEFAULT_TARGET_ROOT,
+    POLL_MAX_NS_RANGE,
+    Config,
+    parse_remote_pool,
 )
-from csi_qsd.pools.spec import DevicePoolSpec
-from csi_qsd.qsd.settings import QSDMode
 from csi_qsd.csi import present
 from csi_qsd.csi.client import CSIClient
-from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
 from csi_qsd.errors import DriverError, FailedPrecondition
 from csi_qsd.kubelet import flags as kubelet_flags
 from csi_qsd.kubelet import liveness, registrar
-from csi_qsd.qsd.remote_spec import RemotePoolSpec
+from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import iothreads, shards
+from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
+from csi_qsd.qsd.remote_spec import RemotePoolSpec
+from csi_qsd.qsd.settings import QSDMode
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
-from csi_qsd.sys.runtime import DEFAULT_RUNTIME_DIR
-from csi_qsd.sys.pem import PemFiles
 from csi_qsd.sys.endpoint import socket_path
+from csi_qsd.sys.pem import PemFiles
+from csi_qsd.sys.runtime import DEFAULT_RUNTIME_DIR
 from csi_qsd.sys.signals import stop_event
 from csi_qsd.sys.tools import bundled
 

@@ -11,14 +11,15 @@ import ipaddress
 import socket
 from pathlib import Path
 
-from csi_qsd.sys import endpoint as unix_endpoint
-from csi_qsd.qsd.features import FuseThreads, LoopIO
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.spec import DevicePoolSpec
+from csi_qsd.qsd.features import FuseThreads, LoopIO
+from csi_qsd.qsd.iothreads import check_size as check_iothreads
+from csi_qsd.qsd.iothreads import node_cores
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.qsd.settings import QSDMode
 from csi_qsd.qsd.shards import check_count as check_shards
-from csi_qsd.qsd.iothreads import check_size as check_iothreads, node_cores
+from csi_qsd.sys import endpoint as unix_endpoint
 from csi_qsd.sys.pem import PemFiles
 from csi_qsd.sys.runtime import DEFAULT_RUNTIME_DIR
 from csi_qsd.sys.tools import bundled

@@ -43,13 +43,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from csi_qsd.qsd import features
-from csi_qsd.exports import fuse_loop
 from csi_qsd.catalog import StageRecord, StageState, VolumeRecord, VolumeState
 from csi_qsd.config import Config
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.errors import QSDError, StartupError
+from csi_qsd.exports import fuse_loop
 from csi_qsd.pools.base import Pool, PoolUsage
+from csi_qsd.qsd import features
 from csi_qsd.qsd import stats as qsd_stats
 from csi_qsd.qsd.daemon import QSDState
 from csi_qsd.sys import text_http

@@ -19,8 +19,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from csi_qsd.qcow2.granularity import DEFAULT as DEFAULT_GRANULARITY, parse as parse_granularity
 from csi_qsd.errors import InvalidArgument, OutOfRange
+from csi_qsd.qcow2.granularity import DEFAULT as DEFAULT_GRANULARITY
+from csi_qsd.qcow2.granularity import parse as parse_granularity
 
 PROVISIONER_PREFIX = "csi.storage.k8s.io/"
 # The claim's namespace, which the external-provisioner adds with --extra-create-metadata.

@@ -16,43 +16,43 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.qsd import features
-from csi_qsd.csi import unix_socket
 from csi_qsd.catalog import Catalog
-from csi_qsd.controller.changed_blocks import ChangedBlocks
 from csi_qsd.config import Config
-from csi_qsd.errors import StartupError
+from csi_qsd.controller.changed_blocks import ChangedBlocks
+from csi_qsd.controller.condition import HealthView
+from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases
+from csi_qsd.controller.live import LiveImages
+from csi_qsd.controller.qos import VolumeLimits
+from csi_qsd.controller.snapshots import Snapshots
+from csi_qsd.controller.volumes import Volumes
+from csi_qsd.copy_link import CopySettings
+from csi_qsd.csi import unix_socket
 from csi_qsd.csi.controller import ControllerService, CrossNodeCopies
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi.group_controller import GroupControllerService
 from csi_qsd.csi.identity import IdentityService
+from csi_qsd.csi.metadata_listener import serving_metadata_listener
 from csi_qsd.csi.node import NodeService
+from csi_qsd.csi.peer_pods import InCluster, PodPeers
+from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
+from csi_qsd.csi.snapshot_contents import ContentClaimer
 from csi_qsd.csi.snapshot_metadata import SnapshotMetadataService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.errors import StartupError
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.sys.failpoints import Failpoints
-from csi_qsd.controller.condition import HealthView
-from csi_qsd.controller.qos import VolumeLimits
-from csi_qsd.controller.live import LiveImages
-from csi_qsd.sys.locks import KeyedLocks
-from csi_qsd.csi.metadata_listener import serving_metadata_listener
+from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.pools.base import Pool
 from csi_qsd.pools.device_pools import open_device_pools
 from csi_qsd.pools.files import FilePool
+from csi_qsd.qsd import features
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import Rebuild
 from csi_qsd.qsd.shards import QSDShards
-from csi_qsd.controller.snapshots import Snapshots
-from csi_qsd.node.staging import NodeVolumes
-from csi_qsd.controller.volumes import Volumes
-from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases
-from csi_qsd.copy_link import CopySettings
-from csi_qsd.csi.peer_pods import InCluster, PodPeers
-from csi_qsd.csi.snapshot_contents import ContentClaimer
-from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
-from csi_qsd.node.copy_streams import CopyStreams
 from csi_qsd.sys import mounts, runtime
+from csi_qsd.sys.failpoints import Failpoints
+from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.sys.tools import bundled
 
 log = logging.getLogger(__name__)

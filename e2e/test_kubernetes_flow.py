@@ -54,6 +54,7 @@ import pytest
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
+from e2e.conftest import e2e_marks
 from e2e.guest import (
     GuestImage,
     VhostUserDisk,
@@ -65,6 +66,7 @@ from e2e.guest import (
     verify_summaries,
     write_pattern,
 )
+from e2e.helpers.served import Served, run, serving
 from tests.deploy.helpers import (
     DEPLOY_DIR,
     EXAMPLES_DIR,
@@ -80,8 +82,6 @@ from tests.deploy.helpers import (
     select,
 )
 from tests.deploy.kustomize import load_yaml_documents, render
-from e2e.conftest import e2e_marks
-from e2e.helpers.served import Served, run, serving
 from tests.harness import DriverProcess, free_port, until
 from tests.helpers.metrics import scrape
 

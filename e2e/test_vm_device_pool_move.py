@@ -13,11 +13,17 @@ at the new extent; the old extent is zeroed and free.
 
 from __future__ import annotations
 
-from csi_qsd.node import moves
 from csi_qsd.catalog import Catalog
+from csi_qsd.node import moves
 from e2e.conftest import e2e_marks
 from e2e.guest import (
-    BLOCK_SIZE, GuestImage, VhostUserDisk, count_kernel_io_errors, guest_script, pattern_block, start_vm,
+    BLOCK_SIZE,
+    GuestImage,
+    VhostUserDisk,
+    count_kernel_io_errors,
+    guest_script,
+    pattern_block,
+    start_vm,
     verify_pattern,
 )
 from e2e.helpers.writes import DEVICE, VM_TIMEOUT_S, assert_clean_run, paced_writes, wait_for_block

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from csi_qsd.params import NAMESPACE_KEY
+from csi_qsd.qsd import vhost_greeting
 from e2e.conftest import e2e_marks
 from e2e.guest import (
     GuestImage,
@@ -28,10 +30,14 @@ from e2e.guest import (
 )
 from e2e.helpers.served import Served, host_bytes, provision, release, serving
 from e2e.helpers.writes import (
-    DEVICE, RESTART_TIMEOUT_S, VM_TIMEOUT_S, assert_blocks, assert_clean_run, paced_writes, wait_for_block,
+    DEVICE,
+    RESTART_TIMEOUT_S,
+    VM_TIMEOUT_S,
+    assert_blocks,
+    assert_clean_run,
+    paced_writes,
+    wait_for_block,
 )
-from csi_qsd.params import NAMESPACE_KEY
-from csi_qsd.qsd import vhost_greeting
 from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
 from tests.helpers.shards import namespace_on
 

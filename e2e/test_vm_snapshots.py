@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e.conftest import e2e_marks
 from e2e.guest import (
     BLOCK_SIZE,
     GuestImage,
@@ -41,7 +42,6 @@ from e2e.guest import (
     verify_summaries,
     write_summaries,
 )
-from e2e.conftest import e2e_marks
 from e2e.helpers.served import Served, read_image, serving
 from e2e.helpers.writes import paced_writes
 from tests.harness import DriverProcess, qsd_pid, until

@@ -42,6 +42,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from e2e.conftest import e2e_marks
 from e2e.guest import (
     BLOCK_SIZE,
     GuestImage,
@@ -56,10 +57,15 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
-from e2e.conftest import e2e_marks
 from e2e.helpers.served import SIZE, SOCKET, Served, Volume, host_bytes, provision, release, serving
 from e2e.helpers.writes import (
-    DEVICE, RESTART_TIMEOUT_S, VM_TIMEOUT_S, assert_blocks, assert_clean_run, paced_writes, wait_for_block,
+    DEVICE,
+    RESTART_TIMEOUT_S,
+    VM_TIMEOUT_S,
+    assert_blocks,
+    assert_clean_run,
+    paced_writes,
+    wait_for_block,
 )
 from tests.harness import DriverProcess, qsd_pid, until, wait_new_qsd
 

@@ -20,11 +20,24 @@ from pathlib import Path
 import pytest
 
 from e2e.conftest import e2e_marks
-from e2e.guest import GuestImage, VhostUserDisk, acknowledged_blocks, count_kernel_io_errors, guest_script, start_vm
-from e2e.guest import verify_pattern
+from e2e.guest import (
+    GuestImage,
+    VhostUserDisk,
+    acknowledged_blocks,
+    count_kernel_io_errors,
+    guest_script,
+    start_vm,
+    verify_pattern,
+)
 from e2e.helpers.served import Served, host_bytes, provision, release, serving
 from e2e.helpers.writes import (
-    DEVICE, RESTART_TIMEOUT_S, VM_TIMEOUT_S, assert_blocks, assert_clean_run, paced_writes, wait_for_block,
+    DEVICE,
+    RESTART_TIMEOUT_S,
+    VM_TIMEOUT_S,
+    assert_blocks,
+    assert_clean_run,
+    paced_writes,
+    wait_for_block,
 )
 from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
 

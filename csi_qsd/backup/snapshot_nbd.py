@@ -29,11 +29,10 @@ import os
 import stat
 from pathlib import Path
 
-from csi_qsd.qcow2 import image_bitmaps
-
 from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotState
 from csi_qsd.errors import InvalidArgument, NBDError, NotFound
+from csi_qsd.qcow2 import image_bitmaps
 from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import nbd_unix
 from csi_qsd.sys.signals import stop_event

@@ -11,8 +11,23 @@ May import: errors, params.
 """
 
 from csi_qsd.catalog.records import (
-    AccessType, CopyRecord, CopyRole, CopyState, ExtentChoice, ExtentRecord, ExtentState, GroupRecord,
-    PublishRecord, PublishState, SnapshotRecord, SnapshotState, StageRecord, StageState, VolumeRecord, VolumeState, now,
+    AccessType,
+    CopyRecord,
+    CopyRole,
+    CopyState,
+    ExtentChoice,
+    ExtentRecord,
+    ExtentState,
+    GroupRecord,
+    PublishRecord,
+    PublishState,
+    SnapshotRecord,
+    SnapshotState,
+    StageRecord,
+    StageState,
+    VolumeRecord,
+    VolumeState,
+    now,
 )
 from csi_qsd.catalog.schema import SCHEMA_VERSION
 from csi_qsd.catalog.store import Catalog

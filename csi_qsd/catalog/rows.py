@@ -12,8 +12,21 @@ import sqlite3
 from pathlib import Path
 
 from csi_qsd.catalog.records import (
-    AccessType, CopyRecord, CopyRole, CopyState, ExtentRecord, ExtentState, GroupRecord, PublishRecord, PublishState,
-    SnapshotRecord, SnapshotState, StageRecord, StageState, VolumeRecord, VolumeState,
+    AccessType,
+    CopyRecord,
+    CopyRole,
+    CopyState,
+    ExtentRecord,
+    ExtentState,
+    GroupRecord,
+    PublishRecord,
+    PublishState,
+    SnapshotRecord,
+    SnapshotState,
+    StageRecord,
+    StageState,
+    VolumeRecord,
+    VolumeState,
 )
 from csi_qsd.params import QoS, VolumeParameters
 

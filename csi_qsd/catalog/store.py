@@ -29,8 +29,17 @@ from typing import Any, TypeVar
 
 from csi_qsd.catalog import rows, schema
 from csi_qsd.catalog.records import (
-    CopyRecord, CopyRole, ExtentChoice, ExtentRecord, ExtentState, GroupRecord, PublishRecord, SnapshotRecord,
-    StageRecord, VolumeRecord, VolumeState,
+    CopyRecord,
+    CopyRole,
+    ExtentChoice,
+    ExtentRecord,
+    ExtentState,
+    GroupRecord,
+    PublishRecord,
+    SnapshotRecord,
+    StageRecord,
+    VolumeRecord,
+    VolumeState,
 )
 from csi_qsd.errors import Unavailable
 

@@ -34,13 +34,11 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import TypeVar
 
-from csi_qsd.controller import chains
-
-from csi_qsd.qcow2 import extents, image_bitmaps, imagemap, layer_bitmaps
-
 from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState
+from csi_qsd.controller import chains
 from csi_qsd.errors import HostCommandError, InvalidArgument, NotFound, OutOfRange
+from csi_qsd.qcow2 import extents, image_bitmaps, imagemap, layer_bitmaps
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.sys.tools import bundled
 

@@ -43,13 +43,29 @@ from pathlib import Path
 
 from csi_qsd import validate
 from csi_qsd.catalog import (
-    Catalog, CopyRecord, CopyRole, CopyState, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now,
+    Catalog,
+    CopyRecord,
+    CopyRole,
+    CopyState,
+    SnapshotRecord,
+    SnapshotState,
+    VolumeRecord,
+    VolumeState,
+    now,
 )
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.copy_link import CopySettings, Lease, Peers, nbd_backing
 from csi_qsd.errors import (
-    Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied,
-    ResourceExhausted, SourceUnreachable,
+    Aborted,
+    AlreadyExists,
+    DriverError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    ResourceExhausted,
+    SourceUnreachable,
 )
 from csi_qsd.params import Capability, ImageFormat, QoS, VolumeParameters, choose_size, unsupported_capability
 from csi_qsd.pools.base import Pool

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from csi_qsd.controller import chains
 from csi_qsd.catalog import Catalog, StageRecord, StageState, VolumeRecord
+from csi_qsd.controller import chains
 from csi_qsd.errors import FailedPrecondition, QSDError, Unavailable
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.qsd import attach

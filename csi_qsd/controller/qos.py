@@ -15,10 +15,10 @@ from collections.abc import Mapping
 
 from csi_qsd.catalog import Catalog, StageState, VolumeRecord, VolumeState
 from csi_qsd.errors import NotFound, Unavailable
-from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import parse_mutable_parameters
 from csi_qsd.qsd import attach
 from csi_qsd.qsd.shards import QSDShards
+from csi_qsd.sys.locks import KeyedLocks
 
 log = logging.getLogger(__name__)
 

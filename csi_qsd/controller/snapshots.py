@@ -19,17 +19,17 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.controller import chains
-
 from csi_qsd import validate
 from csi_qsd.catalog import Catalog, GroupRecord, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState, now
-from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
-from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
-from csi_qsd.sys.locks import KeyedLocks
-from csi_qsd.params import Capability, ImageFormat, QoS, VolumeParameters
-from csi_qsd.pools.base import Pool
+from csi_qsd.controller import chains
 from csi_qsd.controller.live import LiveImages
 from csi_qsd.controller.volumes import Volumes
+from csi_qsd.errors import Aborted, AlreadyExists, DriverError, FailedPrecondition, InvalidArgument, NotFound
+from csi_qsd.params import Capability, ImageFormat, QoS, VolumeParameters
+from csi_qsd.pools.base import Pool
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
+from csi_qsd.sys.failpoints import Failpoints
+from csi_qsd.sys.locks import KeyedLocks
 
 log = logging.getLogger(__name__)
 

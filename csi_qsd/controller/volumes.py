@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
 import logging
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
+from csi_qsd import validate
 from csi_qsd.catalog import Catalog, VolumeRecord, VolumeState, now
+from csi_qsd.controller import chains
 from csi_qsd.errors import (
-    Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted,
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    OutOfRange,
+    ResourceExhausted,
 )
-from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
-from csi_qsd.sys.filesystems import MINIMUM_BYTES
-from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.params import Capability, QoS, VolumeParameters, choose_size, unsupported_capability
 from csi_qsd.pools.base import NewImage, Pool, settle_image
-from csi_qsd.controller import chains
-from csi_qsd import validate
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
+from csi_qsd.sys.failpoints import Failpoints
+from csi_qsd.sys.filesystems import MINIMUM_BYTES
+from csi_qsd.sys.locks import KeyedLocks
 
 log = logging.getLogger(__name__)
 

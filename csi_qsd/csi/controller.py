@@ -15,7 +15,12 @@ from google.protobuf import timestamp_pb2, wrappers_pb2
 
 from csi_qsd import validate
 from csi_qsd.catalog import SnapshotRecord, VolumeRecord
-from csi_qsd.config import Config, TOPOLOGY_KEY_NODE
+from csi_qsd.config import TOPOLOGY_KEY_NODE, Config
+from csi_qsd.controller.condition import HealthView, VolumeHealth
+from csi_qsd.controller.copy_leases import RemoteCopies, SourceLeases
+from csi_qsd.controller.qos import VolumeLimits
+from csi_qsd.controller.snapshots import Snapshots
+from csi_qsd.controller.volumes import Volumes
 from csi_qsd.csi import convert
 from csi_qsd.csi.errors import RpcObservers, not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
@@ -23,11 +28,6 @@ from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from csi_qsd.node.copy_streams import CopyStreams
 from csi_qsd.params import MIB, PROVISIONER_PREFIX, parse_mutable_parameters, parse_parameters, unsupported_capability
-from csi_qsd.controller.condition import HealthView, VolumeHealth
-from csi_qsd.controller.copy_leases import RemoteCopies, SourceLeases
-from csi_qsd.controller.qos import VolumeLimits
-from csi_qsd.controller.snapshots import Snapshots
-from csi_qsd.controller.volumes import Volumes
 
 _RPC = pb.ControllerServiceCapability.RPC.Type
 CAPABILITIES = (

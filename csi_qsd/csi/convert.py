@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from csi_qsd.config import Config, TOPOLOGY_KEY_NODE
+from csi_qsd import validate
+from csi_qsd.config import TOPOLOGY_KEY_NODE, Config
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import InvalidArgument
-from csi_qsd import validate
 from csi_qsd.params import AccessMode, Capability
 
 _MODES = {value: AccessMode[name] for name, value in pb.VolumeCapability.AccessMode.Mode.items()}

@@ -6,12 +6,12 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from csi_qsd import validate
+from csi_qsd.controller.snapshots import Group, Snapshots
 from csi_qsd.csi.controller import check_snapshot_parameters, snapshot_message
 from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
-from csi_qsd.controller.snapshots import Group, Snapshots
 
 _RPC = pb.GroupControllerServiceCapability.RPC.Type
 

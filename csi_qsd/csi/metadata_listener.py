@@ -25,10 +25,10 @@ from csi_qsd.config import Config
 from csi_qsd.csi.controller import ControllerService
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.snapshot_metadata import SnapshotMetadataService
+from csi_qsd.csi.tls import server_credentials
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import StartupError
-from csi_qsd.csi.tls import server_credentials
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 
 from csi_qsd import validate
-from csi_qsd.config import Config, TOPOLOGY_KEY_FUSE, TOPOLOGY_KEY_NODE, TOPOLOGY_KEY_VHOST_USER
+from csi_qsd.config import TOPOLOGY_KEY_FUSE, TOPOLOGY_KEY_NODE, TOPOLOGY_KEY_VHOST_USER, Config
 from csi_qsd.csi import convert
 from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb

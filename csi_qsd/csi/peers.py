@@ -47,7 +47,14 @@ from csi_qsd.copy_link import Lease
 from csi_qsd.csi.client import LEASES_SERVICE
 from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
 from csi_qsd.errors import (
-    Code, DriverError, Forwarded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable,
+    Code,
+    DriverError,
+    Forwarded,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
 )
 from csi_qsd.sys.pem import PemFiles
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import grpc
 
-from csi_qsd.qcow2 import extents
 from csi_qsd.controller.changed_blocks import BlockMap, ChangedBlocks
 from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument
+from csi_qsd.qcow2 import extents
 
 # 4096 ranges of 2 varints each stay far below gRPC's 4 MiB message limit.
 DEFAULT_MAX_RESULTS = 4096

@@ -21,13 +21,15 @@ from typing import ClassVar
 
 from csi_qsd.catalog import PublishRecord, StageRecord, VolumeRecord
 from csi_qsd.errors import InvalidArgument
-from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.params import ExportKind
 from csi_qsd.pools.base import Pool
-from csi_qsd.qsd import attach, move as qsd_move
+from csi_qsd.qsd import attach
+from csi_qsd.qsd import move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import QSDDaemon
 from csi_qsd.qsd.shards import QSDShards
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
+from csi_qsd.sys.failpoints import Failpoints
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.qsd import features
 from csi_qsd.catalog import PublishRecord, PublishState, StageRecord, VolumeRecord
 from csi_qsd.errors import FailedPrecondition, Unavailable
 from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import vhost_user
-from csi_qsd.qsd import attach, graph, move as qsd_move
+from csi_qsd.qsd import attach, features, graph
+from csi_qsd.qsd import move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.iothreads import IOThreadPool
 from csi_qsd.sys import unix_peers, vhost_channels

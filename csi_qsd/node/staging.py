@@ -20,22 +20,36 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from csi_qsd.node import moves, placement
-from csi_qsd.node.rebuild import Backoff, GraphRebuild
 from csi_qsd.catalog import (
-    AccessType, Catalog, PublishRecord, PublishState, StageRecord, StageState, VolumeRecord, VolumeState,
+    AccessType,
+    Catalog,
+    PublishRecord,
+    PublishState,
+    StageRecord,
+    StageState,
+    VolumeRecord,
+    VolumeState,
 )
 from csi_qsd.errors import (
-    AlreadyExists, FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange, Unavailable,
+    AlreadyExists,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    Unavailable,
 )
 from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
-from csi_qsd.sys.locks import KeyedLocks
+from csi_qsd.node import moves, placement
+from csi_qsd.node.rebuild import Backoff, GraphRebuild
 from csi_qsd.params import choose_size
 from csi_qsd.pools.base import Pool, settle_image
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import Rebuild
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
+from csi_qsd.sys.failpoints import Failpoints
+from csi_qsd.sys.locks import KeyedLocks
 
 log = logging.getLogger(__name__)
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.errors import StartupError
-from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.nvme import NvmeDevicePool
 from csi_qsd.pools.remote import RemotePool
+from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
+from csi_qsd.sys.failpoints import Failpoints
 
 
 async def open_device_pools(

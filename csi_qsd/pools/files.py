@@ -15,12 +15,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from csi_qsd.qcow2 import image_bitmaps, layer_bitmaps
 from csi_qsd.errors import ResourceExhausted
-from csi_qsd.qcow2.granularity import qcow2_options
 from csi_qsd.params import DEFAULT_POOL_NAME, ImageFormat, Preallocation, VolumeParameters
-from csi_qsd.qcow2 import blank
 from csi_qsd.pools.base import NewImage, Pool, PoolUsage
+from csi_qsd.qcow2 import blank, image_bitmaps, layer_bitmaps
+from csi_qsd.qcow2.granularity import qcow2_options
 from csi_qsd.qsd import file_aio
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import ImageFile

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from csi_qsd.errors import QSDError, StartupError
-from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
 from csi_qsd.pools.device import DevicePool, foreign_signatures, read_label, write_label
 from csi_qsd.qsd import device_io
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import NvmeNamespace, RemoteDevice
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
+from csi_qsd.sys.failpoints import Failpoints
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog

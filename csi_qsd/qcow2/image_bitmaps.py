@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from csi_qsd.qcow2 import layer_bitmaps
 from csi_qsd.errors import HostCommandError
+from csi_qsd.qcow2 import layer_bitmaps
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.imagemap import layer_spec, qcow2_spec
 from csi_qsd.qcow2.layer_bitmaps import Bitmap

@@ -18,12 +18,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.qsd import features
-
-from csi_qsd.qcow2 import layer_bitmaps
 from csi_qsd.errors import OutOfRange, QSDError
 from csi_qsd.params import QoS, VolumeParameters
-from csi_qsd.qsd import graph, vhost_greeting
+from csi_qsd.qcow2 import layer_bitmaps
+from csi_qsd.qsd import features, graph, vhost_greeting
 from csi_qsd.qsd.client import JOB_BY_HAND, BlockNodeInfo, QSDClient, node_info
 from csi_qsd.qsd.iothreads import IOThreadPool
 from csi_qsd.qsd.storage import Storage

@@ -29,11 +29,10 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.qsd import features
-from csi_qsd.qsd.settings import QSDMode, QSDSettings
 from csi_qsd.errors import NoAnswer, QSDError, QSDNoAnswer
+from csi_qsd.qsd import features, fuse_paths, iothreads
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.qsd import fuse_paths, iothreads
+from csi_qsd.qsd.settings import QSDMode, QSDSettings
 from csi_qsd.sys.processes import wait_gone
 from csi_qsd.sys.run import tool_env
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from csi_qsd.validate import VOLUME_ID_RE
 from csi_qsd.params import CacheMode, ImageFormat, QoS, VolumeParameters
+from csi_qsd.validate import VOLUME_ID_RE
 
 IOTHREAD_ID = "iothread0"
 # Per-volume qcow2 metadata cache: bounded on purpose (default would grow to 32 MiB each).

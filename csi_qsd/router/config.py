@@ -6,9 +6,9 @@ import dataclasses
 import re
 
 from csi_qsd.config import DEFAULT_DRIVER_NAME
-from csi_qsd.validate import check_address
 from csi_qsd.sys import endpoint as unix_endpoint
 from csi_qsd.sys.pem import PemFiles
+from csi_qsd.validate import check_address
 
 DEFAULT_SERVER_NAME = "csi-qsd-node"
 # A node name as Kubernetes allows it (DNS subdomain).

@@ -46,8 +46,23 @@ from pathlib import Path
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys.tools import bundled
 from e2e.bench.common import (
-    GIB, MIB, Job, ServedBench, figure, ThreadCPU, bench_main, ext4_on, fio, lay_out, loop_device, loop_mode_of, output,
-    progress, ratio, sh, table,
+    GIB,
+    MIB,
+    Job,
+    ServedBench,
+    ThreadCPU,
+    bench_main,
+    ext4_on,
+    figure,
+    fio,
+    lay_out,
+    loop_device,
+    loop_mode_of,
+    output,
+    progress,
+    ratio,
+    sh,
+    table,
 )
 from tests.harness import Sandbox, qsd_pid
 

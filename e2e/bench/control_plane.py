@@ -34,13 +34,27 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys import loop, mounts
 from csi_qsd.sys.durable import fsync_path
 from e2e.bench.common import (
-    GIB, KIB, ServedBench, Staged, Summary, bench_main, log_problems, ms, open_fds, ratio, release, sh,
-    measured, status_field_kib, table, timed, verdict,
+    GIB,
+    KIB,
+    ServedBench,
+    Staged,
+    Summary,
+    bench_main,
+    log_problems,
+    measured,
+    ms,
+    open_fds,
+    ratio,
+    release,
+    sh,
+    status_field_kib,
+    table,
+    timed,
+    verdict,
 )
 from tests.harness import Sandbox, qsd_pid
 

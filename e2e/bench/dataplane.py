@@ -46,7 +46,19 @@ from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
 from e2e.bench.common import (
-    MIB, Job, ServedBench, figure, bench_main, ext4_on, loop_device, loop_mode_of, output, progress, ratio, release, table,
+    MIB,
+    Job,
+    ServedBench,
+    bench_main,
+    ext4_on,
+    figure,
+    loop_device,
+    loop_mode_of,
+    output,
+    progress,
+    ratio,
+    release,
+    table,
 )
 from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
 from tests.harness import Sandbox

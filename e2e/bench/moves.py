@@ -29,7 +29,6 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.bench.common import GIB, MIB, Summary, ratio, sh, stage, table
 from e2e.bench.device_pool import ServedPool, served_pool
 
-
 RING_BLOCKS = 1024
 STALL = 0.05
 

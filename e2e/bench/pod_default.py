@@ -51,7 +51,19 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.sys import mounts
 from e2e.bench.common import (
-    GIB, MIB, ServedBench, ext4_on, fio, lay_out, loop_device, missing, output, progress, ratio, run_to_end, table,
+    GIB,
+    MIB,
+    ServedBench,
+    ext4_on,
+    fio,
+    lay_out,
+    loop_device,
+    missing,
+    output,
+    progress,
+    ratio,
+    run_to_end,
+    table,
 )
 from e2e.bench.scaling import NAMESPACE_KEY, Row, compare, namespace_for, new_filesystem, qd32, qsd_pids_of
 from tests.harness import Sandbox, sandbox

@@ -76,7 +76,19 @@ from csi_qsd.sys import filesystems, fusectl, mounts
 from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
 from e2e.bench.common import (
-    MIB, Job, ServedBench, ThreadCPU, fio, loop_device, missing, output, progress, ratio, run_to_end, sh, table,
+    MIB,
+    Job,
+    ServedBench,
+    ThreadCPU,
+    fio,
+    loop_device,
+    missing,
+    output,
+    progress,
+    ratio,
+    run_to_end,
+    sh,
+    table,
 )
 from tests.harness import Sandbox, qsd_pid, sandbox
 

@@ -50,11 +50,23 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from csi_qsd.csi.client import CSIClient
 from csi_qsd.controller.snapshots import MAX_CHAIN_DEPTH
+from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys.durable import fsync_path
 from e2e.bench.common import (
-    GIB, MIB, ServedBench, Summary, bench_main, log_problems, ms, progress, sh, table, timed, verdict, write_direct,
+    GIB,
+    MIB,
+    ServedBench,
+    Summary,
+    bench_main,
+    log_problems,
+    ms,
+    progress,
+    sh,
+    table,
+    timed,
+    verdict,
+    write_direct,
 )
 from tests.harness import Sandbox
 

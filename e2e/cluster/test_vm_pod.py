@@ -31,7 +31,12 @@ from e2e.cluster.deploy import driver_pod, get_json, wait_daemonset_ready, wait_
 from e2e.guest import build_guest_image, guest_disk_path
 from e2e.guest.initramfs import EXIT_MARKER, write_run_initrd
 from e2e.guest.scripts import (
-    acknowledged_blocks, count_kernel_io_errors, guest_script, verify_pattern, verify_summaries, write_pattern,
+    acknowledged_blocks,
+    count_kernel_io_errors,
+    guest_script,
+    verify_pattern,
+    verify_summaries,
+    write_pattern,
 )
 
 pytestmark = cluster_marks()

@@ -12,7 +12,12 @@ import pytest
 
 from tests.deploy.crd_schemas import SCHEMAS
 from tests.deploy.helpers import (
-    CERT_MANAGER_DIR, DEPLOY_DIR, EXAMPLES_DIR, SNAPSHOT_METADATA_DIR, SNAPSHOT_METADATA_SERVICE, Obj,
+    CERT_MANAGER_DIR,
+    DEPLOY_DIR,
+    EXAMPLES_DIR,
+    SNAPSHOT_METADATA_DIR,
+    SNAPSHOT_METADATA_SERVICE,
+    Obj,
 )
 from tests.deploy.kustomize import CLUSTER_SCOPED_KINDS, load_yaml_documents, render
 

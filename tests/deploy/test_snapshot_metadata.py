@@ -10,7 +10,14 @@ import re
 import pytest
 
 from tests.deploy.helpers import (
-    DRIVER_NAME, NAMESPACE, SNAPSHOT_METADATA_DIR, SNAPSHOT_METADATA_SERVICE, Obj, container, flag_value, one,
+    DRIVER_NAME,
+    NAMESPACE,
+    SNAPSHOT_METADATA_DIR,
+    SNAPSHOT_METADATA_SERVICE,
+    Obj,
+    container,
+    flag_value,
+    one,
 )
 from tests.deploy.kustomize import load_yaml_documents
 

@@ -12,7 +12,8 @@ from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
 from csi_qsd.exports.base import ExportHost, ExportPath, VolumeStats
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.params import ExportKind
-from csi_qsd.qsd import attach, graph, move as qsd_move
+from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd import move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from tests.fakes.crash import Crash
 

@@ -18,7 +18,8 @@ from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.server import placed
-from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS, Failpoints
+from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
+from csi_qsd.sys.failpoints import Failpoints
 from csi_qsd.sys.locks import KeyedLocks
 from tests.fakes.exports import FakeExport, FakeExportPaths, FakeHostState
 from tests.fakes.pools import FakeMovingPool, FakePool

@@ -25,8 +25,17 @@ from csi_qsd.pools.regions import Region
 from csi_qsd.qsd import attach, graph
 from tests.harness import Sandbox, free_port, in_process_driver, qsd_pid, running_driver, until
 from tests.helpers.device_pools import (
-    DEVICE_BYTES, PATTERN, FakeNVMe, capacity, grow_while_writing, pool_of, published_xfs, read_block, spec,
-    window_bytes, write_block,
+    DEVICE_BYTES,
+    PATTERN,
+    FakeNVMe,
+    capacity,
+    grow_while_writing,
+    pool_of,
+    published_xfs,
+    read_block,
+    spec,
+    window_bytes,
+    write_block,
 )
 from tests.helpers.metrics import Scrape, scrape
 from tests.helpers.writers import fs_bytes

@@ -16,8 +16,17 @@ import pytest
 from csi_qsd.qsd import attach, graph
 from tests.harness import Sandbox, in_process_driver, qsd_pid
 from tests.helpers.device_pools import (
-    MIB, PATTERN, FakeNVMe, capacity, grow_while_writing, pool_of, published_xfs, read_block, spec,
-    window_bytes, write_block,
+    MIB,
+    PATTERN,
+    FakeNVMe,
+    capacity,
+    grow_while_writing,
+    pool_of,
+    published_xfs,
+    read_block,
+    spec,
+    window_bytes,
+    write_block,
 )
 from tests.helpers.writers import fs_bytes
 

@@ -8,9 +8,9 @@ import signal
 import grpc
 import pytest
 
-from csi_qsd.qsd import features
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
+from csi_qsd.qsd import features
 from csi_qsd.server import Driver
 from csi_qsd.sys import caps
 from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd, wait_restored

@@ -41,9 +41,9 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from csi_qsd.csi.client import capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from csi_qsd.csi.client import capability
 from csi_qsd.sys import mounts
 from tests.harness import Sandbox
 from tests.helpers.fuzz_codes import ALLOWED

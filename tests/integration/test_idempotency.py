@@ -21,8 +21,8 @@ The cases (CSI spec and DESIGN.md, decision 5):
 from __future__ import annotations
 
 import asyncio
-import threading
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar

@@ -24,14 +24,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from csi_qsd import server
 from csi_qsd.catalog import Catalog
-from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
 from csi_qsd.pools.device import LABEL_MAGIC
 from csi_qsd.pools.nvme import NvmeDevicePool
-from csi_qsd import server
+from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import attach, graph
 from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.server import Driver

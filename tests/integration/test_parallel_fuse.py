@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.qsd import features
 from csi_qsd.exports import fuse_loop
+from csi_qsd.qsd import features
 from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from csi_qsd.qsd import features
 from csi_qsd.csi.client import CSIClient
+from csi_qsd.qsd import features
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys.tools import bundled
 from tests.harness import Sandbox, in_process_driver, qsd_pid

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from csi_qsd.catalog import (
-    SCHEMA_VERSION, AccessType, Catalog, GroupRecord, PublishRecord, PublishState, StageRecord, StageState,
+    SCHEMA_VERSION,
+    AccessType,
+    Catalog,
+    GroupRecord,
+    PublishRecord,
+    PublishState,
+    StageRecord,
+    StageState,
     VolumeState,
 )
 from csi_qsd.catalog import store as catalog_store

@@ -10,7 +10,7 @@ from pathlib import Path
 from csi_qsd.catalog import SCHEMA_VERSION, Catalog, ExtentChoice, ExtentRecord, ExtentState
 from csi_qsd.catalog.schema import MIGRATIONS
 from csi_qsd.pools import regions
-from csi_qsd.pools.regions import Region, Layout
+from csi_qsd.pools.regions import Layout, Region
 from tests.fakes.records import volume
 
 V1_SCHEMA = Path(__file__).parent.parent / "data" / "catalog_v1.sql"

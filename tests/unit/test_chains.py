@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.controller import chains
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState, VolumeRecord, VolumeState
+from csi_qsd.controller import chains
 from csi_qsd.params import VolumeParameters
 from csi_qsd.pools.files import FilePool
 

@@ -25,7 +25,13 @@ from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Lease, nbd_backing
 from csi_qsd.csi.peers import SERVICE, PeerNodes, StaticPeers, checked_lease, copies_handler
 from csi_qsd.csi.tls import PemFiles, server_credentials
 from csi_qsd.errors import (
-    Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, SourceLost,
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    SourceLost,
     Unavailable,
 )
 from csi_qsd.exports.registry import ExportPaths

@@ -8,13 +8,13 @@ gap, how far an extent can grow in place) matches the brute-force model.
 
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
-import pytest
-
 from csi_qsd.pools import regions
-from csi_qsd.pools.regions import Region, Layout
+from csi_qsd.pools.regions import Layout, Region
 
 MIB = 1 << 20
 UNITS = 64

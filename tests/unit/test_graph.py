@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.qsd import features
-
 from csi_qsd import validate
 from csi_qsd.params import CacheMode, DetectZeroes, Discard, ImageFormat, VolumeParameters
-from csi_qsd.qsd import graph
+from csi_qsd.qsd import features, graph
 
 # QEMU's block.c keeps node names in char[32] and refuses strlen >= 32; util/id.c's id_wellformed():
 # a letter first, then letters, digits, '-', '.' and '_'.

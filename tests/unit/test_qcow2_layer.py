@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.qcow2 import header, tables as L
+from csi_qsd.qcow2 import header
+from csi_qsd.qcow2 import tables as L
 
 CLUSTER_BITS = 17
 CLUSTER = 1 << CLUSTER_BITS

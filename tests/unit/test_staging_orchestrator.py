@@ -15,7 +15,13 @@ import pytest
 
 from csi_qsd.catalog import StageState, VolumeRecord
 from csi_qsd.errors import (
-    Aborted, AlreadyExists, FailedPrecondition, HostCommandError, InvalidArgument, NotFound, Unavailable,
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    HostCommandError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
 )
 from csi_qsd.node.staging import PublishSpec, StageSpec
 from csi_qsd.qsd import graph

@@ -11,7 +11,6 @@ import pytest
 from csi_qsd import validate
 from csi_qsd.errors import InvalidArgument, NotFound
 
-
 # IDs ---------------------------------------------------------------------
 
 

@@ -21,7 +21,6 @@ from csi_qsd.pools.files import FilePool
 from csi_qsd.sys.locks import KeyedLocks
 from tests.fakes.records import volume
 
-
 # the start-up reconcile of transitional volume rows -----------------------
 
 
