@@ -103,7 +103,9 @@ def driver_definition(storage_class_file: Path | None = None) -> dict[str, objec
         "SnapshotClass": {"FromExistingClassName": SNAPSHOT_CLASS},
         "DriverInfo": {
             "Name": "csi-qsd.io",
-            "SupportedSizeRange": {"Min": "1Mi", "Max": "10Gi"},
+            # XFS volumes are made at least 300 MiB (mkfs.xfs's floor), and a restore must ask at least its
+            # snapshot's size (external-provisioner refuses a smaller one): claims start there.
+            "SupportedSizeRange": {"Min": "300Mi", "Max": "10Gi"},
             "SupportedFsType": {"": {}, "ext4": {}, "xfs": {}},
             # Every key a node reports (NodeGetInfo); the CSIStorageCapacity objects carry all of them, and the
             # capacity test expects objects of the one key it is given when it is given only one.
