@@ -15,13 +15,14 @@ libblkio). Only the benches use it.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
+
+from e2e.bench.common import output
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = Path(__file__).with_name("blkio_bench.c")
@@ -72,12 +73,9 @@ def argv(driver: str, path: Path, *, write: bool, block_size: int, depth: int, s
 
 async def iops(driver: str, path: Path, *, write: bool, block_size: int = 4096, depth: int = 32,
                seconds: float = 5, size: int) -> float:
-    """One run's IOPS. Raises RuntimeError with the client's message if it fails."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv(driver, path, write=write, block_size=block_size, depth=depth, seconds=seconds, size=size),
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await proc.communicate()
-    found = _IOPS.search(out.decode())
-    if proc.returncode != 0 or found is None:
-        raise RuntimeError(f"blkio_bench {driver} {path} failed ({proc.returncode}): {err.decode().strip()}")
+    """One run's IOPS. Raises HostCommandError with the client's message if it fails."""
+    out = await output(*argv(driver, path, write=write, block_size=block_size, depth=depth, seconds=seconds, size=size))
+    found = _IOPS.search(out)
+    if found is None:
+        raise RuntimeError(f"blkio_bench {driver} {path} printed no iops: {out.strip()}")
     return float(found.group(1))

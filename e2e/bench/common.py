@@ -163,11 +163,11 @@ def open_fds(pid: int) -> int:
 
 
 def ratio(value: float, baseline: float) -> str:
-    """`value / baseline` as '12.3x', or '-' when the baseline is zero."""
+    """`value / baseline` as '12.3x' (two significant digits under 0.1: '0.0012x'), or '-' when the baseline is zero."""
     if baseline <= 0:
         return "-"
     r = value / baseline
-    return f"{r:.0f}x" if r >= 100 else f"{r:.1f}x" if r >= 10 else f"{r:.2f}x"
+    return f"{r:.0f}x" if r >= 100 else f"{r:.1f}x" if r >= 10 else f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x"
 
 
 def figure(value: float) -> str:
@@ -341,6 +341,16 @@ async def loop_device(backing: Path, *, direct: bool = True, window: tuple[int, 
 
 
 @contextlib.asynccontextmanager
+async def raw_file(path: Path, size: int) -> AsyncIterator[Path]:
+    """A file of `size` bytes allocated at `path` (fallocate), as a baseline's backing; removed on exit."""
+    await output("fallocate", "-l", str(size), str(path))
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.asynccontextmanager
 async def ext4_on(device: Path, mountpoint: Path) -> AsyncIterator[Path]:
     """ext4 made as the driver makes it, mounted at `mountpoint`, unmounted on exit."""
     await filesystems.make(device, "ext4")
@@ -465,30 +475,43 @@ B = TypeVar("B", bound=ServedBench)
 
 
 def missing(*tools: str) -> str:
-    """Why this machine cannot run a bench that serves the driver ('' if it can): root, /dev/fuse, `tools`."""
-    if os.geteuid() != 0:
-        return "run as root: the bench stages volumes (FUSE exports, loop devices, mounts)"
+    """Why this machine cannot run a bench that serves the driver, printed ('' if it can): root, /dev/fuse, `tools`."""
     absent = [tool for tool in tools if shutil.which(tool) is None]
-    if absent or not Path("/dev/fuse").exists():
-        return f"needs /dev/fuse and {', '.join(absent) or 'nothing else'}"
-    return ""
+    problem = ("run as root: the bench stages volumes (FUSE exports, loop devices, mounts)" if os.geteuid() != 0
+               else f"needs /dev/fuse and {', '.join(absent) or 'nothing else'}"
+               if absent or not Path("/dev/fuse").exists() else "")
+    if problem:
+        print(problem, file=sys.stderr)
+    return problem
 
 
 def bench_main(make: Callable[[Sandbox], B], report: Callable[[B], str], *, tools: Sequence[str] = (),
                what: str = "benchmark", log_tail: int | None = 4000) -> int:
-    """Run `make(box)`'s bench in a fresh sandbox and print `report(bench)`, partial results too; the exit status.
+    """Run `make(box)`'s bench in a fresh sandbox and print `report(bench)`, partial results too, and the wall time.
 
-    2 if this machine cannot run it, else `run_to_end`'s.
+    The exit status: 2 if this machine cannot run it, else `run_to_end`'s.
     """
-    problem = missing(*tools)
-    if problem:
-        print(problem, file=sys.stderr)
+    if missing(*tools):
         return 2
+    started = time.monotonic()
     with sandbox() as box:
         bench = make(box)
         status = run_to_end(bench.run(), bench.driver, what=what, log_tail=log_tail)
         print(report(bench), flush=True)
+    print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return status
+
+
+def rerun_unshared(module: str, argv: Sequence[str] | None, first: str = "true") -> int | None:
+    """`python -m module argv` (this bench's own arguments if None) again in a private mount namespace, after
+    shell command `first` there: its exit status; None in that run itself. No namespace made meanwhile copies
+    its mounts."""
+    if os.environ.get("CSI_QSD_BENCH_UNSHARED"):
+        return None
+    command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{first} && exec "$@"', "sh",
+               sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)]
+    env = dict(os.environ, CSI_QSD_BENCH_UNSHARED="1")
+    return subprocess.run(command, env=env, check=False).returncode
 
 
 def run_to_end(work: Coroutine[Any, Any, object], driver: DriverProcess, *, what: str = "benchmark",
@@ -512,12 +535,17 @@ def run_to_end(work: Coroutine[Any, Any, object], driver: DriverProcess, *, what
         kill_driver(driver)
 
 
-def log_problems(driver: DriverProcess) -> list[str]:
-    """The driver log's warnings and errors."""
-    if not driver.log_path.exists():
-        return []
-    return [line for line in driver.log_path.read_text(errors="replace").splitlines()
-            if "level=WARNING" in line or "level=ERROR" in line]
+def log_problems(driver: DriverProcess) -> str:
+    """How many warnings and errors the driver logged, and the first five."""
+    lines = driver.log().splitlines() if driver.log_path.exists() else []
+    problems = [line for line in lines if "level=WARNING" in line or "level=ERROR" in line]
+    return f"driver log: {len(problems)} warning/error lines" + "".join(f"\n  {line[:200]}" for line in problems[:5])
+
+
+def logged(driver: DriverProcess, event: str) -> dict[str, str]:
+    """The key=value fields of the driver's last `event=<event>` log line; {} if it logged none."""
+    lines = [line.split() for line in driver.log().splitlines() if f"event={event}" in line.split()]
+    return dict(field.split("=", 1) for field in lines[-1] if "=" in field) if lines else {}
 
 
 def kill_driver(driver: DriverProcess) -> None:

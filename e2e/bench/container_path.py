@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
-import re
 import statistics
 import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
@@ -50,21 +48,22 @@ from e2e.bench.common import (
     MIB,
     Job,
     ServedBench,
-    ThreadCPU,
     bench_main,
     ext4_on,
     figure,
     fio,
     lay_out,
+    logged,
     loop_device,
     loop_mode_of,
-    output,
     progress,
     ratio,
+    raw_file,
     sh,
     table,
 )
-from tests.harness import Sandbox, qsd_pid
+from e2e.bench.scaling import Row, compare, qsd_pids_of
+from tests.harness import Sandbox
 
 VOLUME_SIZE = 1 * GIB
 REGION = 512 * MIB  # what the jobs touch: half the volume, leaving ext4 its metadata
@@ -86,14 +85,12 @@ JOBS = (
 
 @dataclasses.dataclass
 class Pair:
-    """One kind of volume and its baseline: each job's figure (IOPS or MiB/s) for both."""
+    """One kind of volume and its baseline: a row of figures (IOPS or MiB/s) per job, in JOBS' order."""
 
     title: str
-    volume: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    baseline: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    rows: list[Row] = dataclasses.field(default_factory=list)
     volume_loop: str = "?"
     baseline_loop: str = "?"
-    threads: dict[str, str] = dataclasses.field(default_factory=dict)  # job -> QSD's CPU per thread (last run)
 
 
 class Bench(ServedBench):
@@ -113,67 +110,41 @@ class Bench(ServedBench):
         self.qsd: str = "?"
 
     async def phases(self, csi: CSIClient) -> None:
-        self.qsd = self._qsd_from_log()
+        f = logged(self.driver, "qsd_version")
+        self.qsd = (f"QSD {f['version']}, loop devices {f['loop_io']} (--loop-io {f['setting']}), FUSE exports in "
+                    f"{f['fuse_exports_in']} ({f['iothreads']} iothreads)" if f else "? (the driver logged no version)")
         await self._filesystem(csi)
         await self._block(csi)
-
-    def _qsd_from_log(self) -> str:
-        found = re.findall(r"event=qsd_version version=(\S+) loop_io=(\S+) setting=(\S+)(?: iothreads=(\d+) "
-                           r"vhost_exports_in=\S+ fuse_exports_in=(\S+))?", self.driver.log())
-        if not found:
-            return "? (the driver logged no version)"
-        version, mode, setting, threads, fuse = found[-1]
-        return (f"QSD {version}, loop devices {mode} (--loop-io {setting}), FUSE exports in "
-                f"{fuse or 'main_loop'} ({threads or 1} iothreads)")
-
-    async def _raw_file(self, name: str) -> Path:
-        raw = self.pool / name
-        await output("fallocate", "-l", str(VOLUME_SIZE), str(raw))
-        return raw
 
     async def _compare(self, pair: Pair, volume: Path, baseline: Path) -> None:
         progress(f"{pair.title}: laying out {self.region // MIB} MiB on each")
         await lay_out(volume, self.region)
         await lay_out(baseline, self.region)
         self.pairs.append(pair)
-        pid = qsd_pid(self.box)
-        assert pid is not None
-        turn = 0
-        for job in JOBS:
+        for index, job in enumerate(JOBS):  # the turns go on from job to job
             progress(f"{pair.title}: {job.name}, {self.rounds} x {self.runtime} s each")
-            for _ in range(self.rounds):
-                order = [(pair.volume, volume), (pair.baseline, baseline)]
-                for results, path in order if turn % 2 == 0 else reversed(order):
-                    before = ThreadCPU.take(pid)
-                    results.setdefault(job.name, []).append(
-                        await fio(job, path, runtime=self.runtime, size=self.region))
-                    if results is pair.volume:
-                        pair.threads[job.name] = ThreadCPU.take(pid).since(before)
-                turn += 1
+            pair.rows.append(Row(pair.title, job.name, 1))
+            await compare(pair.rows[-1], qsd_pids_of(self.box, 1), self.rounds,
+                          functools.partial(fio, job, volume, runtime=self.runtime, size=self.region),
+                          functools.partial(fio, job, baseline, runtime=self.runtime, size=self.region),
+                          first=index * self.rounds)
 
     async def _filesystem(self, csi: CSIClient) -> None:
         pair = Pair("filesystem")
         target = (await self.stage(csi, "bench-fs", VOLUME_SIZE, self.parameters)).target
         pair.volume_loop = loop_mode_of(target)
-        raw = await self._raw_file("bench-fs.raw")
-        try:
-            async with loop_device(raw) as device, ext4_on(device, self.box.root / "ext4-raw") as mountpoint:
-                pair.baseline_loop = loop_mode_of(mountpoint)
-                await self._compare(pair, target / "fio.dat", mountpoint / "fio.dat")
-        finally:
-            raw.unlink()
+        async with raw_file(self.pool / "bench-fs.raw", VOLUME_SIZE) as raw, loop_device(raw) as device, \
+                ext4_on(device, self.box.root / "ext4-raw") as mountpoint:
+            pair.baseline_loop = loop_mode_of(mountpoint)
+            await self._compare(pair, target / "fio.dat", mountpoint / "fio.dat")
 
     async def _block(self, csi: CSIClient) -> None:
         pair = Pair("block")
         target = (await self.stage(csi, "bench-blk", VOLUME_SIZE, self.parameters, block=True)).target
         pair.volume_loop = loop_mode_of(target)
-        raw = await self._raw_file("bench-blk.raw")
-        try:
-            async with loop_device(raw) as device:
-                pair.baseline_loop = loop_mode_of(device)
-                await self._compare(pair, target, device)
-        finally:
-            raw.unlink()
+        async with raw_file(self.pool / "bench-blk.raw", VOLUME_SIZE) as raw, loop_device(raw) as device:
+            pair.baseline_loop = loop_mode_of(device)
+            await self._compare(pair, target, device)
 
 
 def report(bench: Bench) -> str:
@@ -186,13 +157,12 @@ def report(bench: Bench) -> str:
         f"{VOLUME_SIZE // GIB} GiB volumes; load average {os.getloadavg()[0]:.2f} at the end",
     ]
     for pair in bench.pairs:
-        done = [job for job in JOBS if job.name in pair.volume and job.name in pair.baseline]
         rows = []
-        for job in done:
-            volume, baseline = statistics.mean(pair.volume[job.name]), statistics.mean(pair.baseline[job.name])
-            spread = f"{figure(min(pair.volume[job.name]))}-{figure(max(pair.volume[job.name]))}"
-            rows.append([job.label, figure(volume), spread, figure(baseline), ratio(volume, baseline),
-                         pair.threads.get(job.name, "-")])
+        for job, row in zip(JOBS, pair.rows):
+            if row.volume and row.baseline:
+                volume, baseline = statistics.mean(row.volume), statistics.mean(row.baseline)
+                rows.append([job.label, figure(volume), f"{figure(min(row.volume))}-{figure(max(row.volume))}",
+                             figure(baseline), ratio(volume, baseline), row.threads[-1]])
         what = "ext4 in the published volume" if pair.title == "filesystem" else "the published block device"
         base = "ext4 on a loop device on a raw file" if pair.title == "filesystem" else "a loop device on a raw file"
         lines += [
@@ -203,14 +173,11 @@ def report(bench: Bench) -> str:
     return "\n".join(lines)
 
 
-def parse_params(values: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for value in values:
-        key, eq, val = value.partition("=")
-        if not eq or not key:
-            raise argparse.ArgumentTypeError(f"--param takes KEY=VALUE, not {value!r}")
-        out[key] = val
-    return out
+def key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"--param takes KEY=VALUE, not {text!r}")
+    return key, value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,33 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--region-mib", type=int, default=REGION // MIB, help="MiB the jobs touch (default 512)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_ROUNDS} x {QUICK_RUNTIME} s per job over {QUICK_REGION // MIB} MiB")
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="StorageClass parameter of the volumes (repeatable), e.g. format=raw")
     parser.add_argument("--loop-io", default="", choices=["", "auto", "direct", "buffered"],
                         help="passed to `csi-qsd serve` (default: the driver's own default)")
     parser.add_argument("--qsd", default="", choices=["", "10", "11"],
                         help="the install's qemu-storage-daemon-10 or -11 (default: the default runtime)")
     args = parser.parse_args(argv)
-    try:
-        parameters = parse_params(args.param)
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
+    parameters = dict(args.param)
     if args.runtime <= 0 or args.rounds < 1 or not 0 < args.region_mib * MIB < VOLUME_SIZE:
         parser.error("--runtime must be positive, --rounds at least 1, --region-mib under the volume's 1024")
     runtime, rounds, region = (
         (QUICK_RUNTIME, QUICK_ROUNDS, QUICK_REGION) if args.quick
         else (args.runtime, args.rounds, args.region_mib * MIB)
     )
-    started = time.monotonic()
-
     def made(box: Sandbox) -> Bench:
         qsd = bundled(f"qemu-storage-daemon-{args.qsd}") if args.qsd else "qemu-storage-daemon"
         progress(sh(qsd, "--version").splitlines()[0])
         return Bench(box, parameters, args.loop_io, runtime, rounds, region, args.qsd)
 
-    status = bench_main(made, report, tools=REQUIRED_TOOLS)
-    print(f"wall time {time.monotonic() - started:.0f} s", flush=True)
-    return status
+    return bench_main(made, report, tools=REQUIRED_TOOLS)
 
 
 if __name__ == "__main__":

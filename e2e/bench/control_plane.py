@@ -105,7 +105,7 @@ class Results:
     memory: list[Memory] = dataclasses.field(default_factory=list)
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     peak_free_loop: str = ""
-    driver_log_problems: list[str] = dataclasses.field(default_factory=list)
+    driver_log: str = ""  # its warnings and errors
 
 
 class Bench(ServedBench):
@@ -370,8 +370,7 @@ def report(r: Results, n: int, header: str) -> str:
                    + ", ".join(f"{k} {v:.1f}" for k, v in r.phase_seconds.items()))
     if r.peak_free_loop:
         out.append(f"next free loop device with all volumes staged: {r.peak_free_loop}")
-    out.append(f"driver log: {len(r.driver_log_problems)} warning/error lines"
-               + "".join(f"\n  {line[:200]}" for line in r.driver_log_problems[:5]))
+    out.append(r.driver_log)
     return "\n".join(out)
 
 
@@ -398,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         return Bench(box, args.volumes)
 
     def summary(bench: Bench) -> str:
-        bench.results.driver_log_problems = log_problems(bench.driver)
+        bench.results.driver_log = log_problems(bench.driver)
         return report(bench.results, args.volumes, header[0])
 
     return bench_main(made, summary, tools=REQUIRED_TOOLS, log_tail=None)

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import GIB, MIB, stage, table, write_direct
+from e2e.bench.common import GIB, MIB, Staged, release, stage, table, write_direct
 from tests.certs import mint
 from tests.harness import free_port
 from tests.router_cluster import Node, node_plugin
@@ -101,9 +101,7 @@ async def _restore(a: Node, b: Node, snapshot: str, size: int, name: str) -> tup
             break
         await asyncio.sleep(0.05)
     local = time.perf_counter() - started
-    await b.csi.unpublish(vid, str(target))
-    await b.csi.unstage(vid, str(staging))
-    await b.csi.delete_volume(vid)
+    await release(b.csi, Staged(vid, staging, target))
     return first_io, local
 
 

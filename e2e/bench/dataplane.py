@@ -36,11 +36,8 @@ the host page cache, (b') and (c) do not.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -52,11 +49,12 @@ from e2e.bench.common import (
     bench_main,
     ext4_on,
     figure,
+    fio,
     loop_device,
     loop_mode_of,
-    output,
     progress,
     ratio,
+    raw_file,
     release,
     table,
 )
@@ -64,7 +62,7 @@ from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_ima
 from tests.harness import Sandbox
 
 VOLUME_SIZE = 512 * MIB
-REGION = "256M"
+REGION = 256 * MIB
 GUEST_MEMORY_MIB = 768  # the initramfs carries ~80 MiB of fio and its libraries
 GUEST_FIO_DIR = "/opt/fio"
 TERSE_PREFIX = "3;fio-"
@@ -80,23 +78,12 @@ JOBS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Figure:
-    """One job's result: IOPS for 4k jobs, MiB/s for sequential ones."""
-
-    iops: float
-    mib_s: float
-
-    def value(self, job: Job) -> float:
-        return self.mib_s if job.sequential else self.iops
-
-
-Results = dict[str, Figure]
+Results = dict[str, float]  # job name -> MiB/s if sequential, else IOPS
 
 
 def job_file(filename: str, runtime: float) -> str:
     lines = [
-        "[global]", f"filename={filename}", "direct=1", "ioengine=libaio", f"size={REGION}",
+        "[global]", f"filename={filename}", "direct=1", "ioengine=libaio", f"size={REGION // MIB}M",
         "time_based", f"runtime={round(runtime * 1000)}ms", "randrepeat=0", "norandommap",
     ]
     for job in JOBS:
@@ -119,7 +106,7 @@ def parse_terse(output: str) -> Results:
         if int(fields[4]) != 0:
             raise RuntimeError(f"fio job {job.name} failed with error {fields[4]}")
         bw_kib, iops = (fields[47], fields[48]) if job.writes else (fields[6], fields[7])
-        results[job.name] = Figure(iops=float(iops), mib_s=float(bw_kib) / 1024)
+        results[job.name] = float(bw_kib) / 1024 if job.sequential else float(iops)
     missing = [job.name for job in JOBS if job.name not in results]
     if missing:
         raise RuntimeError(f"fio printed no result for {missing}:\n{output[-2000:]}")
@@ -130,10 +117,8 @@ def parse_terse(output: str) -> Results:
 
 
 async def fio_host(filename: Path, runtime: float) -> Results:
-    with tempfile.NamedTemporaryFile("w", suffix=".fio") as jobs:
-        jobs.write(job_file(str(filename), runtime))
-        jobs.flush()
-        return parse_terse(await output("fio", "--minimal", jobs.name))
+    """The jobs in turn, as in the guest."""
+    return {job.name: await fio(job, filename, runtime=runtime, size=REGION) for job in JOBS}
 
 
 # --- guest side ------------------------------------------------------------------
@@ -212,54 +197,40 @@ class Bench(ServedBench):
         await release(csi, volume, delete=False)
 
         progress("(c) host fio on a raw file in the pool directory")
-        raw = box.state_dir / "pool" / "bench.raw"
-        await output("fallocate", "-l", str(VOLUME_SIZE), str(raw))
-        host["raw"] = await fio_host(raw, runtime)
+        async with raw_file(box.state_dir / "pool" / "bench.raw", VOLUME_SIZE) as raw:
+            host["raw"] = await fio_host(raw, runtime)
 
-        progress("host fio on the FUSE export file of a csi-qsd volume")
-        volume = await self.stage(csi, "bench-fuse", VOLUME_SIZE, {"preallocation": "full"}, block=True, publish=False)
-        host["fuse"] = await fio_host(box.state_dir / "exports" / volume.id / "disk", runtime)
-        await csi.unstage(volume.id, str(volume.staging))
+            progress("host fio on the FUSE export file of a csi-qsd volume")
+            volume = await self.stage(csi, "bench-fuse", VOLUME_SIZE, {"preallocation": "full"}, block=True,
+                                      publish=False)
+            host["fuse"] = await fio_host(box.state_dir / "exports" / volume.id / "disk", runtime)
+            await csi.unstage(volume.id, str(volume.staging))
 
-        progress("host fio on ext4 / loop / FUSE (a csi-qsd filesystem volume)")
-        volume = await self.stage(csi, "bench-ext4", VOLUME_SIZE, {"preallocation": "full"})
-        mode = loop_mode_of(volume.target)  # the driver's choice: the baseline's loop device is made the same
-        host["ext4-fuse"] = await fio_host(volume.target / "fio.dat", runtime)
-        await release(csi, volume, delete=False)
+            progress("host fio on ext4 / loop / FUSE (a csi-qsd filesystem volume)")
+            volume = await self.stage(csi, "bench-ext4", VOLUME_SIZE, {"preallocation": "full"})
+            mode = loop_mode_of(volume.target)  # the driver's choice: the baseline's loop device is made the same
+            host["ext4-fuse"] = await fio_host(volume.target / "fio.dat", runtime)
+            await release(csi, volume, delete=False)
 
-        progress(f"host fio on ext4 / loop / raw file, loop device {mode.split()[0]} as the driver's")
-        async with loop_device(raw, direct=mode.startswith("direct")) as device, \
-                ext4_on(device, box.root / "ext4-raw") as mountpoint:
-            self.loops = f"the volume's loop device {mode}, the baseline's {loop_mode_of(mountpoint)}"
-            host["ext4-raw"] = await fio_host(mountpoint / "fio.dat", runtime)
-        raw.unlink()
-
-
-def cell(results: Results, job: Job) -> str:
-    return figure(results[job.name].value(job))
+            progress(f"host fio on ext4 / loop / raw file, loop device {mode.split()[0]} as the driver's")
+            async with loop_device(raw, direct=mode.startswith("direct")) as device, \
+                    ext4_on(device, box.root / "ext4-raw") as mountpoint:
+                self.loops = f"the volume's loop device {mode}, the baseline's {loop_mode_of(mountpoint)}"
+                host["ext4-raw"] = await fio_host(mountpoint / "fio.dat", runtime)
 
 
 def render(bench: Bench) -> str:
-    vm, host, runtime = bench.vm, bench.host, bench.runtime
-    vm_rows = []
+    vm_rows, host_rows = [], []
     for job in JOBS:
-        a, b, c = (vm["a"][job.name].value(job), vm["b"][job.name].value(job), host["raw"][job.name].value(job))
-        vm_rows.append([
-            job.label, cell(vm["a"], job), cell(vm["a'"], job), cell(vm["b"], job), cell(vm["b'"], job),
-            cell(host["raw"], job), ratio(a, b), ratio(a, vm["b'"][job.name].value(job)), ratio(a, c),
-        ])
-    host_rows = []
-    for job in JOBS:
-        def v(key: str) -> float:
-            return host[key][job.name].value(job)
-
-        host_rows.append([
-            job.label, cell(host["fuse"], job), cell(host["raw"], job), ratio(v("fuse"), v("raw")),
-            cell(host["ext4-fuse"], job), cell(host["ext4-raw"], job), ratio(v("ext4-fuse"), v("ext4-raw")),
-        ])
-    accel = default_accel()
+        v = {key: results[job.name] for key, results in {**bench.vm, **bench.host}.items()}
+        vm_rows.append([job.label, *(figure(v[key]) for key in ("a", "a'", "b", "b'", "raw")),
+                        ratio(v["a"], v["b"]), ratio(v["a"], v["b'"]), ratio(v["a"], v["raw"])])
+        host_rows.append([job.label, figure(v["fuse"]), figure(v["raw"]), ratio(v["fuse"], v["raw"]),
+                          figure(v["ext4-fuse"]), figure(v["ext4-raw"]), ratio(v["ext4-fuse"], v["ext4-raw"])])
+    accel, runtime = default_accel(), bench.runtime
     return "\n".join([
-        f"VM volumes: fio in the guest ({accel.upper()}, 1 vCPU), {runtime:g} s per job, O_DIRECT, {REGION} region",
+        f"VM volumes: fio in the guest ({accel.upper()}, 1 vCPU), {runtime:g} s per job, O_DIRECT, "
+        f"{REGION // MIB}M region",
         table(["job", "(a) csi-qsd", "(a') wb+wce=off", "(b) qemu wt", "(b') qemu none", "(c) host raw",
                "a/b", "a/b'", "a/c"], vm_rows),
         "",
@@ -279,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--runtime", type=float, default=5, help="seconds per fio job (default 5)")
     args = parser.parse_args(argv)
-    started = time.monotonic()
-    status = bench_main(lambda box: Bench(box, args.runtime), render, tools=("fio", "qemu-system-x86_64"))
-    print(f"\n(total {time.monotonic() - started:.0f} s)")
-    return status
+    return bench_main(lambda box: Bench(box, args.runtime), render, tools=("fio", "qemu-system-x86_64"))
 
 
 if __name__ == "__main__":

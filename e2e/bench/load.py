@@ -71,10 +71,10 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.publish.vhost_user import SOCKET_NAME
 from csi_qsd.qsd.vhost_greeting import greet
 from csi_qsd.sys import loop, mounts
-from e2e.bench.common import MIB, Summary, missing, ms, retrying, run_to_end, stop_driver_and_qsd, table, verdict
+from e2e.bench.common import MIB, ServedBench, Summary, bench_main, ms, retrying, table, verdict
 from e2e.bench.control_plane import REQUIRED_TOOLS
 from e2e.bench.restart import KINDS, SIZE, Kind
-from tests.harness import DriverProcess, Sandbox, qsd_pid, sandbox, until, wait_new_qsd, wait_restored, write_synced
+from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd, wait_restored, write_synced
 from tests.helpers.fuzz_codes import ALLOWED
 from tests.leftovers import qsd_leftovers
 
@@ -148,19 +148,19 @@ class QSDEvents:
         return self.poll().rebuilt >= self.lost
 
 
-class Load:
+class Load(ServedBench):
     """One run: the sandbox, the served driver, the clients, the kills and what they saw."""
 
     def __init__(self, box: Sandbox, clients: int, seconds: float, dwell: float, bound: float,
                  kinds: tuple[Kind, ...] = KINDS, qsd_kills: int = 2) -> None:
-        self.box = box
+        super().__init__(box)
+        self.client_timeout = bound
         self.qsd_kills = qsd_kills
         self.kinds = kinds
         self.clients = clients
         self.seconds = seconds
         self.dwell = dwell
         self.bound = bound
-        self.driver = DriverProcess(box, "--log-level", "info")
         self.series: dict[str, Series] = collections.defaultdict(Series)
         self.failures: dict[str, list[str]] = collections.defaultdict(list)  # by check: spec, step, data, kill
         self.leaks: list[str] = []
@@ -180,18 +180,20 @@ class Load:
 
     # the run --------------------------------------------------------------
 
-    async def run(self) -> None:
-        await self.driver.start(timeout=60)
-        async with CSIClient(self.box.endpoint, timeout=self.bound) as csi:
-            self.started = time.monotonic()
-            await asyncio.gather(self._kills(), *(self._client(csi, i) for i in range(self.clients)))
-            self.elapsed = time.monotonic() - self.started
-            try:
-                await self._check_leaks(csi)
-                self.leak_check = None
-            except BaseException as exc:
-                self.leak_check = exc
-                raise
+    async def phases(self, csi: CSIClient) -> None:
+        self.started = time.monotonic()
+        await asyncio.gather(self._kills(), *(self._client(csi, i) for i in range(self.clients)))
+        self.elapsed = time.monotonic() - self.started
+        try:
+            await self._check_leaks(csi)
+            self.leak_check = None
+        except BaseException as exc:
+            self.leak_check = exc
+            raise
+
+    async def undo(self, csi: CSIClient) -> None:
+        """Each client undid what it made, and the leak check says what is left."""
+        self.io.shutdown(wait=False, cancel_futures=True)
 
     async def _client(self, csi: CSIClient, index: int) -> None:
         n = 0
@@ -296,7 +298,7 @@ class Load:
         await asyncio.sleep(self.dwell)  # the pod runs; a kill may come now
         kind = "block" if block else "filesystem"
         read: Callable[[], bytes] = (functools.partial(_read_device, target, offset, PAYLOAD) if block
-                                     else functools.partial(_read_file, target / "data"))
+                                     else (target / "data").read_bytes)
         first = time.monotonic()
         while True:
             await self._steady(csi, vid, target)
@@ -449,10 +451,6 @@ class Load:
         exports, nodes = await qsd_leftovers(state)
         self.leaks += [f"QSD export: {e}" for e in sorted(exports)] + [f"QSD node: {n}" for n in sorted(nodes)]
 
-    async def cleanup(self) -> None:
-        self.io.shutdown(wait=False, cancel_futures=True)
-        await stop_driver_and_qsd(self.driver)
-
 
 # I/O, run in threads ---------------------------------------------------------------
 
@@ -487,10 +485,6 @@ def _describe_mount(path: Path) -> str:
 
 def _errno_name(exc: Exception) -> str:
     return errno.errorcode.get(getattr(exc, "errno", None) or 0, type(exc).__name__)
-
-
-def _read_file(path: Path) -> bytes:
-    return path.read_bytes()
 
 
 def _read_device(device: Path, offset: int, length: int) -> bytes:
@@ -586,28 +580,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clients and --seconds must be positive, --qsd-kills at least 0")
     # The greeting helper warns of each refused connection; here they are counted instead.
     logging.getLogger("csi_qsd.qsd.vhost_greeting").setLevel(logging.ERROR)
-    problem = missing(*REQUIRED_TOOLS)
-    if problem:
-        print(problem, file=sys.stderr)
-        return 2
-    with sandbox() as box:
-        load = Load(box, args.clients, args.seconds, args.dwell, args.bound,
-                    tuple(k for k in KINDS if not args.kind or k[0] in args.kind), args.qsd_kills)
+    kinds = tuple(k for k in KINDS if not args.kind or k[0] in args.kind)
+    passed: list[bool] = []
 
-        async def run() -> None:
-            try:
-                await load.run()
-            finally:
-                await load.cleanup()
+    def summary(load: Load) -> str:
+        if args.driver_log is not None and load.driver.log_path.exists():
+            shutil.copyfile(load.driver.log_path, args.driver_log)
+        text, ok = report(load)
+        passed.append(ok)
+        return text
 
-        try:
-            status = run_to_end(run(), load.driver, what="load bench")
-        finally:
-            if args.driver_log is not None and load.driver.log_path.exists():
-                shutil.copyfile(load.driver.log_path, args.driver_log)
-    text, passed = report(load)
-    print(text, flush=True)
-    return status or (0 if passed else 1)
+    status = bench_main(lambda box: Load(box, args.clients, args.seconds, args.dwell, args.bound, kinds,
+                                         args.qsd_kills), summary, tools=REQUIRED_TOOLS, what="load bench")
+    return status or (0 if passed[0] else 1)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -41,6 +39,7 @@ from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
 from e2e.bench.common import MIB, cpu_share, fio, lay_out, loop_device, ratio, table
 from e2e.bench.partitions import JOBS, run_cli
+from tests.harness import terminate, until
 
 REGION = 256 * MIB
 OFFSET = 64 * MIB
@@ -102,14 +101,13 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
         "--monitor", "chardev=m", "--object", "iothread,id=io0", start_new_session=True)
     qmp = QMPClient("bench")
     try:
-        for attempt in range(100):  # the socket file appears just before QSD listens on it
-            try:
+        async def connected() -> bool:
+            with contextlib.suppress(Exception):  # the socket file appears just before QSD listens on it
                 await qmp.connect(str(qmp_path))
-                break
-            except Exception:
-                if attempt == 99:
-                    raise
-                await asyncio.sleep(0.05)
+                return True
+            return False
+
+        await until(connected, f"QSD's QMP socket {qmp_path}", 5)
         if variant.throttle:
             await qmp.execute("object-add", {"qom-type": "throttle-group", "id": "tg", "limits": {}})
         nodes = variant.nodes(device)
@@ -128,11 +126,7 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
             await qmp.execute("quit")
         with contextlib.suppress(Exception):
             await qmp.disconnect()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        await terminate(proc, 10)
         subprocess.run(["umount", "-l", str(export)], check=False, capture_output=True)
         export.unlink(missing_ok=True)
         qmp_path.unlink(missing_ok=True)  # left behind by a QSD that had to be killed

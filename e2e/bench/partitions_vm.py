@@ -25,11 +25,10 @@ import collections
 import dataclasses
 import re
 import statistics
-import subprocess
 from pathlib import Path
 
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import MIB, ThreadCPU, ratio, sh, stage, table
+from e2e.bench.common import MIB, ThreadCPU, output, ratio, sh, stage, table
 from e2e.bench.device_pool import served_pool
 from tests.harness import qsd_pid
 
@@ -78,15 +77,11 @@ async def qemu_img_bench(image_opts: str, job: BenchJob, *, flush: bool = False)
     flush among the writes in flight when it starts, so with `depth`
     requests in flight that is about one flush per `depth` writes.
     """
-    proc = await asyncio.create_subprocess_exec(
-        bundled("qemu-img"), "bench", "--image-opts", image_opts, *job.args(),
-        *([f"--flush-interval={job.depth}"] if flush else []),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out, _ = await proc.communicate()
-    text = out.decode(errors="replace")
+    text = await output(bundled("qemu-img"), "bench", "--image-opts", image_opts, *job.args(),
+                        *([f"--flush-interval={job.depth}"] if flush else []))
     found = _DONE.search(text)
-    if proc.returncode or found is None:
-        raise RuntimeError(f"qemu-img bench failed: {text.strip()}")
+    if found is None:
+        raise RuntimeError(f"qemu-img bench printed no time: {text.strip()}")
     return job.figure(float(found.group(1)))
 
 

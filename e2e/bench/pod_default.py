@@ -57,11 +57,13 @@ from e2e.bench.common import (
     ext4_on,
     fio,
     lay_out,
+    logged,
     loop_device,
     missing,
-    output,
     progress,
     ratio,
+    raw_file,
+    rerun_unshared,
     run_to_end,
     table,
 )
@@ -103,12 +105,9 @@ class Bench(ServedBench):
         self.setting = "?"
 
     async def phases(self, csi: CSIClient) -> None:
-        found = [line for line in self.driver.log().splitlines() if "event=qsd_version" in line]
-        aio = [line for line in self.driver.log().splitlines() if "event=file_aio" in line]
-        self.setting = " ".join(part for part in (found[-1] if found else "").split()
-                                if part.startswith(("version=", "loop_io="))) or "?"
-        if aio:
-            self.setting += " " + next((p for p in aio[-1].split() if p.startswith("engine=")), "")
+        version, aio = logged(self.driver, "qsd_version"), logged(self.driver, "file_aio")
+        self.setting = " ".join(f"{key}={version[key]}" for key in ("version", "loop_io") if key in version) or "?"
+        self.setting += f" engine={aio['engine']}" if "engine" in aio else ""
         count = max(self.counts)
         targets = []
         for index in range(count):
@@ -117,9 +116,7 @@ class Bench(ServedBench):
         async with contextlib.AsyncExitStack() as stack:
             baselines = []
             for index in range(count):
-                raw = self.pool / f"baseline-{index}.raw"
-                await output("fallocate", "-l", str(VOLUME_SIZE), str(raw))
-                stack.callback(raw.unlink, missing_ok=True)
+                raw = await stack.enter_async_context(raw_file(self.pool / f"baseline-{index}.raw", VOLUME_SIZE))
                 device = await stack.enter_async_context(loop_device(raw))
                 baselines.append(await stack.enter_async_context(ext4_on(device, self.box.root / f"base-{index}")))
             volume_files = [t / "fio.dat" for t in targets]
@@ -181,14 +178,6 @@ def pool_for(box: Sandbox, config: Configuration, count: int) -> Iterator[Path]:
         yield mountpoint
 
 
-def in_private_namespace(argv: list[str]) -> int:
-    """This bench again in a mount namespace of its own, so no namespace made meanwhile copies its mounts."""
-    command = ["unshare", "--mount", "--propagation", "private", "--", sys.executable, "-m", "e2e.bench.pod_default",
-               "--in-namespace", *argv]
-    os.execvp(command[0], command)
-    return 1  # not reached
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.bench.pod_default", description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=lambda t: [Configuration.parse(p) for p in t.split(",")],
@@ -201,18 +190,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB of the fio file in each filesystem (default 512)")
     parser.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (default 2)")
     parser.add_argument("--shards", type=int, default=1, help="the driver's --qsd-shards (default 1)")
-    parser.add_argument("--in-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    problem = missing("fio", "unshare")
-    if problem:
-        print(problem, file=sys.stderr)
+    if missing("fio", "unshare"):
         return 2
     if args.runtime <= 0 or args.rounds < 1 or args.shards < 1 or min(args.counts) < 1 or \
             not 0 < args.region_mib * MIB < VOLUME_SIZE:
         parser.error("--runtime must be positive, --rounds, --shards and --counts at least 1, --region-mib under "
                      "the volume's 1024")
-    if not args.in_namespace:
-        return in_private_namespace(sys.argv[1:] if argv is None else argv)
+    if (rerun := rerun_unshared("e2e.bench.pod_default", argv)) is not None:
+        return rerun
     status = 0
     for config in args.configs:
         with sandbox() as box, pool_for(box, config, max(args.counts)) as pool:

@@ -61,7 +61,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -81,11 +80,13 @@ from e2e.bench.common import (
     ServedBench,
     ThreadCPU,
     fio,
+    logged,
     loop_device,
     missing,
     output,
     progress,
     ratio,
+    raw_file,
     run_to_end,
     sh,
     table,
@@ -171,10 +172,11 @@ async def blkio_iops(driver: str, paths: list[Path], write: bool, seconds: float
 
 
 async def compare(row: Row, pids: list[int], rounds: int, volume: Callable[[], Awaitable[float]],
-                  baseline: Callable[[], Awaitable[float]], fuse_exports: list[Path] | None = None) -> None:
-    """`rounds` of `volume` and `baseline` alternating which goes first (ABBA), with QSD's CPU per thread and the
-    FUSE requests in flight during the volumes' runs."""
-    for turn in range(rounds):
+                  baseline: Callable[[], Awaitable[float]], fuse_exports: list[Path] | None = None,
+                  first: int = 0) -> None:
+    """`rounds` of `volume` and `baseline` alternating which goes first (ABBA; the volume first in even turns,
+    counted from `first`), with QSD's CPU per thread and the FUSE requests in flight during the volumes' runs."""
+    for turn in range(first, first + rounds):
         async def on_volume() -> None:
             sampler = InFlight(fuse_exports) if fuse_exports else None
             done = asyncio.Event()
@@ -217,29 +219,22 @@ class Bench(ServedBench):
         self.rows: list[Row] = []
         self.version = "?"
         self.placement = "?"
-        self.raws: list[Path] = []
 
     async def phases(self, csi: CSIClient) -> None:
-        found = re.findall(r"event=qsd_version version=(\S+) .*iothreads=(\d+) vhost_exports_in=(\S+) "
-                           r"fuse_exports_in=(\S+)", self.driver.log())
-        if found:
-            version, threads, vhost, fuse = found[-1]
-            self.version = f"QSD {version}"
-            self.placement = f"{threads} iothreads; VM exports in {vhost}, FUSE exports in {fuse}"
-        raws = await self._raw_files(max(self.counts))
-        if "pod" in self.kinds:
-            await self._pods(csi, raws)
-        if "vm" in self.kinds:
-            await self._vms(csi, raws)
-
-    async def _raw_files(self, count: int) -> list[Path]:
-        for index in range(count):
-            raw = self.pool / f"baseline-{index}.raw"
-            await output("fallocate", "-l", str(SIZE), str(raw))
-            await output("dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={SIZE // MIB}", "oflag=direct",
-                         "conv=notrunc", "status=none")
-            self.raws.append(raw)
-        return list(self.raws)
+        if f := logged(self.driver, "qsd_version"):
+            self.version = f"QSD {f['version']}"
+            self.placement = (f"{f['iothreads']} iothreads; VM exports in {f['vhost_exports_in']}, FUSE exports in "
+                              f"{f['fuse_exports_in']}")
+        async with contextlib.AsyncExitStack() as stack:
+            raws = [await stack.enter_async_context(raw_file(self.pool / f"baseline-{i}.raw", SIZE))
+                    for i in range(max(self.counts))]
+            for raw in raws:  # written once, as the volumes are (preallocation=full)
+                await output("dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={SIZE // MIB}", "oflag=direct",
+                             "conv=notrunc", "status=none")
+            if "pod" in self.kinds:
+                await self._pods(csi, raws)
+            if "vm" in self.kinds:
+                await self._vms(csi, raws)
 
     async def _volume(self, csi: CSIClient, name: str, params: dict[str, str], *, block: bool, index: int) -> Path:
         params = {**params, NAMESPACE_KEY: namespace_for(index, self.runtime.shards)}
@@ -277,11 +272,6 @@ class Bench(ServedBench):
         progress(f"{row.kind} {row.job} x{row.count}")
         await compare(row, qsd_pids_of(self.box, self.runtime.shards), self.rounds, volume, baseline, fuse_exports)
         self.rows.append(row)
-
-    async def undo(self, csi: CSIClient) -> None:
-        await super().undo(csi)
-        for raw in self.raws:
-            raw.unlink(missing_ok=True)
 
     def render(self) -> str:
         rows = []
@@ -381,9 +371,7 @@ def new_filesystem(root: Path, fs_type: str, size: int = POOL_FS_BYTES) -> Itera
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = missing("fio")
-    if problem:
-        print(problem, file=sys.stderr)
+    if missing("fio"):
         return 2
     for runtime in (dataclasses.replace(r, shards=n) for r in args.qsd for n in args.shards):
         with sandbox() as box, pool_dir(box, args.pool_dir, args.pool_fs) as pool:

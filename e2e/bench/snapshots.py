@@ -62,6 +62,7 @@ from e2e.bench.common import (
     log_problems,
     ms,
     progress,
+    ratio,
     sh,
     table,
     timed,
@@ -155,22 +156,20 @@ class Bench(ServedBench):
         progress(f"{RESTORES} restores and {CLONES} clones per size ...")
         for i in range(RESTORES):
             for r, snapshot_id, image in zip(self.results, first_snapshots, first_images):
-                await self._baseline_overlay(r, image)
-                volume = await self._call(
-                    "CreateVolume", r.restore, r.restore_server,
-                    lambda: csi.create_volume(f"bench-restore-{r.gib}g-{i}", r.gib * GIB, PARAMETERS, block=True,
-                                              from_snapshot=snapshot_id),
-                )
-                self.volumes.append(volume.volume_id)
+                await self._create_from(csi, r, r.restore, r.restore_server, f"bench-restore-{r.gib}g-{i}", image,
+                                        from_snapshot=snapshot_id)
         for i in range(CLONES):
             for r, source, image in zip(self.results, sources, first_images):
-                await self._baseline_overlay(r, image)
-                volume = await self._call(
-                    "CreateVolume", r.clone, r.clone_server,
-                    lambda: csi.create_volume(f"bench-clone-{r.gib}g-{i}", r.gib * GIB, PARAMETERS, block=True,
-                                              from_volume=source),
-                )
-                self.volumes.append(volume.volume_id)
+                await self._create_from(csi, r, r.clone, r.clone_server, f"bench-clone-{r.gib}g-{i}", image,
+                                        from_volume=source)
+
+    async def _create_from(self, csi: CSIClient, r: SizeResults, samples: list[float], server: list[float],
+                           name: str, image: Path, *, from_snapshot: str = "", from_volume: str = "") -> None:
+        """A restore or a clone, timed beside a bare overlay on `image`."""
+        await self._baseline_overlay(r, image)
+        volume = await self._call("CreateVolume", samples, server, lambda: csi.create_volume(
+            name, r.gib * GIB, PARAMETERS, block=True, from_snapshot=from_snapshot, from_volume=from_volume))
+        self.volumes.append(volume.volume_id)
 
     async def _filled_volume(self, csi: CSIClient, r: SizeResults) -> str:
         """A volume of r.gib GiB, staged and published as a raw block device, 90% written; its ID."""
@@ -244,27 +243,15 @@ class Bench(ServedBench):
 
 # the report ---------------------------------------------------------------
 
-def fraction(value: float, baseline: float) -> str:
-    """`value / baseline`, readable also far below 1 (a copy is thousands of times slower)."""
-    if baseline <= 0:
-        return "-"
-    r = value / baseline
-    if r >= 100:
-        return f"{r:.0f}x"
-    if r >= 0.1:
-        return f"{r:.2f}x"
-    return f"{r:.2g}x"
-
-
 def _series(label: str, samples: list[float], p50: float | None = None) -> list[str]:
     """One row: n, p50, max and, if `p50` (the driver's) is given, driver p50 / this p50."""
     if not samples:
         return [label, "0", "-", "-", ""]
     s = Summary.of(samples)
-    return [label, str(s.count), ms(s.p50), ms(s.max), "" if p50 is None else fraction(p50, s.p50)]
+    return [label, str(s.count), ms(s.p50), ms(s.max), "" if p50 is None else ratio(p50, s.p50)]
 
 
-def report(results: list[SizeResults], header: str, leftovers: list[str], problems: list[str]) -> str:
+def report(results: list[SizeResults], header: str, leftovers: list[str], driver_log: str) -> str:
     out = [header, ""]
     for r in results:
         gib = f"{r.gib} GiB"
@@ -321,20 +308,20 @@ def report(results: list[SizeResults], header: str, leftovers: list[str], proble
         out.append(table(headers, targets))
         out.append("")
     out.append("pool after deleting everything through the driver: " + ("; ".join(leftovers) or "empty"))
-    out.append(f"driver log: {len(problems)} warning/error lines"
-               + "".join(f"\n  {line[:200]}" for line in problems[:5]))
+    out.append(driver_log)
     return "\n".join(out)
 
 
 # entry point --------------------------------------------------------------
 
-def missing_space(sizes: Sequence[int]) -> str:
+def missing_space(sizes: Sequence[int]) -> bool:
+    """Whether /tmp lacks room for every filled image and one copy (then said on stderr)."""
     st = os.statvfs("/tmp")
     free = st.f_bavail * st.f_frsize
-    needed = int(FILL_FRACTION * (sum(sizes) + max(sizes)) * GIB) + SPACE_MARGIN  # every filled image + one copy
+    needed = int(FILL_FRACTION * (sum(sizes) + max(sizes)) * GIB) + SPACE_MARGIN
     if free < needed:
-        return f"needs {needed / GIB:.1f} GiB free under /tmp, has {free / GIB:.1f} GiB; try --sizes 1"
-    return ""
+        print(f"needs {needed / GIB:.1f} GiB free under /tmp, has {free / GIB:.1f} GiB; try --sizes 1", file=sys.stderr)
+    return free < needed
 
 
 def describe(sizes: Sequence[int]) -> str:
@@ -357,15 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes takes whole GiB, e.g. 1,10")
     if not sizes or sizes[0] < 1 or args.copies < 1:
         parser.error("--sizes must be at least 1 GiB and --copies at least 1")
-    problem = missing_space(sizes)
-    if problem:
-        print(problem, file=sys.stderr)
+    if missing_space(sizes):
         return 2
-    started = time.monotonic()
-    status = bench_main(lambda box: Bench(box, sizes, args.copies), lambda bench: report(
+    return bench_main(lambda box: Bench(box, sizes, args.copies), lambda bench: report(
         bench.results, bench.header, bench.leftovers, log_problems(bench.driver)), tools=REQUIRED_TOOLS)
-    print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end", flush=True)
-    return status
 
 
 if __name__ == "__main__":

@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated: main, one, pool, shards")
     parser.add_argument("--connections", type=int, default=CONNECTIONS, help="churn to this many a run (default 500)")
     args = parser.parse_args(argv)
-    problem = missing()
-    if problem:
-        print(problem, file=sys.stderr)
+    if missing():
         return 2
     qsd = bundled(f"qemu-storage-daemon-{args.qsd}")
     rows = []

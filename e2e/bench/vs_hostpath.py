@@ -39,13 +39,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
-from e2e.bench.common import MIB, ServedBench, bench_main, ms, ratio, sh, table, timed, verdict
+from e2e.bench.common import MIB, ServedBench, bench_main, ms, ratio, rerun_unshared, sh, table, timed, verdict
 from e2e.bench.control_plane import MKFS_EXT4
 from tests.harness import Sandbox, terminate, until
 
@@ -53,7 +52,6 @@ MODES = ("filesystem", "block")
 STEPS = ("CreateVolume", "Stage + Publish", "Unpublish + Unstage", "DeleteVolume")
 TARGET = 2.0
 REFERENCE = "hostpathplugin"
-IN_NAMESPACE = "CSI_QSD_BENCH_MTAB_HIDDEN"
 
 Samples = dict[tuple[str, str], list[float]]
 
@@ -226,14 +224,6 @@ def mtab_kept() -> bool:
     return os.path.lexists("/etc/mtab") and os.access("/etc/mtab", os.W_OK)
 
 
-def rerun_without_mtab(argv: list[str]) -> int:
-    """This bench again, in a private mount namespace whose /proc (and so /etc/mtab) is read-only."""
-    script = 'mount -o remount,bind,ro /proc && exec "$@"'
-    command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
-               sys.executable, "-m", "e2e.bench.vs_hostpath", *argv]
-    return subprocess.run(command, env=dict(os.environ, **{IN_NAMESPACE: "1"}), check=False).returncode
-
-
 class Bench(ServedBench):
     """Ours served and driven beside the reference (or its floor); whatever a failed run left, through the driver."""
 
@@ -281,12 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("run as root: the bench mounts filesystems and attaches loop devices", file=sys.stderr)
         return 2
-    if args.mtab == "image" and mtab_kept() and not os.environ.get(IN_NAMESPACE):
-        return rerun_without_mtab(sys.argv[1:] if argv is None else argv)
-    started = time.monotonic()
-    status = bench_main(lambda box: Bench(box, args.volumes, args.size_mib * MIB), lambda bench: bench.text)
-    print(f"wall time {time.monotonic() - started:.0f} s", file=sys.stderr)
-    return status
+    if args.mtab == "image" and mtab_kept():  # hidden by a read-only /proc, where /etc/mtab points
+        if (status := rerun_unshared("e2e.bench.vs_hostpath", argv, "mount -o remount,bind,ro /proc")) is not None:
+            return status
+    return bench_main(lambda box: Bench(box, args.volumes, args.size_mib * MIB), lambda bench: bench.text)
 
 
 if __name__ == "__main__":
