@@ -50,9 +50,11 @@ from pathlib import Path
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.sys import mounts
+from e2e.bench import scaling
 from e2e.bench.common import (
     GIB,
     MIB,
+    Job,
     ServedBench,
     ext4_on,
     fio,
@@ -67,7 +69,6 @@ from e2e.bench.common import (
     run_to_end,
     table,
 )
-from e2e.bench.scaling import NAMESPACE_KEY, Row, compare, namespace_for, new_filesystem, qd32, qsd_pids_of
 from tests.harness import Sandbox, sandbox
 
 VOLUME_SIZE = 1 * GIB
@@ -99,9 +100,9 @@ class Bench(ServedBench):
     def __init__(self, box: Sandbox, config: Configuration, pool: Path, counts: list[int], seconds: float,
                  rounds: int, shards: int, region: int = REGION) -> None:
         super().__init__(box, "--pool-dir", str(pool), "--qsd-shards", str(shards))
-        self.config, self.pool, self.counts = config, pool, counts
+        self.config, self.pool, self.counts, self.params = config, pool, counts, CLASSES[config.klass]
         self.seconds, self.rounds, self.shards, self.region = seconds, rounds, shards, region
-        self.rows: list[Row] = []
+        self.rows: list[scaling.Row] = []
         self.setting = "?"
 
     async def phases(self, csi: CSIClient) -> None:
@@ -111,8 +112,8 @@ class Bench(ServedBench):
         count = max(self.counts)
         targets = []
         for index in range(count):
-            params = {**CLASSES[self.config.klass], NAMESPACE_KEY: namespace_for(index, self.shards)}
-            targets.append((await self.stage(csi, f"pod-{index}", VOLUME_SIZE, params)).target)
+            namespace = {scaling.NAMESPACE_KEY: scaling.namespace_for(index, self.shards)}
+            targets.append((await self.stage(csi, f"pod-{index}", VOLUME_SIZE, {**self.params, **namespace})).target)
         async with contextlib.AsyncExitStack() as stack:
             baselines = []
             for index in range(count):
@@ -126,46 +127,35 @@ class Bench(ServedBench):
                 await lay_out(path, self.region)
             for rw in JOBS:
                 for n in self.counts:
-                    await self._compare(Row("pod", f"4k {rw} QD32", n), rw, volume_files[:n], baseline_files[:n])
+                    await self._compare(scaling.qd32(rw), n, volume_files[:n], baseline_files[:n])
 
-    async def _compare(self, row: Row, rw: str, volumes: list[Path], baselines: list[Path]) -> None:
-        exports = [export_file(self.box.state_dir / "exports", vid) for vid in list(self.staged)[:row.count]]
-        progress(f"{self.config.name}: {row.job} x{row.count}, {self.rounds} x {self.seconds:g} s each side")
-        await compare(row, qsd_pids_of(self.box, self.shards), self.rounds,
-                      functools.partial(fio, qd32(rw), *volumes, runtime=self.seconds, size=self.region),
-                      functools.partial(fio, qd32(rw), *baselines, runtime=self.seconds, size=self.region), exports)
-        self.rows.append(row)
+    async def _compare(self, job: Job, n: int, volumes: list[Path], baselines: list[Path]) -> None:
+        exports = [export_file(self.box.state_dir / "exports", vid) for vid in list(self.staged)[:n]]
+        progress(f"{self.config.name}: {job.name} x{n}, {self.rounds} x {self.seconds:g} s each side")
+        self.rows.append(scaling.Row("pod", job.name, n))
+        await scaling.compare(self.rows[-1], scaling.qsd_pids_of(self.box, self.shards), self.rounds,
+                              functools.partial(fio, job, *volumes, runtime=self.seconds, size=self.region),
+                              functools.partial(fio, job, *baselines, runtime=self.seconds, size=self.region), exports)
 
     def render(self) -> str:
-        params = ", ".join(f"{k}={v}" for k, v in CLASSES[self.config.klass].items()) or \
+        params = ", ".join(f"{k}={v}" for k, v in self.params.items()) or \
             "no parameters (thin qcow2, 64 KiB granularity, persistent dirty bitmap)"
         head = (f"{self.config.name}: pool on {mounts.filesystem_of(self.pool) or '?'} ({self.config.pool}); class: "
                 f"{params}; ext4 in each volume vs ext4 on a direct-I/O loop device on a raw file in the pool; "
                 f"{self.setting}; {self.shards} shard(s); {os.cpu_count()} cores; {self.rounds} x {self.seconds:g} s, "
                 f"mean; load average {os.getloadavg()[0]:.2f}")
-        rows, projection = [], []
-        ones: dict[str, tuple[float, float]] = {}
+        rows = []
         for row in self.rows:
             vol, base = statistics.mean(row.volume), statistics.mean(row.baseline)
-            busiest = statistics.mean(row.busiest) if row.busiest else 0.0
-            if row.count == 1:
-                ones[row.job] = (vol, busiest)
             spread = f"{min(row.volume) / 1000:.1f}-{max(row.volume) / 1000:.1f}k"
             rows.append([row.job, str(row.count), f"{vol / 1000:.1f}k", spread, f"{base / 1000:.1f}k",
                          ratio(vol, base), row.in_flight, row.threads[-1] if row.threads else "-"])
-            one_vol, one_busiest = ones.get(row.job, (0.0, 0.0))
-            if row.count > 1 and one_busiest > 0:
-                per_cpu = one_vol / max(one_busiest, 0.05)
-                used = min(row.count, self.shards)
-                projection.append([row.job, str(row.count), str(used), f"{per_cpu / 1000:.1f}k",
-                                   f"{used * per_cpu / 1000:.1f}k"])
-        out = [head, table(["job", "N", "volumes", "spread", "baseline", "ratio", "FUSE in flight/vol",
-                            "QSD CPU per thread (volumes' last run)"], rows)]
-        if projection:
-            out += ["projection (an estimate, not measured here): a core per QSD shard; one volume's IOPS per "
-                    "CPU-second of the busiest QSD thread, times the shards N volumes use",
-                    table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], projection)]
-        return "\n".join(out)
+        ones = {row.job: row for row in self.rows if row.count == 1}
+        projected = scaling.projection([(row.job, ones[row.job], row.count) for row in self.rows
+                                        if row.count > 1 and row.job in ones], self.shards)
+        headers = ["job", "N", "volumes", "spread", "baseline", "ratio", "FUSE in flight/vol",
+                   "QSD CPU per thread (volumes' last run)"]
+        return "\n".join(part for part in (head, table(headers, rows), projected) if part)
 
 
 @contextlib.contextmanager
@@ -174,7 +164,7 @@ def pool_for(box: Sandbox, config: Configuration, count: int) -> Iterator[Path]:
         yield box.state_dir / "pool"
         return
     # Room for every volume and baseline file, fully written, with ext4's and qcow2's metadata beside them.
-    with new_filesystem(box.root, config.pool, size=2 * count * VOLUME_SIZE + 2 * GIB) as mountpoint:
+    with scaling.new_filesystem(box.root, config.pool, size=2 * count * VOLUME_SIZE + 2 * GIB) as mountpoint:
         yield mountpoint
 
 

@@ -203,6 +203,20 @@ async def compare(row: Row, pids: list[int], rounds: int, volume: Callable[[], A
             await step()
 
 
+def projection(cases: list[tuple[str, Row, int]], shards: int) -> str:
+    """For each (job, its one-volume row, N): N volumes on a node with a core per QSD shard, estimated from the row's
+    IOPS per CPU-second of its busiest QSD thread, times the shards N volumes use; '' if there is none to project."""
+    lines = []
+    for job, one, n in cases:
+        if one.busiest:
+            per_cpu = statistics.mean(one.volume) / max(statistics.mean(one.busiest), 0.05)
+            used = min(n, shards)
+            lines.append([job, str(n), str(used), f"{per_cpu / 1000:.1f}k", f"{used * per_cpu / 1000:.1f}k"])
+    return ("projection (an estimate, not measured here): a core per QSD shard; one volume's IOPS per CPU-second "
+            "of the busiest QSD thread, times the shards N volumes use\n"
+            + table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], lines)) if lines else ""
+
+
 def qsd_pids_of(box: Sandbox, shards: int) -> list[int]:
     pids = [qsd_pid(box, shard) for shard in range(shards)]
     if None in pids:
@@ -289,23 +303,9 @@ class Bench(ServedBench):
                 f"pool on {mounts.filesystem_of(self.pool) or '?'}; {self.rounds} rounds, mean"]
         return "\n".join(head) + "\n" + table(
             ["job", "N", "volumes", "spread", "regions", "ratio", "vol xN/x1", "reg xN/x1",
-             "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)"], rows) + "\n" + self._projection()
-
-    def _projection(self) -> str:
-        """VM rows on a node with a core per shard: one volume's IOPS per busiest-thread CPU, times shards used."""
-        lines = []
-        for row in self.rows:
-            if row.kind != "vm" or row.count != 1 or not row.busiest:
-                continue
-            per_cpu = statistics.mean(row.volume) / max(statistics.mean(row.busiest), 0.05)
-            for n in self.counts:
-                used = min(n, self.runtime.shards)
-                lines.append([f"vm {row.job}", str(n), str(used), f"{per_cpu / 1000:.1f}k", f"{used * per_cpu / 1000:.1f}k"])
-        if not lines:
-            return ""
-        return ("projection (an estimate, not measured here): a core per QSD shard; one volume's IOPS per CPU-second "
-                "of the busiest QSD thread, times the shards N volumes use\n"
-                + table(["job", "N", "shards used", "IOPS per thread-CPU", "projected ceiling"], lines))
+             "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)"], rows) + "\n" + projection(
+            [(f"vm {r.job}", r, n) for r in self.rows if r.kind == "vm" and r.count == 1 for n in self.counts],
+            self.runtime.shards)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
