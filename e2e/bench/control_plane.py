@@ -16,9 +16,7 @@ with, so load from other processes on the machine hits both alike. At the end
 the figures are checked against the issue's targets (CreateVolume p99 < 100 ms,
 < 2 MiB of QSD memory per volume) and printed as PASS or MISS.
 
-Everything is cleaned up (volumes unstaged and deleted through the driver, the
-driver and QSD stopped, the sandbox unmounted and removed), also on failure or
-Ctrl-C. Usage:
+Everything is undone through the driver, also on failure or Ctrl-C. Usage:
 
     .venv/bin/python -m e2e.bench.control_plane [--volumes 200]
 """

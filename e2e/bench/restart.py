@@ -56,11 +56,8 @@ async def restart(driver: DriverProcess, box: Sandbox, probe_vid: str, probe_pat
     async with CSIClient(box.endpoint, timeout=60) as csi:
         await csi.node.NodeGetVolumeStats(pb.NodeGetVolumeStatsRequest(volume_id=probe_vid, volume_path=probe_path))
     first = time.perf_counter() - started
-
-    async def checked() -> bool:
-        return len(VERIFIED.findall(driver.log())) > verified_before
-
-    await until(checked, "the background checks (event=qsd_verified in the driver log)", 600)
+    await until(lambda: len(VERIFIED.findall(driver.log())) > verified_before,
+                "the background checks (event=qsd_verified in the driver log)", 600)
     return ready, first, float(VERIFIED.findall(driver.log())[-1])
 
 

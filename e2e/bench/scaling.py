@@ -28,29 +28,24 @@ without FUSE_ASYNC_DIO, so the kernel sends each direct-I/O request of a
 loop device synchronously, one at a time, whatever its iothreads. Beside
 each it prints the aggregate's scaling over one volume and QSD's CPU per
 thread (/proc/PID/task/*/stat) during the volumes' runs: a single saturated
-thread (QSD 10.0's main loop serving every export) shows there. On QEMU 11 the driver spreads VM exports over its iothreads
-(one per core by default) and gives each FUSE export all of them, so on a
-machine with more cores the same command shows how far that carries.
+thread (QSD 10.0's main loop serving every export) shows there. On QEMU 11
+the driver spreads VM exports over its iothreads (one per core by default)
+and gives each FUSE export all of them, so on a machine with more cores the
+same command shows how far that carries.
 
-``--pool-dir DIR`` puts the file pool, and the baseline's raw files beside
-it, in a fresh directory under DIR (default: the sandbox's state dir);
-``--pool-fs xfs`` (or ext4) on a fresh filesystem of that type, made on a
-direct-I/O loop device over a file in the sandbox (a machine with one disk has
-no other way to try one; the baseline's direct writes pay that extra layer,
-while QSD's buffered ones reach it only at writeback). The pool's filesystem
-decides how QSD's buffered writes go: io_uring completes one to XFS in QSD's
-own thread; ext4 (in this kernel) has no asynchronous buffered writes, so
-io_uring hands each to a worker thread (the ``iou-wrk`` in the CPU column)
-and QSD waits for its wake-up.
+``--pool-dir`` and ``--pool-fs`` put the file pool and the baseline's raw files
+elsewhere (``--pool-fs``: a fresh xfs or ext4 on a direct-I/O loop device, a
+layer the baseline's direct writes pay and QSD's buffered ones only at
+writeback). The pool's filesystem decides how QSD's buffered writes go:
+io_uring completes one to XFS in QSD's own thread; ext4 (in this kernel) has
+no asynchronous buffered writes, so io_uring hands each to a worker thread
+(the ``iou-wrk`` in the CPU column) and QSD waits for its wake-up.
 
-``--shards 1,2`` repeats each runtime with the driver's ``--qsd-shards``: the
-volumes are given claim namespaces that place volume i on shard i mod S, so
-N volumes use min(N, S) QSD processes, each serving its VM disks from its
-own main loop; the CPU column then shows each shard's threads (s0, s1, ...).
-Beside the VM rows it prints a projection for a node with a core per shard:
-the one-volume figure per CPU-second of the busiest QSD thread, times the
-shards the N volumes use. That is an estimate from this run, not a
-measurement, and says so.
+``--shards 1,2`` repeats each runtime with the driver's ``--qsd-shards``,
+volume i placed on shard i mod S, so N volumes use min(N, S) QSD processes,
+each serving its VM disks from its own main loop (the CPU column shows each
+shard's threads: s0, s1, ...); beside the VM rows, a projection for a node
+with a core per shard, an estimate from this run and printed as one.
 """
 
 from __future__ import annotations

@@ -26,11 +26,9 @@ is flattened (a full copy) in the background, which this benchmark must not
 trigger. The issue's target is < 50 ms p50 for each call at every size, and
 flat in size; it is printed as PASS or MISS.
 
-Everything is cleaned up through the driver (volumes and snapshots deleted,
-volumes unpublished and unstaged), then the driver and QSD are stopped and the
-sandbox removed, also on failure or Ctrl-C. Needs root, /dev/fuse, and free
-space under /tmp for 90% of every size plus one more copy of the largest
-(21 GiB for the default sizes). Takes about 2 minutes. Usage:
+Everything is undone through the driver, also on failure or Ctrl-C. Needs
+root, /dev/fuse, and free space under /tmp for 90% of every size plus one more
+copy of the largest (21 GiB for the default sizes). About 2 minutes. Usage:
 
     .venv/bin/python -m e2e.bench.snapshots [--sizes 1,10] [--copies 1]
 """
