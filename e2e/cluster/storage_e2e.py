@@ -71,6 +71,8 @@ FS_EXPANSION = (
     r"\(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited while pod is "
     r"using it",
     r"\(default fs\)\(allowExpansion\)\] volume-expand Verify if offline PVC expansion works",
+    r"\(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited and the pod is "
+    r"re-created on the same node after controller resize is finished",
 )
 
 
