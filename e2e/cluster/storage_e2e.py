@@ -73,6 +73,8 @@ FS_EXPANSION = (
     r"\(default fs\)\(allowExpansion\)\] volume-expand Verify if offline PVC expansion works",
     r"\(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited and the pod is "
     r"re-created on the same node after controller resize is finished",
+    r"Generic Ephemeral-volume \(default fs\) \(late-binding\)\] ephemeral should support expansion of pvcs created "
+    r"for ephemeral pvcs",
 )
 
 
