@@ -98,6 +98,9 @@ class Watch:
     def stop(self) -> None:
         self._process.kill()
         self._process.wait()
+        self._thread.join(timeout=10)  # it reads to the killed kubectl's end of output
+        if self._process.stdout is not None:
+            self._process.stdout.close()
 
 
 def _pod(name: str, volume: dict[str, Any]) -> dict[str, Any]:
