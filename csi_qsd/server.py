@@ -189,8 +189,13 @@ def known_peers(config: Config) -> PeerList:
     """The other node plugins as this node finds them: listed by --peer, or in the Kubernetes API."""
     if not config.peers_from_pods:
         return StaticPeers(config.peers)
+    return PodPeers(in_cluster(config), config.peers_from_pods, config.metadata_port)
+
+
+def in_cluster(config: Config) -> InCluster:
+    """This pod's way to its API server (`config.kubernetes_api`, HOST:PORT) with its service account."""
     host, _, port = config.kubernetes_api.rpartition(":")
-    return PodPeers(InCluster.from_pod(host.strip("[]"), port), config.peers_from_pods, config.metadata_port)
+    return InCluster.from_pod(host.strip("[]"), port)
 
 
 @contextlib.asynccontextmanager
@@ -229,8 +234,7 @@ async def claiming_snapshot_contents(config: Config, driver: Driver) -> AsyncIte
     async def holds(snapshot_id: str) -> bool:
         return await driver.snapshots.get(snapshot_id) is not None
 
-    host, _, port = config.kubernetes_api.rpartition(":")
-    claimer = ContentClaimer(InCluster.from_pod(host.strip("[]"), port), config.driver_name, config.node_id, holds)
+    claimer = ContentClaimer(in_cluster(config), config.driver_name, config.node_id, holds)
     task = asyncio.create_task(claimer.run(), name="claim-snapshot-contents")
     try:
         yield
