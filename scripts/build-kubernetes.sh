@@ -7,7 +7,8 @@
 # etcd is built at the version the API server's own module requires (the one
 # it is tested with).
 #
-# Usage: build-kubernetes.sh VERSION OUTDIR [TARGET...]   (TARGET: a cmd/ name, etcd, agnhost or e2e.test)
+# Usage: build-kubernetes.sh VERSION OUTDIR [TARGET...]   (TARGET: a cmd/ name, etcd, agnhost, e2e.test or
+# ginkgo: the Ginkgo CLI at the version e2e.test is built with, which runs it in parallel processes)
 set -euo pipefail
 version=${1:?version, e.g. v1.34.4}
 out=${2:?output directory}
@@ -48,6 +49,7 @@ dir=$(go mod download -json "k8s.io/kubernetes@$version" | python3 -c 'import js
       e2e.test) echo "	_ \"k8s.io/kubernetes/test/e2e\"" ;;
       etcd) echo "	_ \"go.etcd.io/etcd/server/v3\"" ;;
       agnhost) echo "	_ \"k8s.io/kubernetes/test/images/agnhost\"" ;;
+      ginkgo) echo "	_ \"github.com/onsi/ginkgo/v2/ginkgo\"" ;;
       *) echo "	_ \"k8s.io/kubernetes/cmd/$t\"" ;;
     esac
   done
@@ -61,6 +63,7 @@ for t in "${missing[@]}"; do
   case $t in
     agnhost) go build -trimpath -ldflags "-s -w" -o "$out/agnhost.tmp" k8s.io/kubernetes/test/images/agnhost && mv "$out/agnhost.tmp" "$out/agnhost" ;;
     etcd) go build -trimpath -ldflags "-s -w" -o "$out/etcd.tmp" go.etcd.io/etcd/server/v3 && mv "$out/etcd.tmp" "$out/etcd" ;;
+    ginkgo) go build -trimpath -ldflags "-s -w" -o "$out/ginkgo.tmp" github.com/onsi/ginkgo/v2/ginkgo && mv "$out/ginkgo.tmp" "$out/ginkgo" ;;
     e2e.test) go test -c -trimpath -tags selinux,notest -ldflags "$ldflags" -o "$out/e2e.test.tmp" k8s.io/kubernetes/test/e2e && mv "$out/e2e.test.tmp" "$out/e2e.test" ;;
     *) pkgs+=("k8s.io/kubernetes/cmd/$t") ;;
   esac

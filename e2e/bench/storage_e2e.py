@@ -3,8 +3,9 @@
 Starts the cluster tier's cluster (`e2e/cluster/`), deploys csi-qsd with
 `kubectl apply -k`, and runs every External Storage test of `e2e.test` the
 driver's test-driver file enables (`e2e/cluster/storage_e2e.py`), one at a
-time, except those that stop the node or kubelet (`[Disruptive]`), need
-Windows or are marked flaky upstream. It prints passed, failed and skipped,
+time or (``--procs``) in several `e2e.test` processes under the Ginkgo CLI,
+except those that stop the node or kubelet (`[Disruptive]`), need Windows or
+are marked flaky upstream. It prints passed, failed and skipped,
 then each failed test. csi-driver-host-path's column is filled when its
 module can be fetched here; otherwise the Go module proxy's answer is printed
 in its place. Two to three seconds of setup per skipped test and 10-60 s per
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--focus", default=".", help="only the External Storage tests matching this")
     parser.add_argument("--fs-type", default="", help="the shipped filesystem class with this default filesystem")
     parser.add_argument("--timeout-minutes", type=int, default=150)
+    parser.add_argument("--procs", type=int, default=3,
+                        help="e2e.test processes run side by side under the Ginkgo CLI (default 3; 1: one at a time)")
     args = parser.parse_args(argv)
     built = build_all()
     keep = Path(tempfile.mkdtemp(prefix="csi-qsd-storage-e2e-", dir="/var/tmp"))
@@ -60,12 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     with deployed_cluster(built) as cluster:
         e2e_test = built.kubernetes / "e2e.test"
         result = storage_e2e.run_suite(cluster, e2e_test, keep, focus=args.focus, skip=skip,
-                                       fs_type=args.fs_type, timeout_minutes=args.timeout_minutes)
+                                       fs_type=args.fs_type, timeout_minutes=args.timeout_minutes,
+                                       procs=args.procs)
         growth = None
         if apart and args.focus == ".":  # the full set
             growth = (growable, storage_e2e.run_suite(cluster, e2e_test, keep / f"fs-expansion-{growable}",
                                                       focus="|".join(storage_e2e.FS_EXPANSION), fs_type=growable,
-                                                      timeout_minutes=20))
+                                                      timeout_minutes=20, procs=args.procs))
     print(summary(result, args.focus, skip, keep, hostpath_available(), growth))
     return 0
 

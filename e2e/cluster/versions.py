@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 KUBERNETES = "v1.34.4"
 KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd",
-                       "e2e.test", "agnhost")
+                       "e2e.test", "agnhost", "ginkgo")
 
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 # Debian's busybox-static under the name deploy/examples/ use, so the examples run unchanged.
