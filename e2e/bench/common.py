@@ -91,6 +91,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@dataclasses.dataclass(frozen=True)
+class MachineCPU:
+    """The whole machine's busy and total CPU time (/proc/stat's first line) at one moment."""
+
+    busy: float
+    total: float
+
+    @classmethod
+    def take(cls) -> "MachineCPU":
+        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle and iowait: nothing ran
+        hz = os.sysconf("SC_CLK_TCK")
+        return cls((sum(ticks) - idle) / hz, sum(ticks) / hz)
+
+    def busy_cores_since(self, before: "MachineCPU") -> float:
+        """How many of the machine's cores were busy since `before`, on average."""
+        return (self.busy - before.busy) / max(self.total - before.total, 1e-9) * (os.cpu_count() or 1)
+
+
 async def cpu_share(pid: int, work: Awaitable[float], runtime: float) -> tuple[float, float]:
     """`work`'s result and the share of one CPU that process `pid` used meanwhile."""
     before = cpu_seconds(pid)

@@ -26,7 +26,10 @@ Configurations (``--configs``, POOL:CLASS):
                makes)
          raw   format=raw, preallocation=full (the scaling bench's volumes)
 
-Beside each row: the FUSE requests in flight per volume (fusectl's
+Beside each row: the machine's CPU time per I/O on each side (all its
+cores' busy time from /proc/stat during the runs, over the I/Os done: what
+every layer of the path costs, fio's own share included) and how many cores
+were busy; the FUSE requests in flight per volume (fusectl's
 `waiting`, sampled every 10 ms), QSD's CPU per thread during the volumes'
 last run (/proc/PID/task/*/stat), and for N volumes a projection for a node
 with more cores: QSD 10 serves every FUSE export from its one main loop, so
@@ -148,13 +151,16 @@ class Bench(ServedBench):
         for row in self.rows:
             vol, base = statistics.mean(row.volume), statistics.mean(row.baseline)
             spread = f"{min(row.volume) / 1000:.1f}-{max(row.volume) / 1000:.1f}k"
+            volume_cost, baseline_cost = row.cpu_per_io()
             rows.append([row.job, str(row.count), f"{vol / 1000:.1f}k", spread, f"{base / 1000:.1f}k",
-                         ratio(vol, base), row.in_flight, row.threads[-1] if row.threads else "-"])
+                         ratio(vol, base), f"{volume_cost:.1f} / {baseline_cost:.1f}",
+                         f"{statistics.mean(row.volume_cores):.2f} / {statistics.mean(row.baseline_cores):.2f}",
+                         row.in_flight, row.threads[-1] if row.threads else "-"])
         ones = {row.job: row for row in self.rows if row.count == 1}
         projected = scaling.projection([(row.job, ones[row.job], row.count) for row in self.rows
                                         if row.count > 1 and row.job in ones], self.shards)
-        headers = ["job", "N", "volumes", "spread", "baseline", "ratio", "FUSE in flight/vol",
-                   "QSD CPU per thread (volumes' last run)"]
+        headers = ["job", "N", "volumes", "spread", "baseline", "ratio", "CPU us/IO vol / base",
+                   "busy cores vol / base", "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)"]
         return "\n".join(part for part in (head, table(headers, rows), projected) if part)
 
 

@@ -72,6 +72,7 @@ from e2e.bench import blkio_client
 from e2e.bench.common import (
     MIB,
     Job,
+    MachineCPU,
     ServedBench,
     ThreadCPU,
     fio,
@@ -136,6 +137,14 @@ class Row:
     threads: list[str] = dataclasses.field(default_factory=list)
     busiest: list[float] = dataclasses.field(default_factory=list)  # CPU share of the busiest QSD thread
     in_flight: str = "-"  # FUSE requests in flight per volume (pods), "max M, mean A"
+    volume_cores: list[float] = dataclasses.field(default_factory=list)  # the machine's busy cores, each run
+    baseline_cores: list[float] = dataclasses.field(default_factory=list)
+
+    def cpu_per_io(self) -> tuple[float, float]:
+        """The machine's CPU microseconds per I/O on the volumes' side and on the baseline's (0 if not measured)."""
+        def per_io(cores: list[float], iops: list[float]) -> float:
+            return statistics.mean(cores) / statistics.mean(iops) * 1e6 if cores and iops and min(iops) > 0 else 0.0
+        return per_io(self.volume_cores, self.volume), per_io(self.baseline_cores, self.baseline)
 
 
 class InFlight:
@@ -170,15 +179,18 @@ async def compare(row: Row, pids: list[int], rounds: int, volume: Callable[[], A
                   baseline: Callable[[], Awaitable[float]], fuse_exports: list[Path] | None = None,
                   first: int = 0) -> None:
     """`rounds` of `volume` and `baseline` alternating which goes first (ABBA; the volume first in even turns,
-    counted from `first`), with QSD's CPU per thread and the FUSE requests in flight during the volumes' runs."""
+    counted from `first`), with QSD's CPU per thread and the FUSE requests in flight during the volumes' runs,
+    and the machine's busy cores during each side's runs."""
     for turn in range(first, first + rounds):
         async def on_volume() -> None:
             sampler = InFlight(fuse_exports) if fuse_exports else None
             done = asyncio.Event()
             sampling = asyncio.create_task(sampler.sample(done)) if sampler else None
             before = [ThreadCPU.take(pid) for pid in pids]
+            machine = MachineCPU.take()
             try:
                 row.volume.append(await volume())
+                row.volume_cores.append(MachineCPU.take().busy_cores_since(machine))
             finally:
                 done.set()
                 if sampling is not None:
@@ -192,7 +204,9 @@ async def compare(row: Row, pids: list[int], rounds: int, volume: Callable[[], A
             row.busiest.append(max(a.busiest_since(b) for a, b in zip(after, before)))
 
         async def on_baseline() -> None:
+            machine = MachineCPU.take()
             row.baseline.append(await baseline())
+            row.baseline_cores.append(MachineCPU.take().busy_cores_since(machine))
 
         for step in ((on_volume, on_baseline) if turn % 2 == 0 else (on_baseline, on_volume)):
             await step()
