@@ -81,6 +81,11 @@ class DriverUnhealthy(Unavailable):
     """A driver a helper watches (registrar, liveness probe) did not answer in time, failed, or is not ready."""
 
 
+class StillMounted(Unavailable):
+    """A volume's filesystem is unmounted from its staging path but lives on in another mount namespace: its
+    device and export must stay until that copy ends and the filesystem writes what it still holds."""
+
+
 class Internal(DriverError):
     code = Code.INTERNAL
 

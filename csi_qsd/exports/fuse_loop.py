@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
-from csi_qsd.errors import FailedPrecondition, NotFound
+from csi_qsd.errors import FailedPrecondition, NotFound, StillMounted
 from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem
@@ -30,6 +30,10 @@ from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys import caps, filesystems, fusectl, loop, mounts
 
 log = logging.getLogger(__name__)
+
+# How long unstaging waits for a filesystem another mount namespace still holds (a pod's, ending) before
+# answering UNAVAILABLE; kubelet retries.
+FILESYSTEM_RELEASE_SECONDS = 10.0
 
 
 def export_file(exports_dir: Path, volume_id: str) -> Path:
@@ -103,14 +107,36 @@ class FuseLoopExport(ExportPath):
         devices = {Path(stage.loop_device)} if stage.loop_device else set()
         if thorough:
             devices |= {lp.device for lp in loop.find_loop(export)}
-        for device in sorted(devices):
-            if loop.serves(device, export):
-                await loop.detach(device)
+        serving = sorted(device for device in devices if loop.serves(device, export))
+        if stage.access_type is AccessType.MOUNT:
+            for device in serving:
+                await self._wait_filesystem_gone(volume, stage, device)
+        for device in serving:
+            await loop.detach(device)
         self.host.failpoints.hit("unstage.after_detach")
         await attach.remove_volume(client, volume.id)
         if mounts.mounted_at(export) is not None:
             await mounts.unmount(export, lazy=True)
         await asyncio.to_thread(shutil.rmtree, self.host.volume_dir(volume.id), True)
+
+    async def _wait_filesystem_gone(self, volume: VolumeRecord, stage: StageRecord, device: Path) -> None:
+        """Keep the device and its export until the volume's filesystem has ended everywhere.
+
+        A filesystem still mounted in another mount namespace (a pod's whose
+        last process is still exiting) writes its dirty data and journal when
+        that last copy goes: detaching the device or removing the export
+        first would lose those writes. Raises StillMounted. Behind a dead
+        export nothing can be written any more, so there is nothing to wait for.
+        """
+        if self.export_broken(volume.id):
+            return
+        if not await loop.wait_unheld(device, FILESYSTEM_RELEASE_SECONDS):
+            raise StillMounted(
+                f"volume {volume.id}: its filesystem on {device} is unmounted from {stage.staging_path} but still "
+                f"mounted elsewhere (another mount namespace, such as a pod's that has not ended, or a mount made by "
+                f"hand) after {FILESYSTEM_RELEASE_SECONDS:g} s; the device and the export stay so that no write is "
+                f"lost: unmount it there, and NodeUnstageVolume succeeds on retry"
+            )
 
     async def publish(
         self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord, others: list[PublishRecord],

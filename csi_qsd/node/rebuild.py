@@ -31,7 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from csi_qsd.catalog import Catalog, PublishState, StageRecord, StageState, VolumeRecord
-from csi_qsd.errors import SourceUnreachable
+from csi_qsd.errors import SourceUnreachable, StillMounted
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import moves
 from csi_qsd.qsd import attach
@@ -157,7 +157,13 @@ class GraphRebuild:
         kind = self._exports.of(volume)
         if stage.state is not StageState.STAGED:
             log.info("event=reconcile_stage volume_id=%s state=%s", volume_id, stage.state.value)
-            await kind.tear_down(volume, stage, client, thorough=True)
+            try:
+                await kind.tear_down(volume, stage, client, thorough=True)
+            except StillMounted as err:
+                # Its export must stay until the filesystem has written what it holds; kubelet's retry of
+                # NodeUnstageVolume (or a new NodeStageVolume) finishes the job.
+                log.warning("event=reconcile_stage_deferred volume_id=%s: %s", volume_id, err)
+                return True
             await self._catalog.delete_stage(volume_id)
             self._exports.host.qsd.forget(volume_id)
             return False

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import os
+import time
 from pathlib import Path
 
 from csi_qsd.errors import HostCommandError
@@ -95,6 +97,36 @@ async def detach(device: Path) -> None:
     except HostCommandError:
         if _backing(device) is not None:
             raise
+
+
+def held_by_filesystem(device: Path) -> bool:
+    """True while a mounted filesystem holds `device`, in this mount namespace or any other.
+
+    Unmounting one mount point does not end a filesystem another namespace
+    still has a copy of (a pod's, while its last process exits): its dirty
+    data reaches the device only when the last copy goes. The kernel refuses
+    an exclusive open until then.
+    """
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        if err.errno == errno.EBUSY:
+            return True
+        raise HostCommandError(f"open {device} exclusively: {err.strerror}") from err
+    os.close(fd)
+    return False
+
+
+async def wait_unheld(device: Path, seconds: float) -> bool:
+    """Wait up to `seconds` for no filesystem to hold `device`; False if one still does."""
+    deadline = time.monotonic() + seconds
+    while await asyncio.to_thread(held_by_filesystem, device):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 def uses_direct_io(device: Path) -> bool:
