@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -130,7 +131,12 @@ class FuseLoopExport(ExportPath):
         """
         if self.export_broken(volume.id):
             return
-        if not await loop.wait_unheld(device, FILESYSTEM_RELEASE_SECONDS):
+        started = time.monotonic()
+        released = await loop.wait_unheld(device, FILESYSTEM_RELEASE_SECONDS)
+        if released and time.monotonic() - started > 0.05:  # it was held: say so, it explains a slow unstage
+            log.info("event=filesystem_released volume_id=%s device=%s waited=%.2f", volume.id, device,
+                     time.monotonic() - started)
+        if not released:
             raise StillMounted(
                 f"volume {volume.id}: its filesystem on {device} is unmounted from {stage.staging_path} but still "
                 f"mounted elsewhere (another mount namespace, such as a pod's that has not ended, or a mount made by "
