@@ -81,9 +81,10 @@ class DriverUnhealthy(Unavailable):
     """A driver a helper watches (registrar, liveness probe) did not answer in time, failed, or is not ready."""
 
 
-class StillMounted(Unavailable):
-    """A volume's filesystem is unmounted from its staging path but lives on in another mount namespace: its
-    device and export must stay until that copy ends and the filesystem writes what it still holds."""
+class StillInUse(Unavailable):
+    """A volume's loop device is still held after its last unpublish and unstage: its filesystem lives on in
+    another mount namespace, or a process still has the device open. The device and the export must stay until
+    that ends and what it holds (dirty pages, a journal) is written."""
 
 
 class Internal(DriverError):

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
-from csi_qsd.errors import FailedPrecondition, NotFound, StillMounted
+from csi_qsd.errors import FailedPrecondition, NotFound, StillInUse
 from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem
@@ -32,8 +32,8 @@ from csi_qsd.sys import caps, filesystems, fusectl, loop, mounts
 
 log = logging.getLogger(__name__)
 
-# How long unstaging waits for a filesystem another mount namespace still holds (a pod's, ending) before
-# answering UNAVAILABLE; kubelet retries.
+# How long unstaging waits for a filesystem another mount namespace still holds (a pod's, ending), or for a
+# process still holding the loop device, before answering UNAVAILABLE; kubelet retries.
 FILESYSTEM_RELEASE_SECONDS = 10.0
 
 
@@ -114,6 +114,8 @@ class FuseLoopExport(ExportPath):
                 await self._wait_filesystem_gone(volume, stage, device)
         for device in serving:
             await loop.detach(device)
+        for device in serving:
+            await self._wait_device_released(volume, device, export)
         self.host.failpoints.hit("unstage.after_detach")
         await attach.remove_volume(client, volume.id)
         if mounts.mounted_at(export) is not None:
@@ -126,7 +128,7 @@ class FuseLoopExport(ExportPath):
         A filesystem still mounted in another mount namespace (a pod's whose
         last process is still exiting) writes its dirty data and journal when
         that last copy goes: detaching the device or removing the export
-        first would lose those writes. Raises StillMounted. Behind a dead
+        first would lose those writes. Raises StillInUse. Behind a dead
         export nothing can be written any more, so there is nothing to wait for.
         """
         if self.export_broken(volume.id):
@@ -137,12 +139,25 @@ class FuseLoopExport(ExportPath):
             log.info("event=filesystem_released volume_id=%s device=%s waited=%.2f", volume.id, device,
                      time.monotonic() - started)
         if not released:
-            raise StillMounted(
+            raise StillInUse(
                 f"volume {volume.id}: its filesystem on {device} is unmounted from {stage.staging_path} but still "
                 f"mounted elsewhere (another mount namespace, such as a pod's that has not ended, or a mount made by "
                 f"hand) after {FILESYSTEM_RELEASE_SECONDS:g} s; the device and the export stay so that no write is "
                 f"lost: unmount it there, and NodeUnstageVolume succeeds on retry"
             )
+
+    async def _wait_device_released(self, volume: VolumeRecord, device: Path, export: Path) -> None:
+        """Keep the export until the detached device has let go of it (a process may still have it open).
+
+        Raises StillInUse; behind a dead export there is nothing to wait for.
+        """
+        if self.export_broken(volume.id) or await loop.wait_released(device, export, FILESYSTEM_RELEASE_SECONDS):
+            return
+        raise StillInUse(
+            f"volume {volume.id}: its loop device {device} is still open after {FILESYSTEM_RELEASE_SECONDS:g} s "
+            f"(a process of a pod that has not ended, or one started by hand); it is detached and goes on its last "
+            f"close, and the export stays until then so that no write is lost: NodeUnstageVolume succeeds on retry"
+        )
 
     async def publish(
         self, volume: VolumeRecord, stage: StageRecord, record: PublishRecord, others: list[PublishRecord],

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from csi_qsd.catalog import Catalog, PublishState, StageRecord, StageState, VolumeRecord
-from csi_qsd.errors import SourceUnreachable, StillMounted
+from csi_qsd.errors import SourceUnreachable, StillInUse
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import moves
 from csi_qsd.qsd import attach
@@ -159,7 +159,7 @@ class GraphRebuild:
             log.info("event=reconcile_stage volume_id=%s state=%s", volume_id, stage.state.value)
             try:
                 await kind.tear_down(volume, stage, client, thorough=True)
-            except StillMounted as err:
+            except StillInUse as err:
                 # Its export must stay until the filesystem has written what it holds; kubelet's retry of
                 # NodeUnstageVolume (or a new NodeStageVolume) finishes the job.
                 log.warning("event=reconcile_stage_deferred volume_id=%s: %s", volume_id, err)

@@ -129,6 +129,20 @@ async def wait_unheld(device: Path, seconds: float) -> bool:
     return True
 
 
+async def wait_released(device: Path, backing_file: Path, seconds: float) -> bool:
+    """Wait up to `seconds` for a detached `device` to let go of `backing_file`; False if it still holds it.
+
+    Detaching a device someone still has open only marks it: the kernel lets
+    go (writing what that opener's page cache holds first) on its last close.
+    """
+    deadline = time.monotonic() + seconds
+    while await asyncio.to_thread(serves, device, backing_file):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 def uses_direct_io(device: Path) -> bool:
     """True if the loop device passes I/O to its backing file with O_DIRECT."""
     try:

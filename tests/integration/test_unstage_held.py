@@ -1,11 +1,12 @@
-"""Unstaging a filesystem another mount namespace still holds loses nothing.
+"""Unstaging a volume something still holds loses nothing.
 
 A pod's mount namespace can outlive kubelet's NodeUnpublishVolume by a few
 milliseconds (its last process still exiting, an exec session ending). The
 filesystem lives on there with its dirty pages and journal, and writes them
 when that copy goes: the loop device and the FUSE export must still be
 there then. Here a process in a private mount namespace (`unshare -m`)
-holds such a copy while the volume is unstaged.
+holds such a copy while the volume is unstaged; and for a block volume, a
+process that wrote through the device's page cache still has it open.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,3 +114,49 @@ async def test_unstage_answers_unavailable_while_the_copy_stays_and_succeeds_aft
         await holder.end()
     await csi.unstage(volume_id, str(staging))
     await reads_back(csi, box, volume_id, staging, payload)
+
+
+# Writes through the block device's page cache, says so, and keeps the device open for a while: its last
+# close is what writes the data to the device.
+BLOCK_WRITER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+os.pwrite(fd, bytes.fromhex(sys.argv[2]), 0)
+print("written", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+async def test_unstage_of_a_block_volume_waits_for_a_process_that_still_has_it_open(
+    box: Sandbox, driver: tuple[Driver, CSIClient],
+) -> None:
+    _, csi = driver
+    volume = await csi.create_volume("held-block", 64 * MIB, block=True)
+    staging, target = box.staging("held-block"), box.target("held-block-pod")
+    await csi.stage(volume.volume_id, str(staging), block=True)
+    await csi.publish(volume.volume_id, str(staging), str(target), block=True)
+    payload = os.urandom(16 * 1024)  # given as one argument, in hex
+    # The device itself, as a container's own device node has it (not the target: a file open there would
+    # keep the unpublish from unmounting it).
+    device = f"/dev/loop{os.minor(os.stat(target).st_rdev)}"
+    writer = await asyncio.create_subprocess_exec(sys.executable, "-c", BLOCK_WRITER, device, payload.hex(), "2",
+                                                  stdout=asyncio.subprocess.PIPE)
+    try:
+        assert writer.stdout is not None
+        assert await asyncio.wait_for(writer.stdout.readline(), 10) == b"written\n"
+        await csi.unpublish(volume.volume_id, str(target))
+        started = time.monotonic()
+        await csi.unstage(volume.volume_id, str(staging))
+        waited = time.monotonic() - started
+    finally:
+        if writer.returncode is None:
+            writer.kill()
+        await writer.wait()
+    await csi.stage(volume.volume_id, str(staging), block=True)
+    again = box.target("held-block-again")
+    await csi.publish(volume.volume_id, str(staging), str(again), block=True)
+    with open(again, "rb") as device:
+        assert device.read(len(payload)) == payload
+    await csi.unpublish(volume.volume_id, str(again))
+    await csi.unstage(volume.volume_id, str(staging))
+    assert waited > 0.5, f"unstage answered after {waited:.2f} s, while the writer still had the device open"
