@@ -8,8 +8,8 @@ except those that stop the node or kubelet (`[Disruptive]`), need Windows or
 are marked flaky upstream. It prints passed, failed and skipped,
 then each failed test. csi-driver-host-path's column is filled when its
 module can be fetched here; otherwise the Go module proxy's answer is printed
-in its place. Two to three seconds of setup per skipped test and 10-60 s per
-test that runs: expect about an hour on two cores.
+in its place. In three processes the whole set takes about 11 minutes on two
+cores with the cluster's start; one at a time, over an hour.
 
 Usage:
 

@@ -13,18 +13,21 @@ from e2e.cluster.cluster import Cluster
 
 pytestmark = conftest.cluster_marks()
 
+# e2e.test processes side by side: a test mostly waits for pods and volumes, so three fit on two cores.
+PROCS = 3
+
 
 def test_focused_storage_e2e_set_passes(cluster: Cluster, built: Built) -> None:
     # Under the cluster's logs, which are kept after the run.
     work = cluster.logs / "storage-e2e"
     e2e_test = built.kubernetes / "e2e.test"
     result = storage_e2e.run_suite(cluster, e2e_test, work / "shipped-classes",
-                                   focus="|".join(storage_e2e.FOCUSED), timeout_minutes=20)
+                                   focus="|".join(storage_e2e.FOCUSED), timeout_minutes=20, procs=PROCS)
     conftest.report(f"Kubernetes storage e2e, focused set, shipped classes: {result.counts()}")
     fs_type = storage_e2e.online_growable_fs()
     growth = storage_e2e.run_suite(cluster, e2e_test, work / f"fs-expansion-{fs_type}",
                                    focus="|".join(storage_e2e.FS_EXPANSION), fs_type=fs_type,
-                                   timeout_minutes=10)
+                                   timeout_minutes=10, procs=PROCS)
     conftest.report(f"Kubernetes storage e2e, filesystem expansion ({fs_type}): {growth.counts()}")
     for run, patterns in ((result, storage_e2e.FOCUSED), (growth, storage_e2e.FS_EXPANSION)):
         assert not run.failed, f"{run.counts()}; failed: {run.failed} (log: {run.output})"
