@@ -109,35 +109,36 @@ class FuseLoopExport(ExportPath):
         if thorough:
             devices |= {lp.device for lp in loop.find_loop(export)}
         serving = sorted(device for device in devices if loop.serves(device, export))
-        if stage.access_type is AccessType.MOUNT:
+        # Behind a dead export nothing can be written any more, so there is nothing to wait for.
+        alive = not self.export_broken(volume.id)
+        if alive and stage.access_type is AccessType.MOUNT:
             for device in serving:
                 await self._wait_filesystem_gone(volume, stage, device)
         for device in serving:
             await loop.detach(device)
-        for device in serving:
-            await self._wait_device_released(volume, device, export)
+        if alive:
+            for device in serving:
+                await self._wait_device_released(volume, device, export)
         self.host.failpoints.hit("unstage.after_detach")
         await attach.remove_volume(client, volume.id)
         if mounts.mounted_at(export) is not None:
             await mounts.unmount(export, lazy=True)
         await asyncio.to_thread(shutil.rmtree, self.host.volume_dir(volume.id), True)
 
-    async def _wait_filesystem_gone(self, volume: VolumeRecord, stage: StageRecord, device: Path) -> None:
+    @staticmethod
+    async def _wait_filesystem_gone(volume: VolumeRecord, stage: StageRecord, device: Path) -> None:
         """Keep the device and its export until the volume's filesystem has ended everywhere.
 
         A filesystem still mounted in another mount namespace (a pod's whose
         last process is still exiting) writes its dirty data and journal when
         that last copy goes: detaching the device or removing the export
-        first would lose those writes. Raises StillInUse. Behind a dead
-        export nothing can be written any more, so there is nothing to wait for.
+        first would lose those writes. Raises StillInUse.
         """
-        if self.export_broken(volume.id):
-            return
         started = time.monotonic()
         released = await loop.wait_unheld(device, FILESYSTEM_RELEASE_SECONDS)
-        if released and time.monotonic() - started > 0.05:  # it was held: say so, it explains a slow unstage
-            log.info("event=filesystem_released volume_id=%s device=%s waited=%.2f", volume.id, device,
-                     time.monotonic() - started)
+        waited = time.monotonic() - started
+        if released and waited > 0.05:  # it was held: say so, it explains a slow unstage
+            log.info("event=filesystem_released volume_id=%s device=%s waited=%.2f", volume.id, device, waited)
         if not released:
             raise StillInUse(
                 f"volume {volume.id}: its filesystem on {device} is unmounted from {stage.staging_path} but still "
@@ -146,12 +147,13 @@ class FuseLoopExport(ExportPath):
                 f"lost: unmount it there, and NodeUnstageVolume succeeds on retry"
             )
 
-    async def _wait_device_released(self, volume: VolumeRecord, device: Path, export: Path) -> None:
+    @staticmethod
+    async def _wait_device_released(volume: VolumeRecord, device: Path, export: Path) -> None:
         """Keep the export until the detached device has let go of it (a process may still have it open).
 
-        Raises StillInUse; behind a dead export there is nothing to wait for.
+        Raises StillInUse.
         """
-        if self.export_broken(volume.id) or await loop.wait_released(device, export, FILESYSTEM_RELEASE_SECONDS):
+        if await loop.wait_released(device, export, FILESYSTEM_RELEASE_SECONDS):
             return
         raise StillInUse(
             f"volume {volume.id}: its loop device {device} is still open after {FILESYSTEM_RELEASE_SECONDS:g} s "

@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.errors import HostCommandError
@@ -121,12 +122,7 @@ def held_by_filesystem(device: Path) -> bool:
 
 async def wait_unheld(device: Path, seconds: float) -> bool:
     """Wait up to `seconds` for no filesystem to hold `device`; False if one still does."""
-    deadline = time.monotonic() + seconds
-    while await asyncio.to_thread(held_by_filesystem, device):
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
+    return await _wait_while(lambda: held_by_filesystem(device), seconds)
 
 
 async def wait_released(device: Path, backing_file: Path, seconds: float) -> bool:
@@ -135,8 +131,14 @@ async def wait_released(device: Path, backing_file: Path, seconds: float) -> boo
     Detaching a device someone still has open only marks it: the kernel lets
     go (writing what that opener's page cache holds first) on its last close.
     """
+    return await _wait_while(lambda: serves(device, backing_file), seconds)
+
+
+async def _wait_while(check: Callable[[], bool], seconds: float) -> bool:
+    """Poll `check` (in a thread: it reads sysfs or opens a device) until it is False; False if still True after
+    `seconds`."""
     deadline = time.monotonic() + seconds
-    while await asyncio.to_thread(serves, device, backing_file):
+    while await asyncio.to_thread(check):
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(0.05)
