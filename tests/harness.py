@@ -198,6 +198,15 @@ def force_cleanup(root: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+async def crash_qsd(box: Sandbox, csi: CSIClient, vid: str, path: Path) -> None:
+    """SIGKILL the sandbox's QSD, then wait until its successor serves volume `vid` at `path` again."""
+    old = qsd_pid(box)
+    assert old is not None, "no QSD runs for the sandbox"
+    os.kill(old, signal.SIGKILL)
+    await wait_new_qsd(box, old)
+    await wait_restored(csi, vid, path)
+
+
 @contextlib.asynccontextmanager
 async def in_process_driver(box: Sandbox, **overrides: object) -> AsyncIterator[tuple[Driver, CSIClient]]:
     """The driver served in this event loop, and a client connected to it."""

@@ -72,9 +72,12 @@ class FuseLoopExport(ExportPath):
             await self._drop_stale_host_state(volume, stage, publishes)
         daemon = self.host.daemon_of(volume.id)
         spec = (attach.fuse_export(top, export, writable=True, iothreads=daemon.fuse_iothreads(),
-                                   io_uring=daemon.fuse_paths.io_uring) if fresh_export else None)
-        if not await attach.ensure_top(client, top, export=spec) and spec is not None:
-            await client.export_add(spec)
+                                   io_uring=daemon.fuse_paths.io_uring, growable=daemon.fuse_paths.growable)
+                if fresh_export else None)
+        # A growable export stands on a size guard made at the image's length, once it is open.
+        batched = spec if spec is not None and not spec.get("growable") else None
+        if not await attach.ensure_top(client, top, export=batched) and spec is not None:
+            await attach.add_fuse_export(client, top, spec)
         self.host.failpoints.hit("stage.after_export")
         # Both wait for QSD to answer the FUSE file (a stat, an open): asked together. A crash before the
         # limit is raised leaves the stage row STAGING, and the kubelet's retry exports afresh.

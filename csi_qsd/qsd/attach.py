@@ -198,7 +198,14 @@ async def resize(client: QSDClient, top: TopImage, size: int) -> None:
     await ensure_top(client, top)
     if limit is None:
         await _drop_inconsistent_bitmaps(client, top.nodes.format)
-        await client.block_resize(top.nodes.throttle, size)
+        guarded = top.nodes.size_guard in await client.node_names()
+        if guarded:
+            await client.execute("blockdev-reopen", {"options": [graph.size_guard_blockdev(top.nodes, None)]})
+        try:  # through the guard when there is one: QEMU lets no resize in below a raw node's parents
+            await client.block_resize(top.nodes.size_guard if guarded else top.nodes.throttle, size)
+        finally:
+            if guarded:
+                await _fit_size_guard(client, top)
         return
     await reopen_window(client, top)
 
@@ -239,6 +246,14 @@ async def reopen_window(client: QSDClient, top: TopImage) -> None:
                     graph.format_blockdev(nodes, top.params, read_only=False),
                     graph.throttle_blockdev(nodes)):
         await client.execute("blockdev-reopen", {"options": [options]})
+    if nodes.size_guard in await client.node_names():
+        await _fit_size_guard(client, top)
+
+
+async def _fit_size_guard(client: QSDClient, top: TopImage) -> None:
+    """Set the size guard to the throttle filter's length: the volume's size, fixed again."""
+    size = (await client.named_nodes())[top.nodes.throttle]["virtual_size"]
+    await client.execute("blockdev-reopen", {"options": [graph.size_guard_blockdev(top.nodes, size)]})
 
 
 async def has_export(client: QSDClient, export_id: str) -> bool:
@@ -247,12 +262,22 @@ async def has_export(client: QSDClient, export_id: str) -> bool:
 
 
 def fuse_export(top: TopImage, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None,
-                io_uring: bool = False) -> graph.QMPArgs:
+                io_uring: bool = False, growable: bool = False) -> graph.QMPArgs:
     """The block-export-add arguments of a FUSE export at `mountpoint`, made ready for it (a regular file),
     served by `iothreads` or QSD's main loop, over io_uring where `io_uring`."""
     mountpoint.parent.mkdir(parents=True, exist_ok=True)
     mountpoint.touch(mode=0o600, exist_ok=True)
-    return graph.fuse_export(top.nodes, mountpoint, writable=writable, iothreads=iothreads, io_uring=io_uring)
+    return graph.fuse_export(top.nodes, mountpoint, writable=writable, iothreads=iothreads, io_uring=io_uring,
+                             growable=growable)
+
+
+async def add_fuse_export(client: QSDClient, top: TopImage, spec: graph.QMPArgs) -> None:
+    """Add the FUSE export `spec` over `top`'s open nodes, with the size guard a growable one stands on."""
+    nodes = top.nodes
+    if spec["node-name"] == nodes.size_guard and nodes.size_guard not in await client.node_names():
+        size = (await client.named_nodes())[nodes.throttle]["virtual_size"]
+        await client.blockdev_add(graph.size_guard_blockdev(nodes, size))
+    await client.export_add(spec)
 
 
 async def ensure_vhost_export(
@@ -285,6 +310,8 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     present = await client.node_names()
     # Sent together, top first (each frees what the next one deletes): one round trip instead of four.
     steps: list[tuple[str, graph.QMPArgs]] = []
+    if nodes.size_guard in present:
+        steps.append(("blockdev-del", {"node-name": nodes.size_guard}))
     if nodes.throttle in present:
         steps.append(("blockdev-del", {"node-name": nodes.throttle}))
     if nodes.throttle_group in await client.throttle_groups():

@@ -91,6 +91,7 @@ class FusePaths:
     io_uring_option: bool  # QSD's FUSE export takes `io-uring`
     kernel: str  # kernel_uring()
     async_dio: bool | None  # QSD's FUSE_INIT reply asks for FUSE_ASYNC_DIO; None: not measured
+    growable: bool = False  # exports are added `growable`: only then does this QSD ask for FUSE_ASYNC_DIO
 
     @property
     def io_uring(self) -> bool:
@@ -100,7 +101,7 @@ class FusePaths:
     def describe(self) -> str:
         dio = {True: "yes", False: "no", None: "unknown"}[self.async_dio]
         return (f"fuse_io_uring={'on' if self.io_uring else 'off'} qsd_option={'yes' if self.io_uring_option else 'no'} "
-                f"kernel_uring={self.kernel} async_dio={dio}")
+                f"kernel_uring={self.kernel} async_dio={dio} growable={'yes' if self.growable else 'no'}")
 
 
 async def offered(client: QSDClient) -> frozenset[str]:
@@ -108,7 +109,7 @@ async def offered(client: QSDClient) -> frozenset[str]:
     return fuse_export_members(await client.execute("query-qmp-schema"))
 
 
-async def async_dio(client: QSDClient, workdir: Path) -> bool:
+async def async_dio(client: QSDClient, workdir: Path, *, growable: bool = False) -> bool:
     """Whether this QSD's FUSE export takes asynchronous direct I/O (FUSE_ASYNC_DIO), shown by the kernel.
 
     A 1 MiB `null-co` node whose reads each take 20 ms is exported over FUSE
@@ -130,8 +131,11 @@ async def async_dio(client: QSDClient, workdir: Path) -> bool:
     await client.blockdev_add({"driver": "null-co", "node-name": PROBE_NODE, "size": PROBE_SIZE,
                                "latency-ns": PROBE_LATENCY_NS, "read-zeroes": True})
     try:
-        await client.export_add({"type": "fuse", "id": PROBE_EXPORT, "node-name": PROBE_NODE,
-                                 "mountpoint": str(mountpoint), "writable": False, "allow-other": "off"})
+        spec: dict[str, Any] = {"type": "fuse", "id": PROBE_EXPORT, "node-name": PROBE_NODE, "mountpoint": str(mountpoint),
+                "writable": growable, "allow-other": "off"}
+        if growable:  # QEMU 11 takes growable on writable exports only
+            spec["growable"] = True
+        await client.export_add(spec)
         try:
             await fusectl.raise_background(mountpoint)
             device = await asyncio.to_thread(loop_ioctl.attach, mountpoint, readonly=True, direct_io=True)
@@ -199,11 +203,14 @@ async def probe(client: QSDClient, workdir: Path, *, measure_async_dio: bool) ->
     """What this QSD and kernel offer; FUSE_ASYNC_DIO measured only when `measure_async_dio`."""
     option = IO_URING_OPTION in await offered(client)
     dio: bool | None = None
+    growable = False
     if measure_async_dio:
         try:
             dio = await async_dio(client, workdir)
+            if not dio:
+                growable = dio = await async_dio(client, workdir, growable=True)
         except (QSDError, HostCommandError, OSError) as exc:
             log.warning("event=fuse_probe_failed what=async_dio error=%r", str(exc))
-    paths = FusePaths(option, kernel_uring(), dio)
+    paths = FusePaths(option, kernel_uring(), dio, growable)
     log.info("event=fuse_paths %s", paths.describe())
     return paths

@@ -36,6 +36,7 @@ class VolumeNodes:
     fuse_export: str
     vhost_export: str
     throttle: str  # the filter every export sits on; outlives generations (blockdev-snapshot swaps its child)
+    size_guard: str  # a fixed-size raw node over the throttle filter: what a growable FUSE export stands on
     throttle_group: str  # the object holding the volume's limits
     move_job: str  # the block job that moves the volume to a new home (`csi_qsd.qsd.move`)
 
@@ -65,6 +66,7 @@ def nodes_for(volume_id: str, generation: int = 0) -> VolumeNodes:
         fuse_export=f"{NODE_PREFIX}{suffix}-fuse",
         vhost_export=f"{NODE_PREFIX}{suffix}-vhost",
         throttle=f"{NODE_PREFIX}{suffix}-t",
+        size_guard=f"{NODE_PREFIX}{suffix}-g",
         throttle_group=f"{NODE_PREFIX}{suffix}-tg",
         move_job=f"{NODE_PREFIX}{suffix}-mv",
     )
@@ -80,6 +82,7 @@ class NameKind(enum.Enum):
     IOTHREAD = "io"
     THROTTLE = "t"
     THROTTLE_GROUP = "tg"
+    SIZE_GUARD = "g"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +106,7 @@ def parse_name(name: str) -> ParsedName | None:
         return None
     tail = name.rpartition("-")[2]
     for kind in (NameKind.FUSE_EXPORT, NameKind.VHOST_EXPORT, NameKind.IOTHREAD, NameKind.THROTTLE,
-                 NameKind.THROTTLE_GROUP):
+                 NameKind.THROTTLE_GROUP, NameKind.SIZE_GUARD):
         if tail == kind.value:
             return ParsedName(volume_id, kind)
     layers = {NameKind.FILE.value: NameKind.FILE, NameKind.FORMAT.value: NameKind.FORMAT}
@@ -201,17 +204,27 @@ def overlay_blockdev(nodes: VolumeNodes, params: VolumeParameters) -> QMPArgs:
 
 def fuse_export(
     nodes: VolumeNodes, mountpoint: Path, *, writable: bool, iothreads: list[str] | None = None, io_uring: bool = False,
+    growable: bool = False,
 ) -> QMPArgs:
     """The export's arguments; with `iothreads` (QEMU >= 11) one /dev/fuse queue per thread, else QSD's main loop;
-    `io_uring` where QSD's export and the kernel offer FUSE over io_uring (`csi_qsd.qsd.fuse_paths`)."""
+    `io_uring` where QSD's export and the kernel offer FUSE over io_uring (`csi_qsd.qsd.fuse_paths`).
+
+    A `growable` export (QEMU 11 asks the kernel for FUSE_ASYNC_DIO only for
+    one) stands on the volume's size guard, not on the throttle filter: a
+    growable export would let a write past the end, a truncate or an open
+    with O_TRUNC (no longer atomic there) change the image's size; through
+    a raw node of fixed size each is refused and nothing changes.
+    """
     spec: QMPArgs = {
         "type": "fuse",
         "id": nodes.fuse_export,
-        "node-name": nodes.throttle,
+        "node-name": nodes.size_guard if growable else nodes.throttle,
         "mountpoint": str(mountpoint),
-        "writable": writable,  # not growable: QEMU's default
+        "writable": writable,
         "allow-other": "off",
     }
+    if growable:
+        spec["growable"] = True
     if iothreads:
         spec["iothread"] = list(iothreads)
     if io_uring:
@@ -251,6 +264,19 @@ def throttle_blockdev(nodes: VolumeNodes) -> QMPArgs:
     """The throttle filter over the volume's top format node; exports sit on it, so limits hold for all of them."""
     return {"driver": "throttle", "node-name": nodes.throttle, "throttle-group": nodes.throttle_group,
             "file": nodes.format}
+
+
+def size_guard_blockdev(nodes: VolumeNodes, size: int | None) -> QMPArgs:
+    """The raw node over the throttle filter that holds a growable FUSE export to `size` bytes.
+
+    Without `size` it follows the filter's length and lets a resize through
+    (a raw node of fixed size shares no RESIZE permission): `attach.resize`
+    lifts it for the resize and sets it again after.
+    """
+    spec: QMPArgs = {"driver": "raw", "node-name": nodes.size_guard, "file": nodes.throttle}
+    if size is not None:
+        spec["size"] = size
+    return spec
 
 
 def iothread_for(nodes: VolumeNodes, params: VolumeParameters, pool_thread: str = IOTHREAD_ID) -> str:

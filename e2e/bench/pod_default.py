@@ -101,8 +101,8 @@ class Configuration:
 
 class Bench(ServedBench):
     def __init__(self, box: Sandbox, config: Configuration, pool: Path, counts: list[int], seconds: float,
-                 rounds: int, shards: int, region: int = REGION) -> None:
-        super().__init__(box, "--pool-dir", str(pool), "--qsd-shards", str(shards))
+                 rounds: int, shards: int, region: int = REGION, serve: tuple[str, ...] = ()) -> None:
+        super().__init__(box, "--pool-dir", str(pool), "--qsd-shards", str(shards), *serve)
         self.config, self.pool, self.counts, self.params = config, pool, counts, CLASSES[config.klass]
         self.seconds, self.rounds, self.shards, self.region = seconds, rounds, shards, region
         self.rows: list[scaling.Row] = []
@@ -112,6 +112,10 @@ class Bench(ServedBench):
         version, aio = logged(self.driver, "qsd_version"), logged(self.driver, "file_aio")
         self.setting = " ".join(f"{key}={version[key]}" for key in ("version", "loop_io") if key in version) or "?"
         self.setting += f" engine={aio['engine']}" if "engine" in aio else ""
+        fuse = logged(self.driver, "fuse_paths")
+        self.setting += f" async_dio={fuse.get('async_dio', '?')} growable={fuse.get('growable', '?')}"
+        threads = logged(self.driver, "qsd_version").get("fuse_exports_in")
+        self.setting += f" fuse_exports_in={threads}" if threads else ""
         count = max(self.counts)
         targets = []
         for index in range(count):
@@ -186,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB of the fio file in each filesystem (default 512)")
     parser.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (default 2)")
     parser.add_argument("--shards", type=int, default=1, help="the driver's --qsd-shards (default 1)")
+    parser.add_argument("--serve", action="append", default=[], metavar="ARG",
+                        help="one more argument for `csi-qsd serve` (repeat it), e.g. --serve=--fuse-threads=main")
     args = parser.parse_args(argv)
     if missing("fio", "unshare"):
         return 2
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs:
         with sandbox() as box, pool_for(box, config, max(args.counts)) as pool:
             bench = Bench(box, config, pool, args.counts, args.runtime, args.rounds, args.shards,
-                          args.region_mib * MIB)
+                          args.region_mib * MIB, tuple(args.serve))
             status = run_to_end(bench.run(), bench.driver, what=f"pod_default {config.name}") or status
             print(bench.render() + "\n", flush=True)
     return status

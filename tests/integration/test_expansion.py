@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 
 import grpc
 import pytest
@@ -13,7 +12,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import features
 from csi_qsd.server import Driver
 from csi_qsd.sys import caps
-from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd, wait_restored
+from tests.harness import Sandbox, crash_qsd, qsd_pid, until
 from tests.helpers.writers import Writer, fs_bytes
 
 MIB = 1 << 20
@@ -132,11 +131,7 @@ async def test_expand_after_a_qsd_crash(box: Sandbox, driver: tuple[Driver, CSIC
         os.fsync(fd)
     finally:
         os.close(fd)
-    old = qsd_pid(box)
-    assert old is not None
-    os.kill(old, signal.SIGKILL)
-    await wait_new_qsd(box, old)
-    await wait_restored(csi, vid, target)
+    await crash_qsd(box, csi, vid, target)
     assert await csi.expand(vid, str(target), 96 * MIB) == 96 * MIB
     fd = os.open(target, os.O_RDONLY)
     try:
