@@ -28,7 +28,9 @@ listener; what this module shares with the node side's fills is in
   lease. A lease lasts --copy-lease-ttl past the last time its copy asked
   for it (the copy renews it while it streams), so a copy whose node is gone
   for good frees its source; an operator may drop one at once
-  (`csi-qsd volume drop-lease`).
+  (`csi-qsd volume drop-lease`), and that copy's node may not have it
+  again until it deletes the copy's volume or the operator lifts the drop
+  (`csi-qsd volume lift-lease`).
 """
 
 from __future__ import annotations
@@ -313,26 +315,43 @@ class SourceLeases:
                     copy_volume_id, record.node, record.snapshot_id)
         return record
 
+    async def lift(self, copy_volume_id: str) -> CopyRecord:
+        """An operator's lift of a drop (`drop`): the copy's node may lease that copy again (it starts over, from
+        whatever the source is then). Raises NotFound if the copy's lease was not dropped, Aborted while busy."""
+        async with self._locks.wait_hold(copy_volume_id, DROP_WAIT_SECONDS) as held:
+            if not held:
+                raise Aborted(f"the lease of copy {copy_volume_id} stayed busy for {DROP_WAIT_SECONDS:g} s; retry")
+            record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+            if record is None or record.state is not CopyState.REVOKED:
+                raise NotFound(f"this node has dropped no lease of copy {copy_volume_id}")
+            await self._drop(record)
+        log.warning("event=copy_lease_drop_lifted copy_volume_id=%s node=%s", copy_volume_id, record.node)
+        return record
+
     async def leases(self) -> list[tuple[CopyRecord, float]]:
         """Every lease this node serves, with the seconds since its copy last asked for it."""
         now = self._clock()
         return [(r, now - self._renewed.get(r.volume_id, now)) for r in await self._catalog.copies(CopyRole.SOURCE)]
 
     async def expire(self) -> list[str]:
-        """Drop the leases not asked for within --copy-lease-ttl (their copies' nodes gone); their copy IDs."""
+        """Drop the leases not asked for within --copy-lease-ttl (their copies' nodes gone); their copy IDs.
+
+        A drop (`drop`) never expires: it is kept until the copy's node releases the copy (its volume
+        deleted) or an operator lifts it (`lift`), so the copy's node cannot have that copy again by waiting.
+        """
         ttl, dropped = self._settings.lease_ttl, list[str]()
         if ttl <= 0:
             return dropped
         for record, age in await self.leases():
-            if age <= ttl or self._locks.busy(record.volume_id):
+            if age <= ttl or record.state is CopyState.REVOKED or self._locks.busy(record.volume_id):
                 continue
             async with self._locks.hold(record.volume_id):
                 current = await self._catalog.copy(record.volume_id, CopyRole.SOURCE)
-                if current is None or self._clock() - self._renewed.get(record.volume_id, self._clock()) <= ttl:
+                if (current is None or current.state is CopyState.REVOKED
+                        or self._clock() - self._renewed.get(record.volume_id, self._clock()) <= ttl):
                     continue
                 await self._drop(current)
-            log.warning("event=%s copy_volume_id=%s node=%s snapshot_id=%s idle_seconds=%.0f",
-                        "copy_lease_forgotten" if record.state is CopyState.REVOKED else "copy_lease_expired",
+            log.warning("event=copy_lease_expired copy_volume_id=%s node=%s snapshot_id=%s idle_seconds=%.0f",
                         record.volume_id, record.node, record.snapshot_id, age)
             dropped.append(record.volume_id)
         return dropped

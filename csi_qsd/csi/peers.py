@@ -328,7 +328,8 @@ def copies_handler(leases: SourceLeases, peers: PeerList,
 
 def leases_handler(leases: SourceLeases) -> grpc.GenericRpcHandler:
     """`csi_qsd.v1.CopyLeases` for this node's operator, on the driver's own UNIX socket only (never the
-    listener): List the leases this node serves, Drop one (`csi-qsd volume leases`, `drop-lease`)."""
+    listener): List the leases this node serves, Drop one, Lift a drop (`csi-qsd volume leases`, `drop-lease`,
+    `lift-lease`)."""
 
     async def listed(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def work() -> dict[str, Any]:
@@ -344,10 +345,17 @@ def leases_handler(leases: SourceLeases) -> grpc.GenericRpcHandler:
             return {"copy_volume_id": record.volume_id, "node": record.node, "snapshot_id": record.snapshot_id}
         return await _answer("CopyLeaseDrop", request, context, work)
 
+    async def lift(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        async def work() -> dict[str, Any]:
+            record = await leases.lift(validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id"))
+            return {"copy_volume_id": record.volume_id, "node": record.node}
+        return await _answer("CopyLeaseLift", request, context, work)
+
     handler = {"request_deserializer": _decode, "response_serializer": _encode}
     return grpc.method_handlers_generic_handler(LEASES_SERVICE, {
         "List": grpc.unary_unary_rpc_method_handler(listed, **handler),
         "Drop": grpc.unary_unary_rpc_method_handler(drop, **handler),
+        "Lift": grpc.unary_unary_rpc_method_handler(lift, **handler),
     })
 
 

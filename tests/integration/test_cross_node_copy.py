@@ -582,7 +582,8 @@ TTL = 4  # seconds; the restore below streams for ~16 s
 async def test_a_streaming_copy_keeps_its_lease_and_an_operator_can_drop_one(short_leases: Pair) -> None:
     """A copy streaming four times longer than the source's lease TTL renews its lease and finishes whole.
     Meanwhile A's operator lists A's leases and drops another copy's: that copy reports itself lost (never
-    finished from anything else), A's volume it cloned can be deleted, and so can the lost copy's volume."""
+    finished from anything else), the drop is listed until the operator lifts it (`lift-lease`), A's volume
+    it cloned can be deleted, and so can the lost copy's volume."""
     a, b = short_leases.a, short_leases.b
     data = _pattern(53)
     source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
@@ -604,6 +605,13 @@ async def test_a_streaming_copy_keeps_its_lease_and_an_operator_can_drop_one(sho
 
     await until(lost, lambda: f"the dropped copy reported lost; node-a log:\n{_copy_lines(a)}\nnode-b log:\n"
                 f"{_copy_lines(b)}", 60, interval=0.5)
+    code, out, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "leases", "-o", "json")
+    assert code == 0 and {lease["copy_volume_id"]: lease["state"] for lease in map(json.loads, out.splitlines())
+                          }.get(clone) == "revoked", out
+    code, _, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "lift-lease", vid)
+    assert code != 0 and "NOT_FOUND" in err and vid in err, err  # only a drop is lifted
+    code, _, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "lift-lease", clone)
+    assert code == 0 and clone in err, err
     await until(lambda: _deleted(a, other_vid), "the cloned volume deletable once its lease is dropped", 30,
                 interval=0.5)
     await b.csi.delete_volume(clone)

@@ -12,7 +12,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -779,8 +779,9 @@ async def test_a_node_presents_its_renewed_certificate_to_peers_without_a_restar
 def test_peers_from_pods_is_checked_at_start(tmp_path: Path) -> None:
     """Found in the Kubernetes API, the peers are other hosts: everything they need is asked for by name."""
     tls = PemFiles(tmp_path / "c", tmp_path / "k", tmp_path / "ca")
-    pods = {"peers_from_pods": "app.kubernetes.io/component=node", "kubernetes_api": "10.96.0.1:443"}
-    config = Config(state_dir=tmp_path, metadata_tls=tls, metadata_address="10.244.0.5:9811", **pods)
+    pods: dict[str, Any] = {"peers_from_pods": "app.kubernetes.io/component=node", "kubernetes_api": "10.96.0.1:443"}
+    config = Config(state_dir=tmp_path, metadata_tls=tls, metadata_address="10.244.0.5:9811",
+                    peers_from_pods="app.kubernetes.io/component=node", kubernetes_api="10.96.0.1:443")
     assert config.copies_with_peers and config.metadata_port == 9811 and config.copy_host == "10.244.0.5"
     assert not Config(state_dir=tmp_path).copies_with_peers
     for wrong, message in (
@@ -821,3 +822,27 @@ async def test_the_peer_list_is_read_again_for_each_copy(tmp_path: Path) -> None
             await peers.lease("snapshot:snap-" + "1" * 24, COPY)
     finally:
         await peers.close()
+
+
+async def test_a_dropped_lease_stays_dropped_past_any_ttl_until_lifted(source: tuple[FakeNode, SourceLeases]) -> None:
+    """The drop is not forgotten after a TTL: the copy's node, back days later, is still refused; the operator's
+    lift (`csi-qsd volume lift-lease`) lets it lease the copy again."""
+    node, served = source
+    clock = _Clock()
+    settings = dataclasses.replace(served._settings, lease_ttl=8.0)
+    leases = SourceLeases(node.catalog, node.snapshots, settings, node.volumes._volume_locks, clock=clock)
+    snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
+    await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")
+    with pytest.raises(NotFound, match=COPY):  # nothing to lift before a drop
+        await leases.lift(COPY)
+    await leases.drop(COPY)
+    for _ in range(3):
+        clock.now += 14
+        assert await leases.expire() == []
+        with pytest.raises(NotFound, match="operator"):
+            await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")
+    ((revoked, _),) = await leases.leases()
+    assert revoked.state is CopyState.REVOKED
+    assert (await leases.lift(COPY)).node == "node-b"
+    assert (await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")).snapshot_id == snapshot.id
+    await leases.release(COPY, "node-b")
