@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.tls import PemFiles
+from csi_qsd.csi.tls import ROUTER_NAME, PemFiles
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.run import run
@@ -500,7 +500,7 @@ async def test_only_the_node_a_copy_is_for_may_lease_release_or_read_it(pair: Pa
     assert code == grpc.StatusCode.PERMISSION_DENIED and "node-c" in message and "node-b" in message, message
     code, message = await copies_call(a.address, c, "Release", {"copy_volume_id": vid, "node": "node-c"})
     assert code == grpc.StatusCode.PERMISSION_DENIED and "node-c" in message and "node-b" in message, message
-    for name, files in (("router", pki.router), ("intruder", pki.for_node("intruder"))):
+    for name, files in ((ROUTER_NAME, pki.router), ("intruder", pki.for_node("intruder"))):
         code, message = await copies_call(a.address, files, "Lease", {"source": source, "copy_volume_id": vid,
                                                                        "node": name})
         assert code == grpc.StatusCode.PERMISSION_DENIED and name in message, message

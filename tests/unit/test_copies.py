@@ -23,7 +23,7 @@ from csi_qsd.config import Config
 from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases, parse_source
 from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Lease, nbd_backing
 from csi_qsd.csi.peers import SERVICE, PeerNodes, StaticPeers, checked_lease, copies_handler
-from csi_qsd.csi.tls import PemFiles, server_credentials
+from csi_qsd.csi.tls import ROUTER_NAME, PemFiles, server_credentials
 from csi_qsd.errors import (
     Aborted,
     FailedPrecondition,
@@ -340,7 +340,7 @@ async def test_the_copy_service_answers_each_peer_for_itself_only(
             code, message = await copies_call(address, c, method, request)
             assert code == grpc.StatusCode.PERMISSION_DENIED and "node-b" in message and "node-c" in message, (
                 method, request, message)
-        for name, files in (("router", pki.router), ("intruder", pki.for_node("intruder"))):
+        for name, files in ((ROUTER_NAME, pki.router), ("intruder", pki.for_node("intruder"))):
             code, message = await copies_call(address, files, "Lease", {**lease, "node": name})
             assert code == grpc.StatusCode.PERMISSION_DENIED and repr(name) in message and "--peer" in message, message
         # A node's certificate for another name does not pass for node-a: B checks whom it dials.
