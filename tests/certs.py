@@ -108,3 +108,12 @@ def mint(directory: Path) -> Pki:
     other = Authority(directory, "other")
     return Pki(node=cluster.issue("node", server=True), router=cluster.issue(ROUTER_NAME, server=False),
                stranger=other.issue("stranger", server=False, trusts=cluster), cluster=cluster)
+
+
+def crafted_intruder(pki: Pki) -> PemFiles:
+    """A certificate of the cluster CA for `intruder` whose OU holds `x,CN=node-b`: its distinguished name, as
+    GnuTLS writes it (`CN=intruder,OU=x\\,CN=node-b`), ends like node-b's, so a glob on the DN would let it in."""
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "intruder"),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "x,CN=node-b")])
+    return pki.cluster.issue("intruder", server=True, dns_names=("intruder",), subject=subject,
+                             file_name="crafted-intruder")

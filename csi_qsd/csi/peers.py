@@ -49,6 +49,7 @@ from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
 from csi_qsd.errors import (
     Code,
     DriverError,
+    FailedPrecondition,
     Forwarded,
     InvalidArgument,
     NotFound,
@@ -56,6 +57,7 @@ from csi_qsd.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from csi_qsd.sys import x509_name
 from csi_qsd.sys.pem import PemFiles
 
 log = logging.getLogger(__name__)
@@ -241,6 +243,20 @@ def _forwarded(name: str, exc: grpc.aio.AioRpcError) -> Forwarded:
     return Forwarded(Code[code] if code in Code.__members__ else Code.UNAVAILABLE, f"{exc.details()} (node {name})")
 
 
+def client_subject(context: grpc.aio.ServicerContext) -> str:
+    """The subject of the caller's certificate as QEMU writes it (`csi_qsd.sys.x509_name`): the one identity its
+    copy server will let in. Raises FailedPrecondition if it cannot be written exactly."""
+    pems = list(context.auth_context().get("x509_pem_cert", ()))
+    try:
+        if len(pems) != 1:
+            raise ValueError("no client certificate")
+        return x509_name.pem_subject(pems[0])
+    except ValueError as exc:
+        raise FailedPrecondition(
+            f"the caller's certificate ({caller_name(context) or 'no name'}) has a subject its copy server could "
+            f"not match exactly: {exc}; give each node a certificate whose subject holds plain names") from None
+
+
 class InFlight:
     """The copy calls each node has in flight here, at most `limit` at once per node."""
 
@@ -299,7 +315,7 @@ def copies_handler(leases: SourceLeases, peers: PeerList,
             if node != asking:
                 raise PermissionDenied(f"node {asking} asked for a lease for node {node}: a node leases for itself "
                                        "only")
-            got = await leases.lease(copy_volume_id, node, _text(request, "source"))
+            got = await leases.lease(copy_volume_id, node, _text(request, "source"), client_subject(context))
             return {"snapshot_id": got.snapshot_id, "address": got.address, "export": got.export, "size": got.size,
                     "ttl": got.ttl}
         return await _answer("CopyLease", request, context, grant)
