@@ -180,10 +180,22 @@ class PeerNodes:
         return known[1].unary_unary(f"/{SERVICE}/{method}", request_serializer=_encode,  # type: ignore[no-any-return]
                                     response_deserializer=_decode)
 
-    async def lease(self, source: str, copy_volume_id: str) -> Lease:
-        """Ask every peer at once; the one that holds `source` serves it. Raises NotFound, Unavailable."""
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+        """Ask every peer at once; the one that holds `source` serves it. A renewal (`node`: the node that granted
+        the lease) asks that node alone, so no other peer can answer for it.
+
+        Snapshot and volume IDs are random and one node holds each: when
+        more than one peer grants a new lease, at least one of them lies, so
+        none is used (each is given back). Raises NotFound, Unavailable,
+        FailedPrecondition (more than one node claims `source`).
+        """
         parse_source(source)
         peers = await self._others()
+        if node:
+            if node not in peers:
+                raise Unavailable(f"node {node}, which serves copy {copy_volume_id}, is not among this node's peers "
+                                  f"now ({self._list.described()}); its lease is asked of it alone")
+            peers = {node: peers[node]}
         if not peers:
             raise NotFound(f"{source.replace(':', ' ')} is not on this node, and no other node is known "
                            f"({self._list.described()})")
@@ -210,6 +222,13 @@ class PeerNodes:
         leases = [a for a in answers if isinstance(a, Lease)]
         failures = [a for a in answers if isinstance(a, BaseException)]
         unreachable = [a for a in answers if isinstance(a, str)]
+        if len(leases) > 1:
+            for lease in leases:
+                with contextlib.suppress(DriverError):
+                    await self.release(lease.node, copy_volume_id)
+            raise FailedPrecondition(
+                f"{source.replace(':', ' ')} is claimed by more than one node ({', '.join(l.node for l in leases)}); "
+                "one holds it, so another answers falsely: no copy is made from either")
         if leases:
             return leases[0]
         if failures:
