@@ -10,7 +10,8 @@ small JSON objects.
 
 Each node has a certificate of its own, from the cluster CA, whose common
 name and a DNS name are its node name (`csi_qsd.csi.tls`), for TLS server and
-client use. A caller proves which node it is by that certificate: the
+client use (with SPIRE, its SPIFFE ID `…/csi-qsd/node/<node>` decides,
+`csi_qsd.csi.tls`). A caller proves which node it is by that certificate: the
 service answers only a node this node knows as a peer, and only for
 itself (a Lease whose `node` is another, or a Lease or Release of a copy
 leased to another node, is PERMISSION_DENIED naming both). The router's
