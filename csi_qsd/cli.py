@@ -426,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     drop_lease = actions.add_parser("drop-lease", help="stop serving a copy on another node (its node gone for "
                                     "good) and free its snapshot; that copy loses what it has not copied")
     drop_lease.add_argument("copy_volume_id", help="the copy's volume ID, as `leases` lists it")
+    lift_lease = actions.add_parser("lift-lease", help="lift a drop-lease: the copy's node may lease that copy "
+                                    "again (a drop is otherwise kept until the copy's volume is deleted)")
+    lift_lease.add_argument("copy_volume_id", help="the copy's volume ID, as `leases` lists it (state revoked)")
     backup = actions.add_parser("backup", help="qcow2 backup of a snapshot: the ranges GetMetadataAllocated "
                                 "(full) or GetMetadataDelta (--since) lists, read from its frozen images on this node")
     backup.add_argument("snapshot_id")
@@ -686,6 +689,10 @@ async def _client(args: argparse.Namespace) -> int:
             dropped = await client.drop_copy_lease(args.copy_volume_id)
             print(f"dropped the lease of copy {dropped['copy_volume_id']} (node {dropped['node']}, snapshot "
                   f"{dropped['snapshot_id']})", file=sys.stderr)
+        elif action == "lift-lease":
+            lifted = await client.lift_copy_lease_drop(args.copy_volume_id)
+            print(f"lifted the drop of copy {lifted['copy_volume_id']}: node {lifted['node']} may lease it again",
+                  file=sys.stderr)
         elif action == "nbd-export":
             from csi_qsd.backup import snapshot_nbd
 

@@ -49,8 +49,9 @@ class Lease:
 class Peers(Protocol):
     """The other nodes' plugins, as the target of a copy reaches them."""
 
-    async def lease(self, source: str, copy_volume_id: str) -> Lease:
-        """Ask every peer; the one holding `source` serves it. Raises NotFound, Unavailable."""
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+        """Ask every peer, the one holding `source` serves it; or, for a renewal, `node` alone (the one that
+        granted the lease). Raises NotFound, Unavailable, FailedPrecondition (more than one node claims it)."""
         ...
 
     async def release(self, node: str, copy_volume_id: str) -> None:

@@ -219,7 +219,8 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata,
                                                  handlers=(copies_handler(driver.copies.leases, driver.peers,
-                                                                          config.copy_calls_per_node),)):
+                                                                          config.copy_calls_per_node),),
+                                                 peers=driver.peers):
                 async with claiming_snapshot_contents(config, driver):
                     yield driver
 

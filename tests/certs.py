@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from csi_qsd.csi.tls import PemFiles
+from csi_qsd.csi.tls import ROUTER_NAME, PemFiles
 from csi_qsd.router.config import DEFAULT_SERVER_NAME
 
 Key = ec.EllipticCurvePrivateKey
@@ -30,9 +30,9 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _builder(subject: str, issuer: x509.Name, key: Key) -> x509.CertificateBuilder:
+def _builder(subject: str | x509.Name, issuer: x509.Name, key: Key) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.timezone.utc)
-    return (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer).public_key(key.public_key())
+    return (x509.CertificateBuilder().subject_name(_name(subject) if isinstance(subject, str) else subject).issuer_name(issuer).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1)))
 
@@ -58,20 +58,26 @@ class Authority:
         return self.directory / f"{self.name}-ca.crt"
 
     def issue(self, common_name: str, *, server: bool, trusts: "Authority | None" = None,
-              dns_names: tuple[str, ...] = (DEFAULT_SERVER_NAME,)) -> PemFiles:
-        """A leaf certificate (server: for `dns_names` and 127.0.0.1) and the CA its holder trusts."""
+              dns_names: tuple[str, ...] = (DEFAULT_SERVER_NAME,), uris: tuple[str, ...] = (),
+              subject: x509.Name | None = None, file_name: str = "") -> PemFiles:
+        """A leaf certificate (server: for `dns_names` and 127.0.0.1; `uris` as URI SANs, a SPIFFE ID) and the CA
+        its holder trusts. `subject` replaces the plain `CN=common_name` (a crafted distinguished name), and
+        `file_name` the files' name (default the common name)."""
         key = ec.generate_private_key(ec.SECP256R1())
         # A node plugin's certificate serves its listener and, for copies across nodes, calls other nodes.
         usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else [
             ExtendedKeyUsageOID.CLIENT_AUTH]
-        builder = (_builder(common_name, self.cert.subject, key)
+        builder = (_builder(subject or common_name, self.cert.subject, key)
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                    .add_extension(x509.ExtendedKeyUsage(usage), critical=False))
+        names: list[x509.GeneralName] = [*map(x509.UniformResourceIdentifier, uris)]
         if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName([
-                *map(x509.DNSName, dns_names), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            names += [*map(x509.DNSName, dns_names), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
-        cert_path, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"
+        stem = file_name or common_name
+        cert_path, key_path = self.directory / f"{stem}.crt", self.directory / f"{stem}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                serialization.NoEncryption()))
@@ -100,5 +106,14 @@ def mint(directory: Path) -> Pki:
     directory.mkdir(parents=True, exist_ok=True)
     cluster = Authority(directory, "cluster")
     other = Authority(directory, "other")
-    return Pki(node=cluster.issue("node", server=True), router=cluster.issue("router", server=False),
+    return Pki(node=cluster.issue("node", server=True), router=cluster.issue(ROUTER_NAME, server=False),
                stranger=other.issue("stranger", server=False, trusts=cluster), cluster=cluster)
+
+
+def crafted_intruder(pki: Pki) -> PemFiles:
+    """A certificate of the cluster CA for `intruder` whose OU holds `x,CN=node-b`: its distinguished name, as
+    GnuTLS writes it (`CN=intruder,OU=x\\,CN=node-b`), ends like node-b's, so a glob on the DN would let it in."""
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "intruder"),
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "x,CN=node-b")])
+    return pki.cluster.issue("intruder", server=True, dns_names=("intruder",), subject=subject,
+                             file_name="crafted-intruder")

@@ -128,8 +128,7 @@ async def nbd_export(qemu_nbd: str, spec: str, socket: Path, *, read_only: bool)
 def private_file(path: Path) -> None:
     """An empty file at `path`, mode 0600 whatever the umask, for qemu-img to write into (it keeps the mode of a
     file that exists): a backup holds a whole volume. Replaces a leftover of an earlier run."""
-    path.unlink(missing_ok=True)
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    os.close(durable.exclusive(path))
 
 
 @dataclasses.dataclass(frozen=True)

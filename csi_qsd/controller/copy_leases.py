@@ -19,8 +19,9 @@ listener; what this module shares with the node side's fills is in
   and a driver that starts serves again every lease whose server is gone).
   A lease belongs to the node that asked for it: only that node may ask it
   again or release it (PERMISSION_DENIED naming both), and its NBD server
-  lets in only a client whose certificate names that node (QEMU's
-  `authz-list` on the TLS client's name); the target checks in turn that
+  lets in only the certificate that node asked with (QEMU's `authz-simple`
+  on that certificate's exact subject, kept beside the pid file for the
+  server's restarts); the target checks in turn that
   the server's certificate names the source node (`tls-hostname`).
   While a lease reads a snapshot, DeleteSnapshot of it (and DeleteVolume of a
   volume being cloned) is FAILED_PRECONDITION naming the copy and its node.
@@ -28,7 +29,9 @@ listener; what this module shares with the node side's fills is in
   lease. A lease lasts --copy-lease-ttl past the last time its copy asked
   for it (the copy renews it while it streams), so a copy whose node is gone
   for good frees its source; an operator may drop one at once
-  (`csi-qsd volume drop-lease`).
+  (`csi-qsd volume drop-lease`), and that copy's node may not have it
+  again until it deletes the copy's volume or the operator lifts the drop
+  (`csi-qsd volume lift-lease`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -153,8 +157,9 @@ class SourceLeases:
         # One node's new leases are granted one at a time, so its count against the limit is exact.
         self._granting: dict[str, asyncio.Lock] = {}
 
-    async def lease(self, copy_volume_id: str, node: str, source: str) -> Lease:
-        """Serve `source` for the copy `copy_volume_id` on `node` (idempotent). Raises NotFound,
+    async def lease(self, copy_volume_id: str, node: str, source: str, subject: str = "") -> Lease:
+        """Serve `source` for the copy `copy_volume_id` on `node` (idempotent), to the client certificate whose
+        subject is `subject` ('' : `CN=<node>`, a plain node certificate). Raises NotFound,
         FailedPrecondition (no TLS files), ResourceExhausted (no free port, or `node` holds as many leases as
         one node may), PermissionDenied (the copy's lease belongs to another node)."""
         validate.volume_id(copy_volume_id, "copy volume_id")
@@ -175,7 +180,7 @@ class SourceLeases:
                 raise NotFound(f"the lease of copy {copy_volume_id} was dropped by this node's operator; that copy "
                                "cannot go on")
             try:
-                record = await self._serve(record)
+                record = await self._serve(record, await self._admitted(record, subject))
             except BaseException:
                 await self._drop(record)
                 raise
@@ -313,26 +318,43 @@ class SourceLeases:
                     copy_volume_id, record.node, record.snapshot_id)
         return record
 
+    async def lift(self, copy_volume_id: str) -> CopyRecord:
+        """An operator's lift of a drop (`drop`): the copy's node may lease that copy again (it starts over, from
+        whatever the source is then). Raises NotFound if the copy's lease was not dropped, Aborted while busy."""
+        async with self._locks.wait_hold(copy_volume_id, DROP_WAIT_SECONDS) as held:
+            if not held:
+                raise Aborted(f"the lease of copy {copy_volume_id} stayed busy for {DROP_WAIT_SECONDS:g} s; retry")
+            record = await self._catalog.copy(copy_volume_id, CopyRole.SOURCE)
+            if record is None or record.state is not CopyState.REVOKED:
+                raise NotFound(f"this node has dropped no lease of copy {copy_volume_id}")
+            await self._drop(record)
+        log.warning("event=copy_lease_drop_lifted copy_volume_id=%s node=%s", copy_volume_id, record.node)
+        return record
+
     async def leases(self) -> list[tuple[CopyRecord, float]]:
         """Every lease this node serves, with the seconds since its copy last asked for it."""
         now = self._clock()
         return [(r, now - self._renewed.get(r.volume_id, now)) for r in await self._catalog.copies(CopyRole.SOURCE)]
 
     async def expire(self) -> list[str]:
-        """Drop the leases not asked for within --copy-lease-ttl (their copies' nodes gone); their copy IDs."""
+        """Drop the leases not asked for within --copy-lease-ttl (their copies' nodes gone); their copy IDs.
+
+        A drop (`drop`) never expires: it is kept until the copy's node releases the copy (its volume
+        deleted) or an operator lifts it (`lift`), so the copy's node cannot have that copy again by waiting.
+        """
         ttl, dropped = self._settings.lease_ttl, list[str]()
         if ttl <= 0:
             return dropped
         for record, age in await self.leases():
-            if age <= ttl or self._locks.busy(record.volume_id):
+            if age <= ttl or record.state is CopyState.REVOKED or self._locks.busy(record.volume_id):
                 continue
             async with self._locks.hold(record.volume_id):
                 current = await self._catalog.copy(record.volume_id, CopyRole.SOURCE)
-                if current is None or self._clock() - self._renewed.get(record.volume_id, self._clock()) <= ttl:
+                if (current is None or current.state is CopyState.REVOKED
+                        or self._clock() - self._renewed.get(record.volume_id, self._clock()) <= ttl):
                     continue
                 await self._drop(current)
-            log.warning("event=%s copy_volume_id=%s node=%s snapshot_id=%s idle_seconds=%.0f",
-                        "copy_lease_forgotten" if record.state is CopyState.REVOKED else "copy_lease_expired",
+            log.warning("event=copy_lease_expired copy_volume_id=%s node=%s snapshot_id=%s idle_seconds=%.0f",
                         record.volume_id, record.node, record.snapshot_id, age)
             dropped.append(record.volume_id)
         return dropped
@@ -353,8 +375,26 @@ class SourceLeases:
             except Exception:  # an eternal task must not end silently
                 log.exception("event=copy_lease_expiry_failed")
 
+    def _subject_file(self, copy_volume_id: str) -> Path:
+        return self._settings.copies_dir / f"{copy_volume_id}.subject"
+
+    async def _admitted(self, record: CopyRecord, subject: str = "") -> str:
+        """The exact certificate subject the lease's server lets in: `subject` (what the lease's node presented
+        now), kept for the server's restarts; else the one kept; else `CN=<node>`."""
+        path = self._subject_file(record.volume_id)
+        try:
+            kept = await asyncio.to_thread(path.read_text)
+        except FileNotFoundError:
+            kept = ""
+        if subject and subject != kept:
+            data = subject.encode()
+            await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(durable.create, path, lambda fd: os.write(fd, data))
+        return subject or kept or nbd_tcp.plain_subject(record.node)
+
     async def _drop(self, record: CopyRecord) -> None:
         self._renewed.pop(record.volume_id, None)
+        await asyncio.to_thread(self._subject_file(record.volume_id).unlink, missing_ok=True)
         if record.state is CopyState.REVOKED:  # serves and holds nothing
             await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
             return
@@ -395,10 +435,11 @@ class SourceLeases:
             if await self._catalog.snapshot(record.snapshot_id) is None:
                 log.warning("event=copy_lease_dropped copy_volume_id=%s reason=snapshot_gone", record.volume_id)
                 await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
+                await asyncio.to_thread(self._subject_file(record.volume_id).unlink, missing_ok=True)
                 await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
                 continue
             try:
-                await self._serve(record)
+                await self._serve(record, await self._admitted(record))
             except DriverError as exc:
                 log.error("event=copy_serve_failed copy_volume_id=%s error=%r", record.volume_id, str(exc))
 
@@ -417,9 +458,10 @@ class SourceLeases:
     def _port(record: CopyRecord) -> int:
         return int(record.address.rpartition(":")[2])
 
-    async def _serve(self, record: CopyRecord) -> CopyRecord:
-        """Serve the lease if its server is gone (or started before the node's TLS files last changed, or lets
-        in any node of the CA); the record, with a new address if the old one is lost.
+    async def _serve(self, record: CopyRecord, subject: str) -> CopyRecord:
+        """Serve the lease to the certificate `subject` if its server is gone (or started before the node's TLS
+        files last changed, or lets in another subject, or matches one by a glob as earlier versions did); the
+        record, with a new address if the old one is lost.
 
         Called at every Lease, so a renewed certificate reaches a running
         server the next time its copy renews the lease (a few times per
@@ -433,7 +475,7 @@ class SourceLeases:
         assert self._settings.tls is not None
         cert, key, ca = self._settings.tls
         reason = "" if pid is None else (
-            "authz" if not nbd_tcp.admits_only(pid, record.node)  # from a driver that let any node of the CA in
+            "authz" if not nbd_tcp.admits_only(pid, subject)  # another subject, or an earlier version's glob
             else "certificate" if nbd_tcp.started_before(pid, (cert, key, ca)) else "")
         if pid is not None and not reason:
             return record
@@ -461,7 +503,7 @@ class SourceLeases:
                 record, port = moved, self._port(moved)
             pid = await nbd_tcp.start(
                 self._settings.qemu_nbd, qcow2_spec(Path(record.image), read_only=True), host=self._settings.host,
-                port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=record.node)
+                port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=subject)
         log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
                  record.volume_id, record.snapshot_id, record.address, pid)
         return record

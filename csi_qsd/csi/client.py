@@ -195,6 +195,10 @@ class CSIClient:
         """Drop the lease of copy `copy_volume_id` (`csi_qsd.v1.CopyLeases/Drop`): what it names."""
         return await self._json("Drop", {"copy_volume_id": copy_volume_id})
 
+    async def lift_copy_lease_drop(self, copy_volume_id: str) -> dict[str, Any]:
+        """Let the copy whose lease was dropped be leased again (`csi_qsd.v1.CopyLeases/Lift`): what it names."""
+        return await self._json("Lift", {"copy_volume_id": copy_volume_id})
+
     async def _json(self, method: str, request: dict[str, Any]) -> dict[str, Any]:
         call = self._channel.unary_unary(f"/{LEASES_SERVICE}/{method}",
                                          request_serializer=lambda m: json.dumps(m).encode(),

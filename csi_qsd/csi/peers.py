@@ -10,7 +10,8 @@ small JSON objects.
 
 Each node has a certificate of its own, from the cluster CA, whose common
 name and a DNS name are its node name (`csi_qsd.csi.tls`), for TLS server and
-client use. A caller proves which node it is by that certificate: the
+client use (with SPIRE, its SPIFFE ID `…/csi-qsd/node/<node>` decides,
+`csi_qsd.csi.tls`). A caller proves which node it is by that certificate: the
 service answers only a node this node knows as a peer, and only for
 itself (a Lease whose `node` is another, or a Lease or Release of a copy
 leased to another node, is PERMISSION_DENIED naming both). The router's
@@ -49,6 +50,7 @@ from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials, caller_name
 from csi_qsd.errors import (
     Code,
     DriverError,
+    FailedPrecondition,
     Forwarded,
     InvalidArgument,
     NotFound,
@@ -56,6 +58,7 @@ from csi_qsd.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from csi_qsd.sys import x509_name
 from csi_qsd.sys.pem import PemFiles
 
 log = logging.getLogger(__name__)
@@ -178,10 +181,22 @@ class PeerNodes:
         return known[1].unary_unary(f"/{SERVICE}/{method}", request_serializer=_encode,  # type: ignore[no-any-return]
                                     response_deserializer=_decode)
 
-    async def lease(self, source: str, copy_volume_id: str) -> Lease:
-        """Ask every peer at once; the one that holds `source` serves it. Raises NotFound, Unavailable."""
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+        """Ask every peer at once; the one that holds `source` serves it. A renewal (`node`: the node that granted
+        the lease) asks that node alone, so no other peer can answer for it.
+
+        Snapshot and volume IDs are random and one node holds each: when
+        more than one peer grants a new lease, at least one of them lies, so
+        none is used (each is given back). Raises NotFound, Unavailable,
+        FailedPrecondition (more than one node claims `source`).
+        """
         parse_source(source)
         peers = await self._others()
+        if node:
+            if node not in peers:
+                raise Unavailable(f"node {node}, which serves copy {copy_volume_id}, is not among this node's peers "
+                                  f"now ({self._list.described()}); its lease is asked of it alone")
+            peers = {node: peers[node]}
         if not peers:
             raise NotFound(f"{source.replace(':', ' ')} is not on this node, and no other node is known "
                            f"({self._list.described()})")
@@ -208,6 +223,13 @@ class PeerNodes:
         leases = [a for a in answers if isinstance(a, Lease)]
         failures = [a for a in answers if isinstance(a, BaseException)]
         unreachable = [a for a in answers if isinstance(a, str)]
+        if len(leases) > 1:
+            for lease in leases:
+                with contextlib.suppress(DriverError):
+                    await self.release(lease.node, copy_volume_id)
+            raise FailedPrecondition(
+                f"{source.replace(':', ' ')} is claimed by more than one node ({', '.join(l.node for l in leases)}); "
+                "one holds it, so another answers falsely: no copy is made from either")
         if leases:
             return leases[0]
         if failures:
@@ -239,6 +261,20 @@ class PeerNodes:
 def _forwarded(name: str, exc: grpc.aio.AioRpcError) -> Forwarded:
     code = exc.code().name
     return Forwarded(Code[code] if code in Code.__members__ else Code.UNAVAILABLE, f"{exc.details()} (node {name})")
+
+
+def client_subject(context: grpc.aio.ServicerContext) -> str:
+    """The subject of the caller's certificate as QEMU writes it (`csi_qsd.sys.x509_name`): the one identity its
+    copy server will let in. Raises FailedPrecondition if it cannot be written exactly."""
+    pems = list(context.auth_context().get("x509_pem_cert", ()))
+    try:
+        if len(pems) != 1:
+            raise ValueError("no client certificate")
+        return x509_name.pem_subject(pems[0])
+    except ValueError as exc:
+        raise FailedPrecondition(
+            f"the caller's certificate ({caller_name(context) or 'no name'}) has a subject its copy server could "
+            f"not match exactly: {exc}; give each node a certificate whose subject holds plain names") from None
 
 
 class InFlight:
@@ -299,7 +335,7 @@ def copies_handler(leases: SourceLeases, peers: PeerList,
             if node != asking:
                 raise PermissionDenied(f"node {asking} asked for a lease for node {node}: a node leases for itself "
                                        "only")
-            got = await leases.lease(copy_volume_id, node, _text(request, "source"))
+            got = await leases.lease(copy_volume_id, node, _text(request, "source"), client_subject(context))
             return {"snapshot_id": got.snapshot_id, "address": got.address, "export": got.export, "size": got.size,
                     "ttl": got.ttl}
         return await _answer("CopyLease", request, context, grant)
@@ -328,7 +364,8 @@ def copies_handler(leases: SourceLeases, peers: PeerList,
 
 def leases_handler(leases: SourceLeases) -> grpc.GenericRpcHandler:
     """`csi_qsd.v1.CopyLeases` for this node's operator, on the driver's own UNIX socket only (never the
-    listener): List the leases this node serves, Drop one (`csi-qsd volume leases`, `drop-lease`)."""
+    listener): List the leases this node serves, Drop one, Lift a drop (`csi-qsd volume leases`, `drop-lease`,
+    `lift-lease`)."""
 
     async def listed(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
         async def work() -> dict[str, Any]:
@@ -344,10 +381,17 @@ def leases_handler(leases: SourceLeases) -> grpc.GenericRpcHandler:
             return {"copy_volume_id": record.volume_id, "node": record.node, "snapshot_id": record.snapshot_id}
         return await _answer("CopyLeaseDrop", request, context, work)
 
+    async def lift(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        async def work() -> dict[str, Any]:
+            record = await leases.lift(validate.volume_id(_text(request, "copy_volume_id"), "copy_volume_id"))
+            return {"copy_volume_id": record.volume_id, "node": record.node}
+        return await _answer("CopyLeaseLift", request, context, work)
+
     handler = {"request_deserializer": _decode, "response_serializer": _encode}
     return grpc.method_handlers_generic_handler(LEASES_SERVICE, {
         "List": grpc.unary_unary_rpc_method_handler(listed, **handler),
         "Drop": grpc.unary_unary_rpc_method_handler(drop, **handler),
+        "Lift": grpc.unary_unary_rpc_method_handler(lift, **handler),
     })
 
 

@@ -347,24 +347,60 @@ def _apply_group(root: Path, group: str) -> None:
     or a pod of another fsGroup after the last one left), every file and directory on this filesystem goes
     to the group, group-readable and writable, directories setgid, so files made later inherit it. Links
     are not followed, and nothing on another filesystem mounted below is touched.
+
+    The pod may still write the filesystem (a re-stage after a kubelet restart), so no path is resolved
+    twice: the walk holds a descriptor of each directory, opened without following a link, lists and
+    changes each entry relative to it, and acts on the very inode it looked at (`_give_to_group`). A
+    directory swapped for a link mid-walk is skipped, never entered.
     """
     gid = int(group)
-    st = os.stat(root)
-    if st.st_gid != gid:
-        for dirpath, dirnames, filenames in os.walk(root):
-            here = Path(dirpath)
-            dirnames[:] = [d for d in dirnames if os.lstat(here / d).st_dev == st.st_dev]
-            for name in [*dirnames, *filenames]:
-                _give_to_group(here / name, gid)
-    os.chown(root, -1, gid)
-    os.chmod(root, (os.stat(root).st_mode & 0o7777) | 0o2070)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_gid != gid:
+            _give_below(fd, st.st_dev, gid)
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, (os.fstat(fd).st_mode & 0o7777) | 0o2070)
+    finally:
+        os.close(fd)
 
 
-def _give_to_group(path: Path, gid: int) -> None:
-    os.lchown(path, -1, gid)
-    entry = os.lstat(path)  # after: the kernel drops a file's setuid and setgid bits on chown
+def _give_below(dir_fd: int, dev: int, gid: int) -> None:
+    """`_give_to_group` every entry of the directory `dir_fd`, and below each directory on device `dev`."""
+    with os.scandir(dir_fd) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        try:
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:  # removed since it was listed
+            continue
+        try:
+            found = os.fstat(fd)
+            if stat.S_ISLNK(found.st_mode):
+                os.chown(name, -1, gid, dir_fd=dir_fd, follow_symlinks=False)
+                continue
+            if stat.S_ISDIR(found.st_mode) and found.st_dev == dev:
+                try:
+                    below = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                except OSError:  # swapped for a link or a file since (ELOOP, ENOTDIR), or gone: not entered
+                    continue
+                try:
+                    if os.path.samestat(os.fstat(below), found):
+                        _give_below(below, dev, gid)
+                finally:
+                    os.close(below)
+            _give_to_group(fd, gid)
+        finally:
+            os.close(fd)
+
+
+def _give_to_group(fd: int, gid: int) -> None:
+    """chown to `gid` and open up to the group the inode of the O_PATH descriptor `fd` (the kernel resolves
+    /proc/self/fd/N to that inode, whatever its name points to now)."""
+    inode = f"/proc/self/fd/{fd}"
+    os.chown(inode, -1, gid)
+    entry = os.fstat(fd)  # after: the kernel drops a file's setuid and setgid bits on chown
     if stat.S_ISDIR(entry.st_mode):
-        os.chmod(path, (entry.st_mode & 0o7777) | 0o2070)
+        os.chmod(inode, (entry.st_mode & 0o7777) | 0o2070)
     elif stat.S_ISREG(entry.st_mode):
-        os.chmod(path, (entry.st_mode & 0o7777) | 0o060)
-
+        os.chmod(inode, (entry.st_mode & 0o7777) | 0o060)

@@ -35,6 +35,10 @@ from csi_qsd.sys import unix_peers, vhost_channels
 
 log = logging.getLogger(__name__)
 
+# How long a growth waits for QSD to accept connections made before its socket was hidden, and how often it looks.
+BACKLOG_SECONDS = 2.0
+BACKLOG_POLL_SECONDS = 0.02
+
 
 class VhostUserExport(ExportPath):
     kind = ExportKind.VHOST_USER_BLK
@@ -58,6 +62,7 @@ class VhostUserExport(ExportPath):
         await attach.ensure_top(client, top)
         socket_dir = self.socket_dir(volume.id)
         vhost_user.prepare_dir(socket_dir, self.group(volume, stage))
+        await asyncio.to_thread(vhost_user.unhide, socket_dir)  # a growth the driver did not live to finish
         socket = socket_dir / vhost_user.SOCKET_NAME
         writable = not any(p.readonly for p in publishes)  # the one publish's mode
         await attach.ensure_vhost_export(client, top, socket, writable=writable, iothreads=self._iothreads(volume))
@@ -184,8 +189,9 @@ class VhostUserExport(ExportPath):
         while writing: Bad file descriptor", while a guest's QEMU on another
         export of the same QSD saw 131072 -> 262144 sectors live. The CO
         retries the call; it succeeds once that client is gone (it sees the
-        new size when it connects again). A client that connects between
-        this check and the resize is not caught.
+        new size when it connects again). Asked first in `check_expand`, and
+        again in `expand` with the socket hidden, so that no client can
+        connect between this check and the resize.
         """
         socket = self.socket_dir(volume.id) / vhost_user.SOCKET_NAME
         if not (await asyncio.to_thread(unix_peers.peers, socket)).clients:
@@ -216,6 +222,36 @@ class VhostUserExport(ExportPath):
                 f"volume of the node down{apart}. Disconnect that client and retry: it sees the new size when it "
                 "connects again. A VM's QEMU (vhost-user-blk-pci) takes the growth live"
             )
+
+    async def _resize_hidden(self, volume: VolumeRecord, top: attach.TopImage, size: int) -> None:
+        """block_resize with the socket out of the pod's sight (`vhost_user.hide`), so the clients QSD will tell
+        of the growth are the ones checked just before it.
+
+        A client could connect after `check_expand` asked, while the image
+        grew on disk, and QSD would die telling it (and every volume of the
+        node with it). With the socket hidden no connect() finds it, so:
+        wait until QSD accepted every connection already made (its backlog
+        empty), ask again, resize, and put the socket back. A backlog that
+        does not drain (QSD serves one client at a time and another waits)
+        is FAILED_PRECONDITION: that client would be served next, unchecked.
+        """
+        socket_dir = self.socket_dir(volume.id)
+        socket = socket_dir / vhost_user.SOCKET_NAME
+        await asyncio.to_thread(vhost_user.hide, socket_dir)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + BACKLOG_SECONDS
+            while (await asyncio.to_thread(unix_peers.peers, socket)).waiting:
+                if loop.time() >= deadline:
+                    raise FailedPrecondition(
+                        f"volume {volume.id} cannot grow now: a vhost-user client waits to connect to its socket "
+                        f"{socket} while another is served, and it would be served unchecked; retry once the VM's "
+                        "clients settled")
+                await asyncio.sleep(BACKLOG_POLL_SECONDS)
+            await self._refuse_client_without_channel(volume)
+            await attach.resize(self.host.client_of(volume.id), top, size)
+        finally:
+            await asyncio.to_thread(vhost_user.unhide, socket_dir)
 
     def _live(self, volume: VolumeRecord) -> bool:
         """True if a resize under the export reaches a connected guest (block_resize on QSD >= 10)."""
@@ -259,7 +295,7 @@ class VhostUserExport(ExportPath):
         top = self.host.top_image(volume)
         client = self.host.client_of(volume.id)
         if self._live(volume):
-            await attach.resize(client, top, size)
+            await self._resize_hidden(volume, top, size)
             return
         await client.export_del(top.nodes.vhost_export)
         await attach.resize(client, top, size)

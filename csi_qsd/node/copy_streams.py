@@ -282,16 +282,28 @@ class CopyStreams:
         await self._close_if_unstaged(volume)
 
     async def _renew(self, record: CopyRecord, volume_id: str) -> Lease:
-        """Ask the source for the copy's lease again (it lasts --copy-lease-ttl from now on).
+        """Ask the node that granted the copy's lease (`record.node`), and it alone, for the lease again (it lasts
+        --copy-lease-ttl from now on).
 
-        Raises SourceLost if the source no longer holds the copy's snapshot (a new lease of another snapshot,
-        which the copy must not read, is given back at once), Unavailable if no source could be asked.
+        An answer from another node is refused (given back, never followed):
+        the copy reads its data from the node it started from only.
+        Raises SourceLost if the source no longer holds the copy's snapshot
+        (a new lease of another snapshot, which the copy must not read, is
+        given back at once), Unavailable if the source could not be asked
+        or another node answered.
         """
         try:
-            lease = await self._peers.lease(record.source, volume_id)
+            lease = await self._peers.lease(record.source, volume_id, record.node)
         except NotFound as exc:
-            raise SourceLost(f"no node holds {record.source.replace(':', ' ')} for copy {volume_id} any more: "
-                             f"{exc}") from None
+            raise SourceLost(f"node {record.node} no longer holds {record.source.replace(':', ' ')} for copy "
+                             f"{volume_id}: {exc}") from None
+        if lease.node != record.node:
+            with contextlib.suppress(DriverError):
+                await self._peers.release(lease.node, volume_id)
+            log.warning("event=copy_lease_answer_refused volume_id=%s node=%s answered=%s", volume_id, record.node,
+                        lease.node)
+            raise Unavailable(f"node {lease.node} answered for copy {volume_id}, whose lease node {record.node} "
+                              "granted; only that node may serve it")
         if lease.snapshot_id != record.snapshot_id:
             with contextlib.suppress(DriverError):
                 await self._peers.release(lease.node, volume_id)
@@ -344,7 +356,7 @@ class CopyStreams:
                         f"node {record.node} now serves this copy at {lease.address}, not {record.address}; volume "
                         f"{volume.id} is staged and reads through the old address until it is unstaged (then the "
                         "copy resumes)")
-            await point_backing(self._settings.qemu_img, local, lease.address, lease.export, lease.node)
+            await point_backing(self._settings.qemu_img, local, lease.address, lease.export, record.node)
             moved = dataclasses.replace(record, address=lease.address)
             await self._catalog.put_copy(moved)
         log.warning("event=copy_source_moved volume_id=%s node=%s old=%s new=%s", volume.id, record.node,

@@ -29,6 +29,8 @@ from csi_qsd.sys import mounts
 from csi_qsd.sys.run import tool_env
 
 SOCKET_NAME = "vhost-user-blk.sock"
+# Where the socket is while the volume grows: beside the socket directory, out of the pod's sight.
+HIDDEN_NAME = "vhost-user-blk.resizing.sock"
 # Who the access probe runs as: the overflow user, neither root nor the socket's owner, so only the
 # group's permission bits can let it in.
 PROBE_UID = 65534
@@ -45,6 +47,25 @@ def restrict_socket(socket: Path, group: str) -> None:
     """Give QSD's socket to root and `group`. Raises FailedPrecondition, changing nothing, if what is at `socket`
     is not a socket (a symbolic link put there in place of QSD's, say)."""
     _restrict(socket, stat.S_ISSOCK, "a socket", int(group) if group else 0, 0o660 if group else 0o600)
+
+
+def hide(socket_dir: Path) -> None:
+    """Move QSD's socket out of the directory the pod sees (to HIDDEN_NAME beside it), so nothing can connect
+    to it, whatever its privileges: a connect() finds no name. QSD keeps listening, and its clients stay
+    connected. Raises FileNotFoundError if there is no socket."""
+    os.rename(socket_dir / SOCKET_NAME, socket_dir.parent / HIDDEN_NAME)
+
+
+def unhide(socket_dir: Path) -> None:
+    """Put a socket `hide` moved back (after a crash in between too); a socket QSD made again in its place
+    since is kept, and the moved one removed. Nothing if none was moved."""
+    hidden = socket_dir.parent / HIDDEN_NAME
+    if not os.path.lexists(hidden):
+        return
+    if os.path.lexists(socket_dir / SOCKET_NAME):
+        hidden.unlink()
+    else:
+        os.rename(hidden, socket_dir / SOCKET_NAME)
 
 
 def _restrict(path: Path, is_kind: Callable[[int], bool], kind: str, gid: int, mode: int) -> None:

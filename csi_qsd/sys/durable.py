@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 TMP_SUFFIX = ".tmp"  # where `create` writes a file before it has its name
+EXCLUSIVE_TRIES = 3  # a name someone keeps planting again is given up on, not fought over forever
 
 
 def fsync_path(path: Path) -> None:
@@ -36,14 +37,33 @@ def unlink(path: Path) -> None:
     fsync_path(path.parent)
 
 
+def exclusive(path: Path, mode: int = 0o600) -> int:
+    """A descriptor of a new, empty regular file at `path`, which this call made: never what was there.
+
+    A leftover at `path` (an earlier run's, or a link someone planted in a
+    directory others may write) is unlinked, never opened: `O_EXCL` with
+    `O_CREAT` fails rather than follow a link, so the write cannot be
+    redirected to the link's target. Raises FileExistsError if the name is
+    planted again each time, OSError otherwise.
+    """
+    for _ in range(EXCLUSIVE_TRIES):
+        path.unlink(missing_ok=True)
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{path} reappeared each time it was removed; refusing to write through it")
+
+
 def create(path: Path, fill: Callable[[int], object], *, sync: bool = True) -> None:
     """A new file at `path`, written by `fill` through a descriptor: whole under its name or not there at all.
 
-    Written at `path` + TMP_SUFFIX, then renamed; with `sync`, its data and
-    its name are on disk before this returns.
+    Written at `path` + TMP_SUFFIX, made by `exclusive` (a link planted
+    there is removed, not followed), then renamed; with `sync`, its data
+    and its name are on disk before this returns.
     """
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = exclusive(tmp)
     try:
         fill(fd)
         if sync:

@@ -11,13 +11,15 @@ TLS: QEMU's `tls-creds-x509` reads fixed file names from one directory
 `client-*.pem` for a client); `credentials` lays the node's PEM files out
 that way in a directory of the runtime directory (`csi_qsd.sys.runtime`:
 tmpfs, private to root) only while QEMU loads them. Both ends verify the peer against the CA, and the
-server lets in only the one node its lease is for: an `authz-list` object
-(`--tls-authz`) on the distinguished name of the client's certificate,
-which QEMU (GnuTLS) writes in the certificate's order, as `CN=node-b` or
-`C=US,O=SPIRE,CN=node-b`; so the common name must be the node name.
-Measured on qemu-nbd 10.0.13: another certificate of the same CA
-(`CN=node-c`) is refused during option negotiation ("TLS x509 authz check
-for CN=node-c is denied"), before any export is listed. The key is never
+server lets in only the one node its lease is for: an `authz-simple` object
+(`--tls-authz`) whose identity is the whole distinguished name of the
+certificate that node presented when it asked for the lease, written as
+QEMU (GnuTLS) writes it (`csi_qsd.sys.x509_name`), compared as one exact
+string. No glob: a certificate of the same CA whose other attributes
+merely contain the node's name (`CN=intruder,OU=x\\,CN=node-b`) is another
+string. Measured on qemu-nbd 10.0.13: any other certificate of the same
+CA is refused during option negotiation ("TLS x509 authz check for
+CN=node-c is denied"), before any export is listed. The key is never
 logged, nor passed on a command line.
 
 A server is known by its pid file and port on its command line, not by
@@ -50,17 +52,16 @@ TLS_OBJECT_ID = "cqtls0"
 AUTHZ_OBJECT_ID = "cqauthz0"
 
 
-def authz_object(node: str) -> str:
-    """qemu-nbd's `--object` (JSON) admitting only a client certificate whose common name is `node`.
-
-    The name is matched as a whole part of the distinguished name, wherever it stands (SPIRE, for one, may
-    put an x500UniqueIdentifier after it); a value that merely contains it is escaped by GnuTLS (`\\,`).
-    """
-    rules = [{"match": f"CN={node}", "policy": "allow", "format": "exact"}]
-    rules += [{"match": pattern, "policy": "allow", "format": "glob"}
-              for pattern in (f"*,CN={node}", f"CN={node},*", f"*,CN={node},*")]
-    return json.dumps({"qom-type": "authz-list", "id": AUTHZ_OBJECT_ID, "policy": "deny", "rules": rules},
+def authz_object(subject: str) -> str:
+    """qemu-nbd's `--object` (JSON) admitting only a client certificate whose distinguished name, as QEMU writes
+    it, is exactly `subject` (`csi_qsd.sys.x509_name.subject`)."""
+    return json.dumps({"qom-type": "authz-simple", "id": AUTHZ_OBJECT_ID, "identity": subject},
                       separators=(",", ":"))
+
+
+def plain_subject(node: str) -> str:
+    """The subject of a plain node certificate, `CN=<node>`: a node name needs no escaping."""
+    return f"CN={node}"
 
 
 def tls_dir(directory: Path, cert: Path, key: Path, ca: Path, *, endpoint: str) -> Path:
@@ -145,13 +146,13 @@ def started_before(pid: int, files: Iterable[Path]) -> bool:
     return started < newest
 
 
-def admits_only(pid: int, node: str) -> bool:
-    """True if the qemu-nbd at `pid` was started to let in `node` alone (`start`'s `admit`)."""
+def admits_only(pid: int, subject: str) -> bool:
+    """True if the qemu-nbd at `pid` was started to let in the certificate `subject` alone (`start`'s `admit`)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return authz_object(node).encode() in argv and b"--tls-authz" in argv
+    return authz_object(subject).encode() in argv and b"--tls-authz" in argv
 
 
 async def start(
@@ -159,7 +160,7 @@ async def start(
 ) -> int:
     """Start qemu-nbd serving `image_spec` read-only as `export` on host:port, TLS from `tls`; its pid.
 
-    Only a client whose certificate names node `admit` gets past the TLS handshake's authorization.
+    Only a client whose certificate's subject is exactly `admit` gets past the TLS handshake's authorization.
     `--fork` returns once it listens; it runs in a session of its own, so the
     driver's end does not end it. Raises HostCommandError if it cannot start.
     """

@@ -28,7 +28,9 @@ NLM_F_DUMP = 0x300
 NLMSG_ERROR = 2
 NLMSG_DONE = 3
 UDIAG_SHOW_NAME = 0x1
+UDIAG_SHOW_RQLEN = 0x10
 UNIX_DIAG_NAME = 0
+UNIX_DIAG_RQLEN = 4  # struct unix_diag_rqlen: for a listening socket, the connections waiting to be accepted
 UNIX_DIAG_SHUTDOWN = 6
 TCP_ESTABLISHED = 1
 TCP_LISTEN = 10
@@ -48,6 +50,7 @@ class SocketEnd:
     state: int
     shutdown: int
     inode: int = 0
+    queued: int = 0  # a listening socket's connections not yet accepted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +59,17 @@ class Peers:
 
     listening: bool
     clients: int
+    waiting: int = 0  # connections in the listener's backlog, not yet accepted
 
 
 def peers(path: Path) -> Peers:
-    """Whether something listens on `path`, and how many clients are connected to it. Raises OSError."""
+    """Whether something listens on `path` (the address it was bound to: a rename of the file since does not
+    change it), how many clients are connected, and how many wait to be accepted. Raises OSError."""
     name = os.fsdecode(path)
     ends = [end for end in table() if end.path == name]
     clients = [e for e in ends if e.state == TCP_ESTABLISHED and e.shutdown != SHUTDOWN_BOTH]
-    return Peers(listening=any(e.state == TCP_LISTEN for e in ends), clients=len(clients))
+    listeners = [e for e in ends if e.state == TCP_LISTEN]
+    return Peers(listening=bool(listeners), clients=len(clients), waiting=sum(e.queued for e in listeners))
 
 
 def closed_by_peer() -> frozenset[int]:
@@ -74,7 +80,7 @@ def closed_by_peer() -> frozenset[int]:
 def table() -> list[SocketEnd]:
     """Every bound UNIX socket of this network namespace. Raises OSError."""
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as sock:
-        body = _REQUEST.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_NAME)
+        body = _REQUEST.pack(socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, UDIAG_SHOW_NAME | UDIAG_SHOW_RQLEN)
         sock.sendall(_NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
                      + body)
         ends: list[SocketEnd] = []
@@ -100,7 +106,7 @@ def table() -> list[SocketEnd]:
 def parse_message(payload: bytes) -> SocketEnd | None:
     """One unix_diag_msg and its attributes; None for an unbound socket (no path)."""
     _family, _type, state, _pad, inode = _MESSAGE.unpack_from(payload)
-    offset, path, shutdown = _MESSAGE.size, "", 0
+    offset, path, shutdown, queued = _MESSAGE.size, "", 0, 0
     while offset + _ATTR.size <= len(payload):
         length, kind = _ATTR.unpack_from(payload, offset)
         if length < _ATTR.size:
@@ -110,5 +116,7 @@ def parse_message(payload: bytes) -> SocketEnd | None:
             path = os.fsdecode(value.split(b"\0", 1)[0])
         elif kind == UNIX_DIAG_SHUTDOWN and value:
             shutdown = value[0]
+        elif kind == UNIX_DIAG_RQLEN and len(value) >= 4 and state == TCP_LISTEN:
+            (queued,) = struct.unpack_from("=I", value)
         offset += (length + 3) & ~3
-    return SocketEnd(path, state, shutdown, inode) if path else None
+    return SocketEnd(path, state, shutdown, inode, queued) if path else None

@@ -81,7 +81,7 @@ async def test_the_next_copy_presents_the_renewed_certificate(
     port, pid_file = free_port(), tmp_path / "nbd.pid"
     address = f"127.0.0.1:{port}"
     await nbd_tcp.start(bundled("qemu-nbd"), str(image), host="127.0.0.1", port=port, export="copy",
-                        tls=server_tls, pid_file=pid_file, admit="node-b")
+                        tls=server_tls, pid_file=pid_file, admit=nbd_tcp.plain_subject("node-b"))
     streams = CopyStreams(cast(Catalog, None), cast(ExportPaths, None), KeyedLocks("volume"), cast(Peers, None),
                           CopySettings(state_dir=tmp_path / "state", tls=(cert, key, ca), runtime_dir=tmp_path / "run"))
     try:

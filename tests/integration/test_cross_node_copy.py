@@ -28,14 +28,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.tls import PemFiles
+from csi_qsd.csi.tls import ROUTER_NAME, PemFiles
 from csi_qsd.csi_pb import csi_pb2 as pb
-from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
-from tests.certs import Pki, mint
+from tests.certs import Pki, crafted_intruder, mint
 from tests.harness import Sandbox, free_port, qsd_pids, until
 from tests.helpers.cli import csi_qsd
+from tests.helpers.nbd_tls import nbd_info
 from tests.router_cluster import Node, copies_call, node_plugin
 
 MIB = 1 << 20
@@ -480,8 +480,9 @@ async def test_a_staged_copy_whose_source_came_back_on_another_port_follows_it_o
 
 async def test_only_the_node_a_copy_is_for_may_lease_release_or_read_it(pair: Pair, tmp_path: Path) -> None:
     """Node C holds a valid certificate of the same CA and is one of A's peers, yet it may not lease B's copy
-    (for B, or for itself), release it, nor read the export A serves B; the router's certificate and one that
-    names no peer are refused on the copy service altogether. B's copy goes on untouched and finishes."""
+    (for B, or for itself), release it, nor read the export A serves B; nor may a certificate of the CA whose
+    OU holds `x,CN=node-b`; the router's certificate and one that names no peer are refused on the copy
+    service altogether. B's copy goes on untouched and finishes."""
     a, b, pki = pair.a, pair.b, pair.pki
     data = _pattern(47)
     source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
@@ -500,7 +501,7 @@ async def test_only_the_node_a_copy_is_for_may_lease_release_or_read_it(pair: Pa
     assert code == grpc.StatusCode.PERMISSION_DENIED and "node-c" in message and "node-b" in message, message
     code, message = await copies_call(a.address, c, "Release", {"copy_volume_id": vid, "node": "node-c"})
     assert code == grpc.StatusCode.PERMISSION_DENIED and "node-c" in message and "node-b" in message, message
-    for name, files in (("router", pki.router), ("intruder", pki.for_node("intruder"))):
+    for name, files in ((ROUTER_NAME, pki.router), ("intruder", pki.for_node("intruder"))):
         code, message = await copies_call(a.address, files, "Lease", {"source": source, "copy_volume_id": vid,
                                                                        "node": name})
         assert code == grpc.StatusCode.PERMISSION_DENIED and name in message, message
@@ -510,6 +511,9 @@ async def test_only_the_node_a_copy_is_for_may_lease_release_or_read_it(pair: Pa
     assert ok
     ok, error = await _nbd_info(export_address, vid, c, tmp_path / "tls-c")
     assert not ok, "node C read the export A serves node B"
+    # Nor one whose subject merely contains B's name (GnuTLS writes it `CN=intruder,OU=x\,CN=node-b`).
+    ok, error = await _nbd_info(export_address, vid, crafted_intruder(pki), tmp_path / "tls-intruder")
+    assert not ok, "a certificate with OU 'x,CN=node-b' read the export A serves node B"
 
     await _whole_and_released((a, b), vid, snapshot, data)
 
@@ -558,15 +562,8 @@ async def test_no_private_key_stays_on_disk_once_a_copy_is_set_up(pair: Pair) ->
 
 async def _nbd_info(address: str, export: str, files: PemFiles, directory: Path) -> tuple[bool, str]:
     """Whether `qemu-img info` opens the NBD export at `address` presenting `files`; its error otherwise."""
-    tls = await asyncio.to_thread(nbd_tcp.tls_dir, directory, files.cert, files.key, files.ca, endpoint="client")
-    host, _, port = address.rpartition(":")
-    proc = await asyncio.create_subprocess_exec(
-        bundled("qemu-img"), "info", "--object", f"tls-creds-x509,id=tls0,dir={tls},endpoint=client",
-        "--image-opts", f"driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={host},"
-        f"file.server.port={port},file.export={export},file.tls-creds=tls0,file.tls-hostname=node-a",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
-    return proc.returncode == 0 and f"virtual size: {SIZE >> 20} MiB" in out.decode(), err.decode()
+    opened, out, err = await nbd_info(address, export, files, directory)
+    return opened and f"virtual size: {SIZE >> 20} MiB" in out, err
 
 
 @pytest.fixture
@@ -582,7 +579,8 @@ TTL = 4  # seconds; the restore below streams for ~16 s
 async def test_a_streaming_copy_keeps_its_lease_and_an_operator_can_drop_one(short_leases: Pair) -> None:
     """A copy streaming four times longer than the source's lease TTL renews its lease and finishes whole.
     Meanwhile A's operator lists A's leases and drops another copy's: that copy reports itself lost (never
-    finished from anything else), A's volume it cloned can be deleted, and so can the lost copy's volume."""
+    finished from anything else), the drop is listed until the operator lifts it (`lift-lease`), A's volume
+    it cloned can be deleted, and so can the lost copy's volume."""
     a, b = short_leases.a, short_leases.b
     data = _pattern(53)
     source_vid, _ = await _block_volume(a, "source", data, keep_staged=False)
@@ -604,6 +602,13 @@ async def test_a_streaming_copy_keeps_its_lease_and_an_operator_can_drop_one(sho
 
     await until(lost, lambda: f"the dropped copy reported lost; node-a log:\n{_copy_lines(a)}\nnode-b log:\n"
                 f"{_copy_lines(b)}", 60, interval=0.5)
+    code, out, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "leases", "-o", "json")
+    assert code == 0 and {lease["copy_volume_id"]: lease["state"] for lease in map(json.loads, out.splitlines())
+                          }.get(clone) == "revoked", out
+    code, _, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "lift-lease", vid)
+    assert code != 0 and "NOT_FOUND" in err and vid in err, err  # only a drop is lifted
+    code, _, err = await csi_qsd("volume", "--endpoint", a.box.endpoint, "lift-lease", clone)
+    assert code == 0 and clone in err, err
     await until(lambda: _deleted(a, other_vid), "the cloned volume deletable once its lease is dropped", 30,
                 interval=0.5)
     await b.csi.delete_volume(clone)

@@ -31,13 +31,16 @@ import stat
 import subprocess
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import FailedPrecondition
+from csi_qsd.exports.vhost_user import VhostUserExport
 from csi_qsd.publish import vhost_user
+from csi_qsd.qsd import attach
 from csi_qsd.server import Driver
 from csi_qsd.sys import unix_peers
 from csi_qsd.sys.tools import bundled
@@ -89,6 +92,17 @@ async def verified(target: Path, *commands: str) -> str:
 def connected_client(target: Path) -> contextlib.AbstractAsyncContextManager[None]:
     """A libblkio client that stays connected (qemu-io reading commands) until the block ends."""
     return qemu_io_session(client_argv(VMM, VMM), "read -P 0x5a 0 1M", cwd=target, timeout=TIMEOUT_S)
+
+
+async def published_with_data(box: Sandbox, csi: CSIClient, name: str) -> tuple[str, Path, Path, Path]:
+    """A vhost-user-blk volume `name` for the VMM's group, staged and published, its first 4 MiB written (0x5a)
+    through a libblkio client: (volume ID, staging path, target, the socket's address in QSD)."""
+    vid = (await csi.create_volume(name, SIZE, {"export": "vhost-user-blk", "vmmGroup": str(VMM)})).volume_id
+    staging, target = box.staging(name), box.target(name)
+    await csi.stage(vid, str(staging))
+    await csi.publish(vid, str(staging), str(target))
+    await verified(target, "write -P 0x5a 0 4M")
+    return vid, staging, target, box.state_dir / "exports" / vid / "vhost" / SOCKET
 
 
 def owner(path: Path) -> tuple[int, int, int]:
@@ -164,12 +178,7 @@ async def test_growth_under_a_connected_libblkio_client_is_refused_and_qsd_lives
     sees the new size.
     """
     _, csi = driver
-    vid = (await csi.create_volume("vm-blkio-grow", SIZE, {"export": "vhost-user-blk", "vmmGroup": str(VMM)})).volume_id
-    staging, target = box.staging("vm-blkio-grow"), box.target("vm-blkio-grow")
-    await csi.stage(vid, str(staging))
-    await csi.publish(vid, str(staging), str(target))
-    export = box.state_dir / "exports" / vid / "vhost" / SOCKET
-    await verified(target, "write -P 0x5a 0 4M")
+    vid, staging, target, export = await published_with_data(box, csi, "vm-blkio-grow")
     before = qsd_pid(box)
     async with connected_client(target):
         assert unix_peers.peers(export).clients == 1
@@ -251,3 +260,59 @@ async def test_the_access_probe_follows_the_kernels_answer(tmp_path: Path) -> No
             else:
                 with pytest.raises(FailedPrecondition, match="group 4242 could not open"):
                     await vhost_user.check_openable(published, "4242")
+
+
+@needs_blkio
+async def test_a_client_connecting_while_the_volume_grows_is_caught_or_kept_out_and_qsd_lives(
+    box: Sandbox, driver: tuple[Driver, CSIClient], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race of a VM pod that triggers its own growth: a libblkio client (no back-end channel) connects after
+    the driver's first look for clients and before `block_resize`.
+
+    The interleaving is forced, with real parts only: the driver's own check
+    (`check_expand`) runs and then, before the call goes on, a real client
+    connects and QSD accepts it. Before the fix QSD died in the resize
+    (SIGSEGV, every volume of the node with it); now the second look, made
+    with the socket hidden, refuses the growth and QSD lives. And while the
+    socket is hidden for the resize, a connect() finds no socket at all.
+    """
+    _, csi = driver
+    vid, staging, target, export = await published_with_data(box, csi, "vm-race")
+    before = qsd_pid(box)
+    first_look = VhostUserExport.check_expand
+
+    async with contextlib.AsyncExitStack() as racer:
+        async def then_a_client_connects(self: VhostUserExport, *args: Any) -> None:
+            await first_look(self, *args)
+            await racer.enter_async_context(connected_client(target))
+            assert unix_peers.peers(export).clients == 1
+
+        monkeypatch.setattr(VhostUserExport, "check_expand", then_a_client_connects)
+        error = await refused(csi.expand(vid, str(target), 2 * SIZE))
+        assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, error.details()
+        assert vid in (error.details() or "") and "back-end channel" in (error.details() or "")
+        assert qsd_pid(box) == before, "qemu-storage-daemon died"
+        assert unix_peers.peers(export).clients == 1, "the client was cut off"
+    monkeypatch.setattr(VhostUserExport, "check_expand", first_look)
+    await until(lambda: unix_peers.peers(export).clients == 0, "the client gone from QSD", TIMEOUT_S)
+    assert stat.S_ISSOCK(os.lstat(target / SOCKET).st_mode), "the socket is back where the pod looks"
+
+    real_resize, tried = attach.resize, list[int]()
+
+    async def connect_then_resize(*args: Any) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            try:
+                sock.connect(str(target / SOCKET))
+                tried.append(0)
+            except OSError as exc:
+                tried.append(exc.errno or -1)
+        await real_resize(*args)
+
+    monkeypatch.setattr(attach, "resize", connect_then_resize)
+    assert await csi.expand(vid, str(target), 2 * SIZE) == 2 * SIZE
+    assert tried == [errno.ENOENT], "a connect() during the resize found the socket"
+    assert qsd_pid(box) == before
+    out = await verified(target, "length", "read -P 0x5a 0 4M")
+    assert "128 MiB" in out.splitlines(), out
+    await csi.unpublish(vid, str(target))
+    await csi.unstage(vid, str(staging))

@@ -40,3 +40,31 @@ def test_unlink_syncs_the_directory(tmp_path: Path, synced: list[str]) -> None:
     durable.unlink(victim)
     durable.unlink(victim)  # a missing one is fine
     assert not victim.exists() and synced == ["dir", "dir"]
+
+
+def test_create_never_writes_through_a_link_planted_at_its_temporary_name(tmp_path: Path) -> None:
+    """A symlink planted at `<out>.json.tmp` (a backup's sidecar) is removed, not followed: its target keeps its
+    bytes and the file made is a regular file of its own."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"host file")
+    out = tmp_path / "backup.qcow2.json"
+    (tmp_path / "backup.qcow2.json.tmp").symlink_to(victim)
+    durable.create(out, lambda fd: os.write(fd, b"{}\n"))
+    assert victim.read_bytes() == b"host file"
+    assert not out.is_symlink() and out.read_bytes() == b"{}\n"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+
+
+def test_exclusive_gives_up_on_a_name_planted_again_each_time(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "x.tmp"
+    real_unlink = Path.unlink
+
+    def replant(self: Path, missing_ok: bool = False) -> None:
+        real_unlink(self, missing_ok=missing_ok)
+        self.symlink_to(tmp_path / "elsewhere")
+
+    monkeypatch.setattr(Path, "unlink", replant)
+    with pytest.raises(FileExistsError):
+        durable.exclusive(target)
+    assert not (tmp_path / "elsewhere").exists()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from csi_qsd.exports.fuse_loop import _apply_group
 
@@ -48,3 +51,31 @@ def test_a_root_already_the_groups_is_left_as_it_is_below(tmp_path: Path) -> Non
     _apply_group(root, "4000")
     assert os.stat(root / "sub" / "file").st_gid == 1000
     assert os.stat(root).st_mode & 0o2070 == 0o2070
+
+
+def test_a_directory_swapped_for_a_link_mid_walk_leads_nowhere_outside(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod racing the walk renames `sub` away and puts a link to a host directory in its place just before
+    the walk lists it: nothing in the host directory changes group or mode."""
+    root, host = tmp_path / "volume", tmp_path / "host"
+    root.mkdir()
+    host.mkdir()
+    secret = host / "shadow"
+    secret.write_text("host file")
+    secret.chmod(0o600)
+    os.chown(secret, -1, 0)
+    _tree(root, tmp_path / "nothing")
+    real_scandir = os.scandir
+    listed: list[object] = []
+
+    def racing(path: Any = ".") -> Any:
+        listed.append(path)
+        if len(listed) == 2:  # the first directory below the root: swapped under the walk
+            (root / "sub").rename(root / "sub.moved")
+            (root / "sub").symlink_to(host)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", racing)
+    _apply_group(root, "4000")
+    assert os.stat(secret).st_gid == 0 and stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert os.stat(root / "sub.moved" / "file").st_gid == 4000  # the real directory was walked, by descriptor

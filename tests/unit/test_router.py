@@ -18,7 +18,7 @@ from csi_qsd.cli import build_parser
 from csi_qsd.config import Config
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.metadata_listener import serving_metadata_listener
-from csi_qsd.csi.tls import PemFiles, channel_credentials, server_credentials
+from csi_qsd.csi.tls import ROUTER_NAME, PemFiles, channel_credentials, server_credentials
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import NotFound, Unavailable
@@ -148,7 +148,7 @@ async def test_listener_takes_new_certificates_without_restart(tmp_path: Path) -
         (tmp_path / "new").mkdir()
         renewed = Authority(tmp_path / "new", "renewed")
         node = renewed.issue("node", server=True)
-        router = renewed.issue("router", server=False)
+        router = renewed.issue(ROUTER_NAME, server=False)
         for source, target in zip((node.cert, node.key, node.ca), (live.cert, live.key, live.ca)):
             shutil.copy(source, target)
         assert await _held(address, router), "a client of the new CA gets in"

@@ -44,3 +44,20 @@ def test_unbound_and_abstract_sockets_are_not_in_the_table() -> None:
         abstract.bind("\0csi-qsd-test-abstract")
         abstract.listen(1)
         assert not [end for end in unix_peers.table() if "csi-qsd-test-abstract" in end.path]
+
+
+def test_connections_not_yet_accepted_are_waiting_and_a_renamed_socket_keeps_its_address(tmp_path: Path) -> None:
+    """A listener's backlog is told apart from its clients; renaming the socket file (hiding it for a resize)
+    changes neither what the table says of it nor the connections made before."""
+    path = tmp_path / "export.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    early = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with listener, early:
+        listener.bind(str(path))
+        listener.listen(4)
+        early.connect(str(path))
+        path.rename(tmp_path / "hidden.sock")
+        assert unix_peers.peers(path) == unix_peers.Peers(listening=True, clients=0, waiting=1)
+        served, _ = listener.accept()
+        with served:
+            assert unix_peers.peers(path) == unix_peers.Peers(listening=True, clients=1, waiting=0)

@@ -62,3 +62,23 @@ def test_a_socket_directory_that_is_a_link_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FailedPrecondition, match="not a directory"):
         vhost_user.prepare_dir(tmp_path / "vhost", "107")
     assert stat.S_IMODE(os.stat(elsewhere).st_mode) == 0o700 and os.stat(elsewhere).st_gid == 0
+
+
+def test_a_hidden_socket_is_out_of_the_pods_sight_and_comes_back(tmp_path: Path) -> None:
+    """`hide` moves the socket out of the directory the pod sees; `unhide` puts it back, also after a crash in
+    between (a stage finds it hidden); one QSD made again meanwhile is kept and the hidden one removed."""
+    directory = tmp_path / "vhost"
+    vhost_user.prepare_dir(directory, "")
+    socket_path = directory / vhost_user.SOCKET_NAME
+    made_socket(socket_path)
+    vhost_user.hide(directory)
+    assert os.listdir(directory) == [] and stat.S_ISSOCK(os.lstat(tmp_path / vhost_user.HIDDEN_NAME).st_mode)
+    with socket.socket(socket.AF_UNIX) as sock, pytest.raises(FileNotFoundError):
+        sock.connect(str(socket_path))
+    vhost_user.unhide(directory)
+    assert stat.S_ISSOCK(os.lstat(socket_path).st_mode) and not (tmp_path / vhost_user.HIDDEN_NAME).exists()
+    vhost_user.unhide(directory)  # nothing hidden: nothing to do
+    vhost_user.hide(directory)
+    made_socket(socket_path)  # QSD restarted and listens again at the path
+    vhost_user.unhide(directory)
+    assert stat.S_ISSOCK(os.lstat(socket_path).st_mode) and not (tmp_path / vhost_user.HIDDEN_NAME).exists()
