@@ -292,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "node's csi-snapshotter (--node-deployment) takes it; checked every 10 s; needs the service "
                        "account's permission to list and patch volumesnapshotcontents "
                        f"(env {env_name('--claim-snapshot-contents')}=true)")
+    _option(serve, "--delete-pods-on-rebuild", "true", "after qemu-storage-daemon died and the driver rebuilt a "
+            "filesystem or block volume, delete the pods on this node that had it and that a ReplicaSet, "
+            "StatefulSet, DaemonSet or Job makes again, so they start on the new mount (their containers hold "
+            "the dead one); false: only an event on each such pod and the volume's condition say so; pods whose "
+            "mounts take mountPropagation HostToContainer are never deleted; in a pod only (needs the service "
+            "account's permission to list and delete pods and create events)", choices=["true", "false"])
     _option(serve, "--copy-address", "", "address on which this node serves its snapshots to copies on other "
             "nodes (NBD with TLS); default the --metadata-address host; the host other nodes name this node by "
             "in their --peer (a lease served elsewhere is refused), and never loopback while a --peer is on "
@@ -489,6 +495,7 @@ def config_from(args: argparse.Namespace) -> Config:
         peers=tuple((peer.name, peer.address) for peer in getattr(args, "peer", None) or ()),
         peers_from_pods=getattr(args, "peers_from_pods", ""),
         claim_snapshot_contents=bool(getattr(args, "claim_snapshot_contents", False)),
+        delete_pods_on_rebuild=getattr(args, "delete_pods_on_rebuild", "true") == "true",
         kubernetes_api=_kubernetes_api(),
         copy_address=getattr(args, "copy_address", ""),
         copy_ports=getattr(args, "copy_ports", range(10900, 11000)),

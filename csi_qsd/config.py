@@ -102,6 +102,9 @@ class Config:
     # Label the hand-made VolumeSnapshotContents whose snapshot this node holds with this node's name, so its
     # csi-snapshotter takes them (`csi_qsd.csi.snapshot_contents`).
     claim_snapshot_contents: bool = False
+    # After a rebuild cut pods off a filesystem or block volume (`csi_qsd.csi.heal_pods`): delete those a
+    # controller makes again (in a pod only; outside one the volume's condition alone says so).
+    delete_pods_on_rebuild: bool = True
     copy_address: str = ""
     copy_ports: range = range(10900, 11000)
     copy_rate: int = 0

@@ -30,6 +30,7 @@ from csi_qsd.csi import unix_socket
 from csi_qsd.csi.controller import ControllerService, CrossNodeCopies
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi.group_controller import GroupControllerService
+from csi_qsd.csi.heal_pods import PodHealer
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.metadata_listener import serving_metadata_listener
 from csi_qsd.csi.node import NodeService
@@ -42,6 +43,7 @@ from csi_qsd.errors import StartupError
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.node.cut_off import CutOffTargets
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.pools.base import Pool
 from csi_qsd.pools.device_pools import open_device_pools
@@ -139,7 +141,12 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints,
                                          before_open=LinkCheck(catalog)))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
-        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
+        cut_off = CutOffTargets()
+        healer = pod_healer(config)
+        if healer is not None:
+            cut_off.listen(healer.heal_later)
+        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later,
+                           cut_off=cut_off)
         await snapshots.reconcile()
         tls = config.metadata_tls
         settings = CopySettings(
@@ -165,6 +172,8 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports, node.stalled),
                          VolumeLimits(catalog, qsd, locks), copies, peer_list)
         finally:
+            if healer is not None:
+                await healer.close()
             await node.close()
             await streams.close()
             await copies.leases.close()
@@ -190,6 +199,13 @@ def known_peers(config: Config) -> PeerList:
     if not config.peers_from_pods:
         return StaticPeers(config.peers)
     return PodPeers(in_cluster(config), config.peers_from_pods, config.metadata_port)
+
+
+def pod_healer(config: Config) -> PodHealer | None:
+    """Who tells (and restarts) the pods a rebuild cut off: in a pod only; outside one, the condition says so."""
+    if not config.kubernetes_api:
+        return None
+    return PodHealer(in_cluster(config), config.node_id, config.driver_name, delete=config.delete_pods_on_rebuild)
 
 
 def in_cluster(config: Config) -> InCluster:

@@ -29,6 +29,7 @@ from typing import TypeVar, overload
 
 from csi_qsd.config import Config
 from csi_qsd.csi.client import CSIClient
+from csi_qsd.node.cut_off import REBUILT
 from csi_qsd.qsd.daemon import running_pid
 from csi_qsd.qsd.shards import MAX_SHARDS, ShardSettings
 from csi_qsd.server import Driver, serving
@@ -324,14 +325,19 @@ def write_synced(path: Path, data: bytes) -> None:
 
 
 async def wait_restored(csi: CSIClient, vid: str, path: Path, timeout: float = 60) -> None:
-    """Until NodeGetVolumeStats reports the volume healthy again (after a QSD restart)."""
+    """Until NodeGetVolumeStats reports the volume served again at `path` (after a QSD restart).
+
+    Served again is healthy, or, at a target published before the crash, abnormal only because a container
+    that took the target before would still hold the dead mount (`csi_qsd.node.cut_off`): this process
+    reads the target itself and sees the new one.
+    """
 
     async def healthy() -> bool:
         try:
             stats = await csi.stats(vid, str(path))
         except Exception:  # UNAVAILABLE while QSD is down
             return False
-        return not stats.volume_condition.abnormal
+        return not stats.volume_condition.abnormal or REBUILT in stats.volume_condition.message
 
     await until(healthy, f"volume {vid} healthy again at {path}", timeout, interval=0.2)
 

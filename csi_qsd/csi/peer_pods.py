@@ -57,14 +57,19 @@ class InCluster:
         return cls(f"https://{bracketed(f'{host}:{port}')}", (account / "namespace").read_text().strip(),
                    account / "token", account / "ca.crt")
 
-    def call(self, method: str, path: str, patch: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One API request with the service account's token; `patch` is sent as a JSON merge patch.
-        Raises OSError (also for an HTTP error answer) or ValueError (an answer that is not JSON)."""
+    def call(self, method: str, path: str, patch: dict[str, Any] | None = None,
+             body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One API request with the service account's token; `patch` is sent as a JSON merge patch, `body` as
+        JSON (an object to create, DeleteOptions). Raises OSError (also for an HTTP error answer) or ValueError
+        (an answer that is not JSON)."""
         headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}", "Accept": "application/json"}
         data = None
         if patch is not None:
             headers["Content-Type"] = "application/merge-patch+json"
             data = json.dumps(patch).encode()
+        elif body is not None:
+            headers["Content-Type"] = "application/json"
+            data = json.dumps(body).encode()
         request = urllib.request.Request(f"{self.server}{path}", data=data, headers=headers, method=method)
         with urllib.request.urlopen(request, context=self.tls_context(), timeout=10) as answer:
             return json.loads(answer.read())  # type: ignore[no-any-return]

@@ -169,7 +169,8 @@ class FuseLoopExport(ExportPath):
     ) -> PublishRecord:
         if stage.access_type is AccessType.MOUNT:
             await filesystem.ensure_published(
-                stage.staging_path, record.target_path, readonly=record.readonly, flags=list(record.mount_flags)
+                stage.staging_path, record.target_path, readonly=record.readonly, flags=list(record.mount_flags),
+                cover=_on_dead_export,
             )
             return record
         device = Path(stage.loop_device)
@@ -319,8 +320,11 @@ class FuseLoopExport(ExportPath):
         if not stale and mounts.mounted_at(export) is None:
             return
         log.warning("event=drop_stale volume_id=%s loops=%s", volume.id, [str(device) for device in stale])
-        for publish in publishes:
-            await mounts.unmount(publish.target_path, lazy=True)
+        if stage.access_type is AccessType.BLOCK:
+            for publish in publishes:
+                await mounts.unmount(publish.target_path, lazy=True)
+        # A filesystem's targets keep their dead mount until `publish` mounts the new one over it, so that a
+        # container with mountPropagation HostToContainer receives the new one (`filesystem.ensure_published`).
         if stage.access_type is AccessType.MOUNT:
             entry = mounts.mounted_at(stage.staging_path)
             if entry is not None and _is_loop_over(entry.source, export):
@@ -332,6 +336,14 @@ class FuseLoopExport(ExportPath):
 
 # What sysfs gives as the backing file of a loop device whose file lay on a FUSE mount that is gone.
 ORPHANED = Path("/")
+
+
+def _on_dead_export(entry: mounts.MountEntry) -> bool:
+    """True if a mount stands on a loop device whose FUSE file is gone (or that is detached): it is dead."""
+    if not entry.source.startswith("/dev/loop"):
+        return False
+    backing = loop.backing_of(Path(entry.source))
+    return backing is None or backing == ORPHANED
 
 
 def _is_loop_over(source: str, export: Path) -> bool:

@@ -20,6 +20,11 @@ volume's lock, then brings the volume back under the lock exactly as the
 rebuild does (export, loop device, mounts, publishes). It stops when the
 volume is back, unstaged or deleted, and on driver shutdown. Meanwhile the
 volume reports abnormal, naming the source node (`stalled`).
+
+A filesystem or block volume whose FUSE export QSD lost (it died) comes back
+on a new loop device; the containers of its published targets still hold the
+old one. The rebuild records them (`cut_off.CutOffTargets`): the volume reports
+abnormal at those targets and the listeners (the pod healer) hear of it.
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import logging
 from collections.abc import Awaitable, Callable
 
-from csi_qsd.catalog import Catalog, PublishState, StageRecord, StageState, VolumeRecord
+from csi_qsd.catalog import AccessType, Catalog, PublishState, StageRecord, StageState, VolumeRecord
 from csi_qsd.errors import SourceUnreachable, StillInUse
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import moves
+from csi_qsd.node.cut_off import CutOff, CutOffTargets
 from csi_qsd.qsd import attach
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys.locks import KeyedLocks
@@ -77,8 +84,10 @@ class _Stalled:
 class GraphRebuild:
     """The repair of one node's volumes from the catalog, run by the QSD supervisor on each connect."""
 
-    def __init__(self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, backoff: Backoff = Backoff()) -> None:
+    def __init__(self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, backoff: Backoff = Backoff(),
+                 cut_off: CutOffTargets | None = None) -> None:
         self._catalog = catalog
+        self.cut_off = cut_off if cut_off is not None else CutOffTargets()
         self._exports = exports
         self._locks = locks
         self._backoff = backoff
@@ -184,10 +193,15 @@ class GraphRebuild:
         """
         kind = self._exports.of(volume)
         publishes = [p for p in await self._catalog.publishes(volume.id) if p.state is PublishState.PUBLISHED]
+        # Asked before the export comes back: a dead FUSE file means every consumer's copy of it is dead too.
+        lost = kind.export_broken(volume.id)
         stage = await kind.bring_up(volume, stage, publishes, client)
         await self._catalog.put_stage(stage)
         for publish in publishes:
             await self._catalog.put_publish(await kind.publish(volume, stage, publish, []))
+        if lost and publishes:
+            self.cut_off.add(CutOff(volume.id, stage.access_type is AccessType.BLOCK,
+                                    tuple(p.target_path for p in publishes), datetime.datetime.now(datetime.UTC)))
 
     def stalled(self, volume_id: str) -> str | None:
         """Why a staged volume is not served (its copy source does not greet), or None if it is not stalled."""

@@ -42,6 +42,7 @@ from csi_qsd.errors import (
 from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import moves, placement
+from csi_qsd.node.cut_off import CutOffTargets
 from csi_qsd.node.rebuild import Backoff, GraphRebuild
 from csi_qsd.params import choose_size
 from csi_qsd.pools.base import Pool, settle_image
@@ -84,7 +85,7 @@ class NodeVolumes:
     def __init__(
         self, catalog: Catalog, pool: Pool, exports: ExportPaths, locks: KeyedLocks,
         failpoints: Failpoints = NO_FAILPOINTS, on_unstaged: Callable[[str], None] = lambda volume_id: None,
-        retry: Backoff = Backoff(),
+        retry: Backoff = Backoff(), cut_off: CutOffTargets | None = None,
     ) -> None:
         self._catalog = catalog
         self._pool = pool
@@ -93,7 +94,7 @@ class NodeVolumes:
         self._locks = locks
         self._failpoints = failpoints
         self._on_unstaged = on_unstaged
-        self._rebuild = GraphRebuild(catalog, exports, locks, retry)
+        self._rebuild = GraphRebuild(catalog, exports, locks, retry, cut_off)
 
     async def stage(self, spec: StageSpec) -> None:
         """Raises NotFound, InvalidArgument, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
@@ -212,6 +213,7 @@ class NodeVolumes:
             await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.UNPUBLISHING), durable=False)
             self._failpoints.hit("unpublish.after_intent")
             await self._remove_publish(kind, volume, await self._catalog.stage(volume_id), record)
+            self._rebuild.cut_off.released(target_path)
             log.info("event=unpublished volume_id=%s target=%s", volume_id, target_path)
 
     async def expand(self, volume_id: str, path: Path, required: int, limit: int) -> int:
@@ -255,7 +257,11 @@ class NodeVolumes:
         stalled = self._rebuild.stalled(volume_id)
         if stalled is not None:  # not served: nothing to measure through it
             return dataclasses.replace(VolumeStats.restarting(volume.capacity), message=stalled)
-        return await self._exports.of(volume).stats(volume, stage, path)
+        stats = await self._exports.of(volume).stats(volume, stage, path)
+        cut = self._rebuild.cut_off.at(path)
+        if cut is not None and not stats.abnormal:  # served again, but not to the container that had it before
+            return dataclasses.replace(stats, abnormal=True, message=cut.message())
+        return stats
 
     def stalled(self, volume_id: str) -> str | None:
         """Why a staged volume is not served after a QSD restart (its copy source does not answer), or None."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from csi_qsd.errors import AlreadyExists, FailedPrecondition
@@ -57,13 +58,23 @@ def _mount_options(fs_type: str, flags: list[str]) -> list[str]:
     return [*flags, "nouuid"] if fs_type == "xfs" and "nouuid" not in flags else flags
 
 
-async def ensure_published(staging: Path, target: Path, *, readonly: bool, flags: list[str]) -> None:
+async def ensure_published(staging: Path, target: Path, *, readonly: bool, flags: list[str],
+                           cover: Callable[[mounts.MountEntry], bool] | None = None) -> None:
+    """Bind the staged filesystem at `target`; one there already is fine, another volume is AlreadyExists.
+
+    A mount at `target` that `cover` says is dead is mounted over rather than
+    removed: a container that took the target with mountPropagation
+    HostToContainer (a slave of that mount) receives the new mount on top of
+    its dead one, where a new mount beside it would never reach it.
+    """
     staged = mounts.mounted_at(staging)
     if staged is None:
         raise FailedPrecondition(f"volume is not mounted at its staging path {staging}; stage it first")
     _require_parent(target)
     target.mkdir(mode=0o750, exist_ok=True)
     entry = mounts.mounted_at(target)
+    if entry is not None and entry.major_minor != staged.major_minor and cover is not None and cover(entry):
+        entry = None
     if entry is not None:
         if entry.major_minor != staged.major_minor:
             raise AlreadyExists(f"target {target} already has another volume mounted")

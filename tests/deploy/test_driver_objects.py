@@ -182,6 +182,12 @@ NEEDS: dict[str, list[Need]] = {
         _need("snapshot.storage.k8s.io", "volumesnapshotcontents", "get list watch update patch"),
         _need("snapshot.storage.k8s.io", "volumesnapshotcontents/status", "update patch"),
     ],
+    # The plugin itself, after a rebuild cut pods off a volume (csi_qsd.csi.heal_pods): in every namespace.
+    "csi-qsd": [
+        _need("", "pods", "list delete"),
+        _need("", "persistentvolumeclaims", "get"),
+        _need("", "events", "create"),
+    ],
     "csi-resizer": [
         _need("", "persistentvolumes", "get list watch patch"),
         _need("", "persistentvolumeclaims", "get list watch"),
@@ -198,6 +204,7 @@ ROLE_PREFIX = {
     "csi-provisioner": "csi-qsd-provisioner",
     "csi-snapshotter": "csi-qsd-snapshotter",
     "csi-resizer": "csi-qsd-resizer",
+    "csi-qsd": "csi-qsd-node-heal",
 }
 
 

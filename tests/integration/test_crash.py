@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from csi_qsd.csi.client import CSIClient
+from csi_qsd.node.cut_off import REBUILT
 from csi_qsd.sys import mounts
 from tests.harness import DriverProcess, Sandbox, qsd_pid, until, wait_new_qsd, wait_restored, write_synced
 
@@ -102,7 +103,15 @@ async def test_qsd_sigkill_under_published_volume(box: Sandbox, process: DriverP
         await wait_restored(csi, vid, target)
         assert qsd_pid(box) == new_pid
         log = process.log()
-        assert "event=qsd_lost" in log and "event=drop_stale" in log
+        assert "event=qsd_lost" in log and "event=drop_stale" in log and "event=consumers_cut_off" in log
+        # A container that took the target before the crash holds the dead data path: the target says so
+        # until it is unpublished, the staging path is healthy.
+        condition = (await csi.stats(vid, str(target))).volume_condition
+        assert condition.abnormal and REBUILT in condition.message and vid in condition.message, condition
+        assert not (await csi.stats(vid, str(staging))).volume_condition.abnormal
+        if not block:  # the new mount stands over the dead one, where a HostToContainer container receives it
+            stacked = [e for e in mounts.mount_table() if e.mount_point == target]
+            assert len(stacked) == 2 and stacked[0].major_minor != stacked[1].major_minor, stacked
 
         # The same target path works again and holds every synced byte.
         if block:
@@ -115,9 +124,11 @@ async def test_qsd_sigkill_under_published_volume(box: Sandbox, process: DriverP
             assert (target / "synced").read_bytes() == payload
             write_synced(target / "after", b"written after the restart")
         await csi.unpublish(vid, str(target))
+        assert mounts.mounted_at(target) is None
         await csi.unstage(vid, str(staging))
         await csi.stage(vid, str(staging), block=block)
         await csi.publish(vid, str(staging), str(target), block=block)
+        assert not (await csi.stats(vid, str(target))).volume_condition.abnormal
         if block:
             fd = os.open(target, os.O_RDONLY)
             assert os.pread(fd, MIB, 9 * MIB) == payload[::-1]
