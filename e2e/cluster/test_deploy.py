@@ -18,7 +18,7 @@ def test_daemonset_ready_and_registered_with_kubelet(cluster: Cluster) -> None:
     csinode = deploy.get_json(cluster, "csinode", cluster.node_name)
     [driver] = [d for d in csinode["spec"]["drivers"] if d["name"] == "csi-qsd.io"]
     assert driver["nodeID"] == cluster.node_name
-    assert "topology.csi-qsd.io/node" in (driver.get("topologyKeys") or []) or driver.get("topologyKeys"), driver
+    assert "topology.csi-qsd.io/node" in (driver.get("topologyKeys") or []), driver
     node = deploy.get_json(cluster, "node", cluster.node_name)
     assert any(k.startswith("topology.csi-qsd.io") for k in node["metadata"]["labels"]), node["metadata"]["labels"]
 

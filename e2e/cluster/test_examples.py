@@ -90,23 +90,25 @@ def test_online_expansion_reaches_the_running_pod(cluster: Cluster, test_namespa
     pvc, pod = ex.pick(docs, "PersistentVolumeClaim"), ex.pick(docs, "Pod")
     pvc["spec"]["storageClassName"] = klass["metadata"]["name"]
     ex.apply(cluster, test_namespace, [klass, pvc, pod])
-    ex.wait_pod_running(cluster, test_namespace, "csi-qsd-fs-demo")
-    token = uuid.uuid4().hex
-    ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", f"echo {token} > /data/token && sync /data/token")
-    cluster.kubectl("patch", "-n", test_namespace, "pvc", "csi-qsd-fs-demo", "--type=merge",
-                    "-p", '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}')
-
-    def grown() -> int:
-        df = ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "df -k /data | tail -1")
-        return int(df.split()[1]) if int(df.split()[1]) > 1_900_000 else 0
     try:
-        wait_until(grown, 180, "the pod to see its filesystem at 2Gi", interval=2)
-    except TimeoutError as error:
-        raise TimeoutError(f"{error}; PVC events: {ex.events(cluster, test_namespace, 'csi-qsd-fs-demo')}") from None
-    wait_until(lambda: get_json(cluster, "-n", test_namespace, "pvc", "csi-qsd-fs-demo")["status"]
-               .get("capacity", {}).get("storage") == "2Gi", 60, "the PVC's capacity to read 2Gi")
-    assert ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "cat /data/token").strip() == token
-    cluster.kubectl("delete", "storageclass", klass["metadata"]["name"])
+        ex.wait_pod_running(cluster, test_namespace, "csi-qsd-fs-demo")
+        token = uuid.uuid4().hex
+        ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", f"echo {token} > /data/token && sync /data/token")
+        cluster.kubectl("patch", "-n", test_namespace, "pvc", "csi-qsd-fs-demo", "--type=merge",
+                        "-p", '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}')
+
+        def grown() -> int:
+            df = ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "df -k /data | tail -1")
+            return int(df.split()[1]) if int(df.split()[1]) > 1_900_000 else 0
+        try:
+            wait_until(grown, 180, "the pod to see its filesystem at 2Gi", interval=2)
+        except TimeoutError as error:
+            raise TimeoutError(f"{error}; PVC events: {ex.events(cluster, test_namespace, 'csi-qsd-fs-demo')}") from None
+        wait_until(lambda: get_json(cluster, "-n", test_namespace, "pvc", "csi-qsd-fs-demo")["status"]
+                   .get("capacity", {}).get("storage") == "2Gi", 60, "the PVC's capacity to read 2Gi")
+        assert ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "cat /data/token").strip() == token
+    finally:  # cluster-scoped: the namespace's deletion does not take it
+        cluster.kubectl("delete", "storageclass", klass["metadata"]["name"], "--ignore-not-found", check=False)
 
 
 def _direct_write_seconds(cluster: Cluster, namespace: str, pod: str, mib: int) -> float:

@@ -12,13 +12,16 @@ that every acknowledged record is in the file, in order.
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
+import time
 from typing import Any
 
 import pytest
 
 from e2e.cluster import examples as ex
 from e2e.cluster.cluster import Cluster
-from e2e.cluster.conftest import cluster_marks
+from e2e.cluster.conftest import cluster_marks, report
 from e2e.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_daemonset_ready, wait_until
 
 pytestmark = cluster_marks()
@@ -103,9 +106,23 @@ def test_pod_writes_through_a_plugin_fault(cluster: Cluster, test_namespace: str
     at_recovery = _acks(cluster, test_namespace)[0]
     wait_until(lambda: _acks(cluster, test_namespace)[0] >= at_recovery + 20, 60,
                "20 more acknowledged writes after the plugin came back")
-    # A volume call after the fault: the restarted plugin serves new claims too.
     _check_writer(cluster, test_namespace)
+    # Volume calls after the fault: the restarted plugin provisions, stages and publishes a new claim.
+    _new_claim_works(cluster, test_namespace, "after-fault")
     assert int(_container(driver_pod(cluster), "qsd")["restartCount"]) == qsd_restarts, "QSD restarted"
+
+
+def _new_claim_works(cluster: Cluster, namespace: str, name: str) -> None:
+    """A new claim and a pod on it: CreateVolume, NodeStage and NodePublish answered; a synced write reads back."""
+    docs = ex.example("filesystem-pod.yaml")
+    pvc, pod = ex.pick(docs, "PersistentVolumeClaim"), ex.pick(docs, "Pod")
+    pvc["metadata"]["name"] = pod["metadata"]["name"] = name
+    pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] = name
+    pod["spec"]["containers"][0]["args"] = ["exec sleep 3600000"]
+    ex.apply(cluster, namespace, [pvc, pod])
+    ex.wait_pod_running(cluster, namespace, name)
+    assert ex.pod_exec(cluster, namespace, name,
+                       "echo fresh | dd of=/data/fresh conv=fsync 2>/dev/null && cat /data/fresh").strip() == "fresh"
 
 
 def _check_writer(cluster: Cluster, namespace: str) -> None:
@@ -121,36 +138,174 @@ def _check_writer(cluster: Cluster, namespace: str) -> None:
         f"{next((i + 1 for i, n in enumerate(numbers) if n != i + 1), None)}"
 
 
-def test_qsd_killed_under_a_writing_pod_loses_no_acknowledged_write(cluster: Cluster, test_namespace: str) -> None:
-    """QSD's container killed: the driver starts a new QSD and remounts the volume (docs/crashes-and-recovery.md).
+# The Deployment's writer: numbers its records on from what the file holds, never exits on an I/O error (the
+# old pod goes on failing on the dead mount until the driver deletes it), and retries the record it failed.
+HEALING_WRITER = r"""
+i=$(( $(cat /data/log 2>/dev/null | wc -l) + 0 ))
+while :; do
+  i=$((i+1))
+  printf '%08d\n' $i > /tmp/record
+  if ! dd if=/tmp/record of=/data/log bs=9 oflag=append conv=notrunc,fsync 2>/tmp/err; then
+    echo "IOERR $i $(cat /tmp/err)"; i=$((i-1)); sleep 0.5; continue
+  fi
+  echo "ACK $i"
+  sleep 0.05
+done
+"""
+HEAL_BOUND = 120.0  # seconds from QSD's container ready again to the Deployment's new writer acknowledging writes
+EVENT_REASON = "VolumeDataPathRebuilt"  # csi_qsd.csi.heal_plan
 
-    A write in flight on the old FUSE connection fails (the writer stops, as documented: such pods must be
-    restarted); every write acknowledged before is in the file, and a new pod reads it.
+
+def _claim(name: str) -> dict[str, Any]:
+    pvc = ex.pick(ex.example("filesystem-pod.yaml"), "PersistentVolumeClaim")
+    pvc["metadata"]["name"] = name
+    return pvc
+
+
+def _pod_spec(claim: str, script: str, propagation: str = "") -> dict[str, Any]:
+    spec = ex.pick(ex.example("filesystem-pod.yaml"), "Pod")["spec"]
+    spec["containers"][0]["args"] = [script]
+    spec["volumes"][0]["persistentVolumeClaim"]["claimName"] = claim
+    spec["terminationGracePeriodSeconds"] = 2  # sh as PID 1 ignores SIGTERM
+    if propagation:
+        spec["containers"][0]["volumeMounts"][0]["mountPropagation"] = propagation
+    return spec  # type: ignore[no-any-return]
+
+
+def _deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"heal": name}},
+                     "template": {"metadata": {"labels": {"heal": name}}, "spec": spec}}}
+
+
+def _pods_of(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The pods of Deployment `name`, not being deleted."""
+    pods = get_json(cluster, "-n", namespace, "pods", "-l", f"heal={name}")["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def _running_pod_of(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    def one_running() -> dict[str, Any] | None:
+        pods = [p for p in _pods_of(cluster, namespace, name) if p["status"].get("phase") == "Running"]
+        return pods[0] if len(pods) == 1 else None
+    return wait_until(one_running, 180, f"a running pod of {name}", interval=1)  # type: ignore[no-any-return]
+
+
+class _Log:
+    """A pod's log followed from the start until its container ends (`kubectl logs -f`), kept whole."""
+
+    def __init__(self, cluster: Cluster, namespace: str, pod: str) -> None:
+        self._file = tempfile.TemporaryFile("w+")
+        self._proc = subprocess.Popen(
+            [cluster.bin["kubectl"], f"--kubeconfig={cluster.admin_kubeconfig}", "logs", "-f", "-n", namespace, pod],
+            stdout=self._file, stderr=subprocess.STDOUT, text=True)
+
+    def text(self) -> str:
+        self._file.flush()
+        self._file.seek(0)
+        return self._file.read()
+
+    def acks(self) -> int:
+        return max((int(n) for n in re.findall(r"^ACK (\d+)$", self.text(), re.M)), default=0)
+
+    def wait_ended(self, timeout: float) -> str:
+        self._proc.wait(timeout)
+        return self.text()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._file.close()
+
+
+def _events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str, Any]]:
+    items = get_json(cluster, "-n", namespace, "events", "--field-selector",
+                     f"involvedObject.name={pod},reason={EVENT_REASON}")["items"]
+    return items  # type: ignore[no-any-return]
+
+
+def _volume_of(cluster: Cluster, namespace: str, claim: str) -> tuple[str, str, str]:
+    """(PV name, PV UID, volume handle) bound to the claim."""
+    pvc = get_json(cluster, "-n", namespace, "pvc", claim)
+    pv = get_json(cluster, "pv", pvc["spec"]["volumeName"])
+    return pv["metadata"]["name"], pv["metadata"]["uid"], pv["spec"]["csi"]["volumeHandle"]
+
+
+def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, test_namespace: str) -> None:
+    """QSD's container SIGKILLed under three pods, each with its own filesystem volume (docs/crashes-and-recovery.md).
+
+    Expected, one outcome each: the Deployment's writer (fsync per record) is deleted by the driver and made
+    again by its ReplicaSet within HEAL_BOUND s of QSD being back, the new pod reads every record the old one
+    acknowledged and writes on, and the claim keeps its PersistentVolume; the bare pod is kept, with an event
+    naming its volume and the crash; the Deployment whose pod mounts with mountPropagation HostToContainer is
+    kept, with an event, and writes with fsync through its mount (it received the new mount).
     """
-    _writer(cluster, test_namespace)
-    wait_until(lambda: _acks(cluster, test_namespace)[0] >= 20, 60, "the writer's first 20 acknowledged writes")
-    before = _kill_container(cluster, "qsd")
-    _wait_restarted(cluster, "qsd", before)
-    wait_daemonset_ready(cluster)
-
-    def writer_outcome() -> str:
-        pod = get_json(cluster, "-n", test_namespace, "pod", "writer")
-        return str(pod["status"].get("phase")) if pod["status"].get("phase") != "Running" else ""
-    acked_before = _acks(cluster, test_namespace)[0]
+    ns = test_namespace
+    ex.apply(cluster, ns, [_claim("heal-writer"), _claim("heal-bare"), _claim("heal-propagation")])
+    bare = ex.pick(ex.example("filesystem-pod.yaml"), "Pod")
+    bare["metadata"] = {"name": "bare"}
+    bare["spec"] = _pod_spec("heal-bare", "exec sleep 3600000")
+    ex.apply(cluster, ns, [_deployment("writer", _pod_spec("heal-writer", HEALING_WRITER)), bare,
+                           _deployment("receiver", _pod_spec("heal-propagation", "exec sleep 3600000",
+                                                             propagation="HostToContainer"))])
+    old_writer = _running_pod_of(cluster, ns, "writer")
+    receiver = _running_pod_of(cluster, ns, "receiver")
+    bare_pod = ex.wait_pod_running(cluster, ns, "bare")
+    ex.pod_exec(cluster, ns, receiver["metadata"]["name"],
+                "echo before | dd of=/data/before conv=fsync 2>/dev/null")
+    volumes = {claim: _volume_of(cluster, ns, claim) for claim in ("heal-writer", "heal-bare", "heal-propagation")}
+    pv_count = len(get_json(cluster, "pv")["items"])
+    old_log = _Log(cluster, ns, old_writer["metadata"]["name"])
     try:
-        outcome = wait_until(writer_outcome, 20, "the writer to stop")
-    except TimeoutError:
-        outcome = "Running"
-    acked, errors = _acks(cluster, test_namespace)
-    if outcome == "Running":  # it wrote on: every write since went through the new QSD
-        wait_until(lambda: _acks(cluster, test_namespace)[0] >= acked_before + 20, 60, "20 more writes")
-        _check_writer(cluster, test_namespace)
-        return
-    assert outcome == "Failed" and len(errors) == 1, (outcome, errors)
-    ex.delete_pod(cluster, test_namespace, "writer")
-    reader = ex.pick(ex.example("filesystem-pod.yaml"), "Pod")
-    reader["metadata"]["name"] = "reader"
-    ex.apply(cluster, test_namespace, [reader])
-    ex.wait_pod_running(cluster, test_namespace, "reader")
-    numbers = [int(r) for r in ex.pod_exec(cluster, test_namespace, "reader", "cat /data/log").split()]
-    assert numbers[:acked] == list(range(1, acked + 1)), f"{acked} acknowledged, file holds {len(numbers)}"
+        wait_until(lambda: old_log.acks() >= 20, 60, "the writer's first 20 acknowledged writes")
+        before = _kill_container(cluster, "qsd")
+        _wait_restarted(cluster, "qsd", before)
+        qsd_back = time.monotonic()
+        # The old writer's container ends when the driver deletes its pod; its log then holds every ACK.
+        old_text = old_log.wait_ended(HEAL_BOUND)
+    finally:
+        old_log.close()
+    acked = max(int(n) for n in re.findall(r"^ACK (\d+)$", old_text, re.M))
+    assert re.search(r"^IOERR ", old_text, re.M), "the old writer never hit the dead mount"
+
+    new_writer = _running_pod_of(cluster, ns, "writer")
+    assert new_writer["metadata"]["uid"] != old_writer["metadata"]["uid"]
+    new_name = new_writer["metadata"]["name"]
+
+    def new_acks() -> int:
+        log = cluster.kubectl("logs", "-n", ns, new_name).stdout
+        return max((int(n) for n in re.findall(r"^ACK (\d+)$", log, re.M)), default=0)
+    wait_until(lambda: new_acks() >= acked + 20, max(1.0, HEAL_BOUND - (time.monotonic() - qsd_back)),
+               "the new writer's first 20 acknowledged writes")
+    replaced_in = time.monotonic() - qsd_back
+    numbers = [int(r) for r in ex.pod_exec(cluster, ns, new_name, "cat /data/log").split()]
+    assert numbers[:acked] == list(range(1, acked + 1)), \
+        f"acknowledged writes lost: {acked} acknowledged, file holds {len(numbers)}, first gap at " \
+        f"{next((i + 1 for i, n in enumerate(numbers) if n != i + 1), None)}"
+    assert "IOERR" not in cluster.kubectl("logs", "-n", ns, new_name).stdout
+    [writer_event] = _events(cluster, ns, old_writer["metadata"]["name"])
+    assert volumes["heal-writer"][2] in writer_event["message"] and "ReplicaSet" in writer_event["message"]
+
+    # The bare pod: kept, told.
+    bare_now = get_json(cluster, "-n", ns, "pod", "bare")
+    assert bare_now["metadata"]["uid"] == bare_pod["metadata"]["uid"]
+    assert not bare_now["metadata"].get("deletionTimestamp")
+    [bare_event] = wait_until(lambda: _events(cluster, ns, "bare"), 30, f"a {EVENT_REASON} event on pod bare")
+    assert volumes["heal-bare"][2] in bare_event["message"] and "qemu-storage-daemon" in bare_event["message"] \
+        and "died" in bare_event["message"], bare_event["message"]
+
+    # The HostToContainer pod: kept, told, and it writes through the mount it received.
+    receiver_now = _running_pod_of(cluster, ns, "receiver")
+    assert receiver_now["metadata"]["uid"] == receiver["metadata"]["uid"]
+    [receiver_event] = _events(cluster, ns, receiver["metadata"]["name"])
+    assert "HostToContainer" in receiver_event["message"], receiver_event["message"]
+    assert ex.pod_exec(cluster, ns, receiver["metadata"]["name"],
+                       "cat /data/before && echo after | dd of=/data/after conv=fsync 2>/dev/null && "
+                       "cat /data/after").split() == ["before", "after"]
+
+    # No claim re-provisioned.
+    assert {claim: _volume_of(cluster, ns, claim) for claim in volumes} == volumes
+    assert len(get_json(cluster, "pv")["items"]) == pv_count
+    report(f"QSD killed: writer replaced and writing in {replaced_in:.1f} s (bound {HEAL_BOUND:g} s), "
+           f"{acked} acknowledged records all read back by the new pod ({len(numbers)} in the file)")

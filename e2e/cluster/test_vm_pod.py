@@ -205,32 +205,35 @@ def test_hotplug_example_adds_a_disk_to_a_running_vm(cluster: Cluster, test_name
     others = [d for d in docs if d["kind"] in ("StorageClass", "ServiceAccount", "ClusterRole", "ConfigMap",
                                                "DaemonSet")]
     ex.apply(cluster, test_namespace, [*others, binding, vm])
-    ex.wait_pod_running(cluster, test_namespace, "csi-qsd-hotplug-vm")
-    ex.apply(cluster, test_namespace, [pvc, ex.pick(docs, "Pod", "hp-volume-csi-qsd-hotplug-disk")])
-    ex.wait_pod_running(cluster, test_namespace, "hp-volume-csi-qsd-hotplug-disk")
-    claim = pvc["metadata"]["name"]
-    socket = f"/hotplug-disks/{claim}/vhost-user-blk.sock"
     try:
-        wait_until(lambda: ex.pod_exec(cluster, test_namespace, "csi-qsd-hotplug-vm",
-                                       f"test -S {socket} && echo yes", timeout=30).strip() == "yes",
-                   120, "the node agent to bind the disk's socket into the VM pod", interval=3)
-    except TimeoutError as error:
-        agent = cluster.kubectl("logs", "-n", test_namespace, "daemonset/csi-qsd-hotplug-agent", "--tail=30",
-                                check=False)
-        pods = cluster.kubectl("get", "-n", test_namespace, "pods", "-o", "wide", check=False).stdout
-        raise TimeoutError(f"{error}; agent: {agent.stdout[-2000:]}{agent.stderr[-500:]}; pods: {pods}") from None
-    answers = _qmp(cluster, test_namespace, "csi-qsd-hotplug-vm",
-                   '{"execute": "chardev-add", "arguments": {"id": "hp0", "backend": {"type": "socket", "data": '
-                   f'{{"addr": {{"type": "unix", "data": {{"path": "{socket}"}}}}, "server": false, "reconnect": 1}}}}}}}}',
-                   '{"execute": "device_add", "arguments": {"driver": "vhost-user-blk-pci", "id": "hp0-disk", '
-                   '"chardev": "hp0", "num-queues": 1, "bus": "hp-port"}}')
-    assert answers.count('"return"') == 3 and "error" not in answers, answers
-    wait_until(lambda: get_json(cluster, "-n", test_namespace, "pod", "csi-qsd-hotplug-vm")["status"].get("phase")
-               in ("Succeeded", "Failed"), 300, "the guest to write and verify the hot-added disk", interval=3)
-    console = cluster.kubectl("logs", "-n", test_namespace, "csi-qsd-hotplug-vm").stdout
-    _passed(console)
-    assert len(acknowledged_blocks(console, DISK)) == BLOCKS
-    cluster.kubectl("delete", "clusterrolebinding", binding["metadata"]["name"])
-    # Its pods run `sh` as PID 1, which ignores SIGTERM: gone now rather than after 30 s of grace.
-    cluster.kubectl("delete", "-n", test_namespace, "daemonset", "csi-qsd-hotplug-agent", "--cascade=foreground",
-                    "--grace-period=1", "--timeout=120s", timeout=150)
+        ex.wait_pod_running(cluster, test_namespace, "csi-qsd-hotplug-vm")
+        ex.apply(cluster, test_namespace, [pvc, ex.pick(docs, "Pod", "hp-volume-csi-qsd-hotplug-disk")])
+        ex.wait_pod_running(cluster, test_namespace, "hp-volume-csi-qsd-hotplug-disk")
+        claim = pvc["metadata"]["name"]
+        socket = f"/hotplug-disks/{claim}/vhost-user-blk.sock"
+        try:
+            wait_until(lambda: ex.pod_exec(cluster, test_namespace, "csi-qsd-hotplug-vm",
+                                           f"test -S {socket} && echo yes", timeout=30).strip() == "yes",
+                       120, "the node agent to bind the disk's socket into the VM pod", interval=3)
+        except TimeoutError as error:
+            agent = cluster.kubectl("logs", "-n", test_namespace, "daemonset/csi-qsd-hotplug-agent", "--tail=30",
+                                    check=False)
+            pods = cluster.kubectl("get", "-n", test_namespace, "pods", "-o", "wide", check=False).stdout
+            raise TimeoutError(f"{error}; agent: {agent.stdout[-2000:]}{agent.stderr[-500:]}; pods: {pods}") from None
+        answers = _qmp(cluster, test_namespace, "csi-qsd-hotplug-vm",
+                       '{"execute": "chardev-add", "arguments": {"id": "hp0", "backend": {"type": "socket", "data": '
+                       f'{{"addr": {{"type": "unix", "data": {{"path": "{socket}"}}}}, "server": false, "reconnect": 1}}}}}}}}',
+                       '{"execute": "device_add", "arguments": {"driver": "vhost-user-blk-pci", "id": "hp0-disk", '
+                       '"chardev": "hp0", "num-queues": 1, "bus": "hp-port"}}')
+        assert answers.count('"return"') == 3 and "error" not in answers, answers
+        wait_until(lambda: get_json(cluster, "-n", test_namespace, "pod", "csi-qsd-hotplug-vm")["status"].get("phase")
+                   in ("Succeeded", "Failed"), 300, "the guest to write and verify the hot-added disk", interval=3)
+        console = cluster.kubectl("logs", "-n", test_namespace, "csi-qsd-hotplug-vm").stdout
+        _passed(console)
+        assert len(acknowledged_blocks(console, DISK)) == BLOCKS
+    finally:  # whatever failed: the binding is cluster-scoped, and the agent's pods would hold the namespace
+        cluster.kubectl("delete", "clusterrolebinding", binding["metadata"]["name"], "--ignore-not-found",
+                        check=False)
+        # Its pods run `sh` as PID 1, which ignores SIGTERM: gone now rather than after 30 s of grace.
+        cluster.kubectl("delete", "-n", test_namespace, "daemonset", "csi-qsd-hotplug-agent", "--cascade=foreground",
+                        "--grace-period=1", "--timeout=120s", "--ignore-not-found", check=False, timeout=150)
