@@ -263,6 +263,11 @@ class NodeVolumes:
             return dataclasses.replace(stats, abnormal=True, message=cut.message())
         return stats
 
+    @property
+    def cut_off(self) -> CutOffTargets:
+        """The targets whose consumers a QSD crash cut off, and who hears of each (`cut_off`)."""
+        return self._rebuild.cut_off
+
     def stalled(self, volume_id: str) -> str | None:
         """Why a staged volume is not served after a QSD restart (its copy source does not answer), or None."""
         return self._rebuild.stalled(volume_id)

@@ -14,6 +14,7 @@ import pytest
 
 from csi_qsd.catalog import StageState, VolumeRecord
 from csi_qsd.errors import SourceUnreachable, Unavailable
+from csi_qsd.node.cut_off import REBUILT, CutOff
 from csi_qsd.node.rebuild import Backoff
 from csi_qsd.node.staging import PublishSpec, StageSpec
 from csi_qsd.params import VolumeParameters
@@ -228,3 +229,27 @@ async def test_a_stalled_volume_is_no_longer_retried_once_unstaged_nor_after_shu
     assert not _retries()
     async with fake_node(tmp_path, daemons=daemons, state=host) as f:
         assert (await f.catalog.stage(kept.id)) is not None
+
+
+async def test_a_target_published_before_a_lost_export_reports_the_rebuild_until_unpublished(tmp_path: Path) -> None:
+    host = FakeHostState()
+    async with fake_node(tmp_path, state=host) as f:
+        lost, kept = await f.new_volume("lost"), await f.new_volume("kept")
+        for volume in (lost, kept):
+            await f.node.stage(stage_of(volume))
+            await f.node.publish(publish_of(volume, f"/pod/{volume.name}"))
+        heard: list[CutOff] = []
+        f.node.cut_off.listen(heard.append)
+        host.broken.add(lost.id)  # its FUSE file answers ENOTCONN: QSD died under it
+        f.daemons[0].restart()
+        await f.rebuild()
+
+        assert [(c.volume_id, c.targets) for c in heard] == [(lost.id, (Path("/pod/lost"),))]
+        at_target = await f.node.stats(lost.id, Path("/pod/lost"))
+        assert at_target.abnormal and REBUILT in at_target.message and lost.id in at_target.message
+        assert not (await f.node.stats(lost.id, Path("/staging/lost"))).abnormal
+        assert not (await f.node.stats(kept.id, Path("/pod/kept"))).abnormal  # its export survived
+
+        await f.node.unpublish(lost.id, Path("/pod/lost"))
+        await f.node.publish(publish_of(lost, "/pod/lost"))  # a new pod, on the new data path
+        assert not (await f.node.stats(lost.id, Path("/pod/lost"))).abnormal
