@@ -31,6 +31,8 @@ DRIVER_IMAGE = "ghcr.io/csi-qsd/csi-qsd:0.1.0"
 # csi-qsd liveness-probe), and the cluster's overlay points those two containers at them.
 REGISTRAR_IMAGE = "localhost/csi-qsd/kubelet-registrar:0.1.0"
 LIVENESS_IMAGE = "localhost/csi-qsd/liveness-probe:0.1.0"
+# The driver's image with one more label: another image (its own ID) for the in-place upgrade test.
+UPGRADE_IMAGE = "ghcr.io/csi-qsd/csi-qsd:0.1.0-upgrade"
 
 
 def cache_root() -> Path:
@@ -165,7 +167,7 @@ def _source_digest() -> str:
 
 def driver_images(root: Path) -> Path:
     """The driver's image from the Dockerfile, and the registrar and liveness images derived from it."""
-    archive = root / "images" / f"csi-qsd-{_source_digest()}.tar"
+    archive = root / "images" / f"csi-qsd-{_source_digest()}-u.tar"
     if archive.exists():
         return archive
     archive.parent.mkdir(parents=True, exist_ok=True)
@@ -176,12 +178,14 @@ def driver_images(root: Path) -> Path:
     for name, command in ((REGISTRAR_IMAGE, "kubelet-registrar"), (LIVENESS_IMAGE, "liveness-probe")):
         (work / "Containerfile").write_text(f'FROM {DRIVER_IMAGE}\nENTRYPOINT ["csi-qsd", "{command}"]\n')
         _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", name, str(work)])
+    (work / "Containerfile").write_text(f'FROM {DRIVER_IMAGE}\nLABEL io.csi-qsd.test="in-place upgrade"\n')
+    _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", UPGRADE_IMAGE, str(work)])
     for stale in (root / "images").glob("csi-qsd-*.tar"):
         stale.unlink()
     tmp = archive.with_name(archive.name + ".tmp")
     tmp.unlink(missing_ok=True)
     _run(["podman", "save", "--multi-image-archive", "--format", "docker-archive", "--output", str(tmp),
-          DRIVER_IMAGE, REGISTRAR_IMAGE, LIVENESS_IMAGE])
+          DRIVER_IMAGE, REGISTRAR_IMAGE, LIVENESS_IMAGE, UPGRADE_IMAGE])
     tmp.rename(archive)
     shutil.rmtree(work, ignore_errors=True)
     return archive

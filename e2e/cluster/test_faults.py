@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import examples as ex
+from e2e.cluster.build import UPGRADE_IMAGE
 from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks, report
 from e2e.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_daemonset_ready, wait_until
@@ -77,19 +78,26 @@ def _wait_restarted(cluster: Cluster, name: str, before: int) -> None:
 
 
 def _upgrade_plugin_in_place(cluster: Cluster) -> None:
-    """deploy/README.md's upgrade: a new tag in the DaemonSet's template, then the running pod's image set in place."""
+    """deploy/README.md's upgrade: a new image in the DaemonSet's template, then the running pod's image set in place.
+
+    The new image is another image (`build.UPGRADE_IMAGE`: one more label, its own ID), and the DaemonSet's
+    template is set back whatever happens, so the tests after this one run the image they were built with.
+    """
     pod = driver_pod(cluster)
     old = _container(pod, "csi-qsd")["image"]
-    new = f"{old.rsplit(':', 1)[0]}:0.1.0-upgrade"
-    cluster.ctr("images", "tag", "--force", old, new)
-    cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", "daemonset/csi-qsd-node", f"csi-qsd={new}")
-    before = int(_container(pod, "csi-qsd")["restartCount"])
-    cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", f"pod/{pod['metadata']['name']}", f"csi-qsd={new}")
-    _wait_restarted(cluster, "csi-qsd", before)
-    # The status names the image by its first tag (both tags are one image): the spec says what runs.
-    [spec] = [c for c in driver_pod(cluster)["spec"]["containers"] if c["name"] == "csi-qsd"]
-    assert spec["image"] == new
-    cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", "daemonset/csi-qsd-node", f"csi-qsd={old}")
+    old_id = _container(pod, "csi-qsd")["imageID"]
+    try:
+        cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", "daemonset/csi-qsd-node", f"csi-qsd={UPGRADE_IMAGE}")
+        before = int(_container(pod, "csi-qsd")["restartCount"])
+        cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", f"pod/{pod['metadata']['name']}",
+                        f"csi-qsd={UPGRADE_IMAGE}")
+        _wait_restarted(cluster, "csi-qsd", before)
+        upgraded = driver_pod(cluster)
+        [spec] = [c for c in upgraded["spec"]["containers"] if c["name"] == "csi-qsd"]
+        assert spec["image"] == UPGRADE_IMAGE
+        assert _container(upgraded, "csi-qsd")["imageID"] != old_id, "the upgrade ran the same image"
+    finally:
+        cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", "daemonset/csi-qsd-node", f"csi-qsd={old}")
 
 
 @pytest.mark.parametrize("fault", ["plugin-container-killed", "plugin-upgraded-in-place"])
