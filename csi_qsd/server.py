@@ -43,7 +43,6 @@ from csi_qsd.errors import StartupError
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node.copy_streams import CopyStreams
-from csi_qsd.node.cut_off import CutOffTargets
 from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.pools.base import Pool
 from csi_qsd.pools.device_pools import open_device_pools
@@ -141,12 +140,10 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints,
                                          before_open=LinkCheck(catalog)))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
-        cut_off = CutOffTargets()
+        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         healer = pod_healer(config)
-        if healer is not None:
-            cut_off.listen(healer.heal_later)
-        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later,
-                           cut_off=cut_off)
+        if healer is not None:  # before QSD starts: its first rebuild may cut pods off already
+            node.cut_off.listen(healer.heal_later)
         await snapshots.reconcile()
         tls = config.metadata_tls
         settings = CopySettings(

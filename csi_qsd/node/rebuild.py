@@ -84,10 +84,9 @@ class _Stalled:
 class GraphRebuild:
     """The repair of one node's volumes from the catalog, run by the QSD supervisor on each connect."""
 
-    def __init__(self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, backoff: Backoff = Backoff(),
-                 cut_off: CutOffTargets | None = None) -> None:
+    def __init__(self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, backoff: Backoff = Backoff()) -> None:
         self._catalog = catalog
-        self.cut_off = cut_off if cut_off is not None else CutOffTargets()
+        self.cut_off = CutOffTargets()
         self._exports = exports
         self._locks = locks
         self._backoff = backoff

@@ -85,7 +85,7 @@ class NodeVolumes:
     def __init__(
         self, catalog: Catalog, pool: Pool, exports: ExportPaths, locks: KeyedLocks,
         failpoints: Failpoints = NO_FAILPOINTS, on_unstaged: Callable[[str], None] = lambda volume_id: None,
-        retry: Backoff = Backoff(), cut_off: CutOffTargets | None = None,
+        retry: Backoff = Backoff(),
     ) -> None:
         self._catalog = catalog
         self._pool = pool
@@ -94,7 +94,7 @@ class NodeVolumes:
         self._locks = locks
         self._failpoints = failpoints
         self._on_unstaged = on_unstaged
-        self._rebuild = GraphRebuild(catalog, exports, locks, retry, cut_off)
+        self._rebuild = GraphRebuild(catalog, exports, locks, retry)
 
     async def stage(self, spec: StageSpec) -> None:
         """Raises NotFound, InvalidArgument, FailedPrecondition, AlreadyExists, Unavailable, Aborted."""
