@@ -20,7 +20,9 @@ import grpc
 import pytest
 
 from csi_qsd.csi.client import CSIClient
+from csi_qsd.publish import vhost_user
 from csi_qsd.sys import mounts
+from csi_qsd.sys.tools import bundled
 from tests.harness import DriverProcess, Sandbox, crash_qsd, write_synced
 
 MIB = 1 << 20
@@ -157,6 +159,60 @@ async def test_a_block_volume_is_ciphertext_and_grows(box: Sandbox, process: Dri
         await csi.unstage(vid, str(staging))
         (image,) = _images(box)
         assert _luks(image) and not _holds(image, marker) and not _holds(image, key.encode())
+        assert key not in process.log()
+    finally:
+        await csi.close()
+
+
+def _blkio_missing() -> bool:
+    out = subprocess.run([bundled("qemu-img"), "--help"], capture_output=True, text=True, check=False).stdout
+    return "virtio-blk-vhost-user" not in out
+
+
+@pytest.mark.skipif(_blkio_missing(), reason="the bundled QEMU has no virtio-blk-vhost-user driver (libblkio)")
+async def test_a_vm_disk_over_vhost_user_blk_is_ciphertext(box: Sandbox, process: DriverProcess) -> None:
+    key = secrets.token_urlsafe(32)
+    csi = CSIClient(box.endpoint, timeout=120)
+    try:
+        vid = (await csi.create_volume("vm-enc", 32 * MIB, {**ENCRYPTED, "export": "vhost-user-blk"},
+                                       secrets={"key": key})).volume_id
+        staging, target = box.staging("vm"), box.target("vm-pod")
+        await csi.stage(vid, str(staging), secrets={"key": key})
+        await csi.publish(vid, str(staging), str(target))
+        # What a guest writes, through the socket as a VMM's disk would: 1 MiB of 0x5a at 1 MiB, read back.
+        socket = target / vhost_user.SOCKET_NAME
+        argv = [bundled("qemu-io"), "--image-opts", f"driver=virtio-blk-vhost-user,path={socket},cache.direct=on",
+                "-c", "write -P 0x5a 1M 1M", "-c", "read -P 0x5a 1M 1M"]
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+        assert done.returncode == 0 and "read 1048576/1048576 bytes" in done.stdout, done.stdout + done.stderr
+        assert "verification failed" not in done.stdout
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
+        (image,) = _images(box)
+        assert _luks(image) and image.stat().st_size > MIB  # the write reached the image, as ciphertext
+        assert not _holds(image, b"\x5a" * 4096) and not _holds(image, key.encode())
+    finally:
+        await csi.close()
+
+
+async def test_a_driver_restarted_after_the_stage_reopens_the_volume_when_qsd_crashes(
+        box: Sandbox, process: DriverProcess) -> None:
+    """The key of a staged volume outlives the driver in the runtime directory: no new NodeStageVolume comes."""
+    key = secrets.token_urlsafe(32)
+    marker = _marker()
+    csi = CSIClient(box.endpoint, timeout=120)
+    try:
+        vid = (await csi.create_volume("pvc-enc-restart", 64 * MIB, ENCRYPTED, secrets={"key": key})).volume_id
+        staging, target = box.staging("r"), box.target("pod")
+        await csi.stage(vid, str(staging), secrets={"key": key})
+        await csi.publish(vid, str(staging), str(target))
+        write_synced(target / "pattern", marker * 4096)
+        await process.kill9()
+        await process.start()
+        await crash_qsd(box, csi, vid, target)
+        assert (target / "pattern").read_bytes() == marker * 4096
+        await csi.unpublish(vid, str(target))
+        await csi.unstage(vid, str(staging))
         assert key not in process.log()
     finally:
         await csi.close()
