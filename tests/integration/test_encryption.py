@@ -159,6 +159,28 @@ async def test_a_block_volume_is_ciphertext_and_grows(box: Sandbox, process: Dri
         await csi.unstage(vid, str(staging))
         (image,) = _images(box)
         assert _luks(image) and not _holds(image, marker) and not _holds(image, key.encode())
+
+        # Not staged: a snapshot's new top needs the key from the snapshotter's Secret, checked first.
+        await _refused(csi.create_snapshot("snap-unstaged", vid), grpc.StatusCode.INVALID_ARGUMENT,
+                       "csi.storage.k8s.io/snapshotter-secret-name", vid)
+        await _refused(csi.create_snapshot("snap-unstaged", vid, secrets={"key": "wrong"}),
+                       grpc.StatusCode.PERMISSION_DENIED, "csi.storage.k8s.io/snapshotter-secret-name", vid)
+        assert _images(box) == [image]
+        await csi.create_snapshot("snap-unstaged", vid, secrets={"key": key})
+        clone = (await csi.create_volume("pvc-clone", 64 * MIB, ENCRYPTED, block=True, from_volume=vid,
+                                         secrets={"key": key})).volume_id
+        staging2, target2 = box.staging("clone"), box.target("pod-2")
+        await csi.stage(clone, str(staging2), block=True, secrets={"key": key})
+        await csi.publish(clone, str(staging2), str(target2), block=True)
+        fd = os.open(target2, os.O_RDONLY)
+        try:
+            assert os.pread(fd, len(marker), 3 * MIB) == marker
+        finally:
+            os.close(fd)
+        await csi.unpublish(clone, str(target2))
+        await csi.unstage(clone, str(staging2))
+        assert len(_images(box)) == 4  # the volume's first image, two cuts over it, the clone's overlay
+        assert all(_luks(path) and not _holds(path, marker) for path in _images(box))
         assert key not in process.log()
     finally:
         await csi.close()
