@@ -24,13 +24,19 @@ def _secret(name: str) -> str:
     return f"the passphrase in entry {SECRET_KEY!r} of the Secret named by {name!r}"
 
 
-async def check_source(pool: Pool, image: Path, what: str, params: VolumeParameters, key: VolumeKey | None) -> None:
+async def image_encrypted(image: Path) -> bool:
+    """Whether `image`'s qcow2 header says LUKS (a snapshot's image: its volume may be gone). Raises OSError."""
+    head = await asyncio.to_thread(header.read_file, image)
+    return head is not None and head.crypt_method == header.CRYPT_LUKS
+
+
+async def check_source(
+    pool: Pool, image: Path, what: str, params: VolumeParameters, key: VolumeKey | None, *, source_encrypted: bool,
+) -> None:
     """Refuse a source (`what`, at `image`) encrypted otherwise than the new volume, or that `key` does not open.
 
     Raises InvalidArgument, PermissionDenied.
     """
-    head = await asyncio.to_thread(header.read_file, image)
-    source_encrypted = head is not None and head.crypt_method == header.CRYPT_LUKS
     if source_encrypted != params.encrypted:
         raise InvalidArgument(
             f"{what} is {'' if source_encrypted else 'not '}encrypted and the new volume's StorageClass says "

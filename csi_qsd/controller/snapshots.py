@@ -220,7 +220,8 @@ class Snapshots:
                 snapshot = await self.get(snapshot_id)
                 if snapshot is None:
                     raise NotFound(f"snapshot {snapshot_id} does not exist")
-                await encrypted.check_source(self._pool, snapshot.image, f"snapshot {snapshot_id}", params, key)
+                await encrypted.check_source(self._pool, snapshot.image, f"snapshot {snapshot_id}", params, key,
+                                             source_encrypted=await encrypted.image_encrypted(snapshot.image))
                 volume = await self._volumes.create(
                     name, required, limit, params, caps, base=snapshot.image, base_size=snapshot.size, source=source,
                     qos=qos, key=key,
@@ -229,8 +230,8 @@ class Snapshots:
             origin = await self._catalog.volume(volume_id)
             if origin is None or origin.state is not VolumeState.READY:
                 raise NotFound(f"volume {volume_id} does not exist")
-            await self._volumes.settled(origin)
-            await encrypted.check_source(self._pool, origin.image, f"volume {volume_id}", params, key)
+            await encrypted.check_source(self._pool, origin.image, f"volume {volume_id}", params, key,
+                                         source_encrypted=origin.params.encrypted)
 
             async def cut_origin() -> Path:
                 # Runs only once the request has passed every check: a refused
