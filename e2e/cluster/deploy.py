@@ -96,3 +96,12 @@ def driver_pod(cluster: Cluster) -> dict[str, Any]:
     running = [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     assert len(running) == 1, f"expected one running csi-qsd node pod, found {[p['metadata']['name'] for p in pods]}"
     return running[0]  # type: ignore[no-any-return]
+
+
+def executable_digest(cluster: Cluster, pod: dict[str, Any], container: str) -> str:
+    """The sha256 of the program `container` of `pod` runs, read on the first node from its task's /proc/PID/exe."""
+    [status] = [c for c in pod["status"]["containerStatuses"] if c["name"] == container]
+    container_id = status["containerID"].split("://", 1)[1]
+    tasks = [line.split() for line in cluster.first.ctr("tasks", "ls").splitlines()[1:]]
+    [pid] = [task[1] for task in tasks if task and task[0] == container_id]
+    return cluster.node.run(["sha256sum", f"/proc/{pid}/exe"]).stdout.split()[0]
