@@ -14,18 +14,15 @@ without the binaries the tier is skipped, naming what is missing.
 from __future__ import annotations
 
 import hashlib
-import os
-import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-NODE_YAML = REPO / "deploy" / "node.yaml"
-BIN_ENV = "CSI_QSD_SHARED_BIN"
+from e2e.helpers import shared_bin
+
+NODE_YAML = shared_bin.REPO / "deploy" / "node.yaml"
 
 
 @dataclass(frozen=True)
@@ -57,24 +54,10 @@ class Release:
                 f"{self.commit}), {self.path} sha256:{self.sha256[:16]}, image {self.image}")
 
 
-def bin_dir() -> Path:
-    explicit = os.environ.get(BIN_ENV)
-    return Path(explicit).expanduser() if explicit else REPO.parent / "shared" / "bin"
-
-
 def missing(directory: Path | None = None) -> list[str]:
     """The prebuilt sidecars' files the directory lacks (all of them when it does not exist)."""
-    directory = directory or bin_dir()
-    return [str(directory / s.binary) for s in SIDECARS if not os.access(directory / s.binary, os.X_OK)]
-
-
-_ROW = re.compile(r"^\|\s*`(?P<name>[^`]+)`\s*\|\s*(?P<repo>\S+)\s+(?P<tag>v\d+\.\d+\.\d+)\s+\((?P<commit>[0-9a-f]+)\)\s*\|",
-                  re.M)
-
-
-def readme_releases(readme: str) -> dict[str, tuple[str, str, str]]:
-    """The README table's rows: binary name -> (repository, tag, commit)."""
-    return {m["name"]: (m["repo"], m["tag"], m["commit"]) for m in _ROW.finditer(readme)}
+    directory = directory or shared_bin.directory()
+    return [str(directory / s.binary) for s in SIDECARS if shared_bin.find(s.binary, directory) is None]
 
 
 def node_yaml_images(text: str) -> dict[str, str]:
@@ -100,8 +83,8 @@ def _reported_version(path: Path) -> str | None:
 
 def releases(directory: Path | None = None) -> list[Release]:
     """Each prebuilt sidecar with its release, checked against node.yaml. Raises ValueError on any disagreement."""
-    directory = directory or bin_dir()
-    table = readme_releases((directory / "README.md").read_text())
+    directory = directory or shared_bin.directory()
+    table = shared_bin.readme_releases((directory / "README.md").read_text())
     images = node_yaml_images(NODE_YAML.read_text())
     found = []
     for sidecar in SIDECARS:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from e2e.cluster import prebuilt
+from e2e.helpers import shared_bin
 
 README = """| binary | repository, tag (commit) | what it is |
 |---|---|---|
@@ -17,7 +18,7 @@ README = """| binary | repository, tag (commit) | what it is |
 
 
 def test_readme_rows_give_repository_tag_and_commit() -> None:
-    rows = prebuilt.readme_releases(README)
+    rows = shared_bin.readme_releases(README)
     assert rows == {"csi-sanity": ("kubernetes-csi/csi-test", "v5.5.0", "2f1e2f2aa8b7"),
                     "livenessprobe": ("kubernetes-csi/livenessprobe", "v2.19.0", "d2d15a5e8217")}
 
@@ -39,7 +40,7 @@ def test_a_directory_without_the_binaries_misses_both(tmp_path: Path) -> None:
     assert prebuilt.missing(tmp_path / "absent") == [str(tmp_path / "absent" / s.binary) for s in prebuilt.SIDECARS]
 
 
-@pytest.mark.skipif(bool(prebuilt.missing()), reason=f"no prebuilt sidecars in {prebuilt.bin_dir()}")
+@pytest.mark.skipif(bool(prebuilt.missing()), reason=f"no prebuilt sidecars in {shared_bin.directory()}")
 def test_the_shipped_node_yaml_agrees_with_the_release_builds() -> None:
     found = {r.sidecar.container: r for r in prebuilt.releases()}
     assert set(found) == {"node-driver-registrar", "liveness-probe"}
