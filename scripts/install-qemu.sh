@@ -8,7 +8,8 @@
 # Each is unpacked with mmdebstrap into its own root (.runtime/qemu: trixie, .runtime/qemu11: trixie with
 # trixie-backports preferred) and run with its own loader and libraries. Wrappers go into the venv's bin
 # directory, where csi-qsd looks first: `qemu-storage-daemon`, `qemu-img`, ... run the default runtime
-# (CSI_QSD_QEMU_RUNTIME, 10 or 11), and `qemu-storage-daemon-10`, `qemu-img-11`, ... name one for the
+# (CSI_QSD_QEMU_RUNTIME, 10 or 11; 11 unless set: its growable FUSE export takes pods' writes about twice as fast,
+# docs/benchmarks.md), and `qemu-storage-daemon-10`, `qemu-img-11`, ... name one for the
 # benches that measure both. qemu-block-extra brings libblkio's virtio-blk-vhost-user driver: the benches'
 # userspace vhost-user-blk client (qemu-img bench on a VM volume's socket).
 # On a host whose own QEMU is new enough (a Debian 13 image), its own serves as the 10 runtime.
@@ -17,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN="$1"
-DEFAULT="${CSI_QSD_QEMU_RUNTIME:-10}"
+DEFAULT="${CSI_QSD_QEMU_RUNTIME:-11}"
 SUITE="${CSI_QSD_QEMU_SUITE:-trixie}"
 MIRROR="$(bash scripts/debian-mirror.sh)"
 TOOLS=(qemu-storage-daemon qemu-img qemu-io qemu-nbd)

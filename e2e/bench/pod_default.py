@@ -26,6 +26,15 @@ Configurations (``--configs``, POOL:CLASS):
                makes)
          raw   format=raw, preallocation=full (the scaling bench's volumes)
 
+A second anchor, run right after each comparison in the same run: fio
+on a file in a plain directory on the pool's filesystem (what
+csi-driver-host-path gives a filesystem volume: no loop device, no image),
+`--rounds` times. The volumes' reads can hit the host's page cache (QSD
+opens images buffered), the baselines' never do (O_DIRECT down to the
+disk): each row says how much of the volumes' images the cache held just
+before the row (fincore), and `--drop-caches` drops it before every run on
+the volumes, so each starts cold.
+
 Beside each row: the machine's CPU time per I/O on each side (all its
 cores' busy time from /proc/stat during the runs, over the I/Os done: what
 every layer of the path costs, fio's own share included) and how many cores
@@ -41,10 +50,12 @@ shards they use. That is an estimate from this run, and says so.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import functools
 import os
+import shutil
 import statistics
 import sys
 from collections.abc import Iterator
@@ -65,6 +76,7 @@ from e2e.bench.common import (
     logged,
     loop_device,
     missing,
+    output,
     progress,
     ratio,
     raw_file,
@@ -106,6 +118,9 @@ class Bench(ServedBench):
         self.config, self.pool, self.counts, self.params = config, pool, counts, CLASSES[config.klass]
         self.seconds, self.rounds, self.shards, self.region = seconds, rounds, shards, region
         self.rows: list[scaling.Row] = []
+        self.directory: dict[tuple[str, int], list[float]] = {}  # (job, N): IOPS in plain directories, each round
+        self.resident: dict[tuple[str, int], str] = {}  # (job, N): the volumes' images in the host's page cache
+        self.drop_caches = False
         self.setting = "?"
 
     async def phases(self, csi: CSIClient) -> None:
@@ -129,20 +144,40 @@ class Bench(ServedBench):
                 baselines.append(await stack.enter_async_context(ext4_on(device, self.box.root / f"base-{index}")))
             volume_files = [t / "fio.dat" for t in targets]
             baseline_files = [b / "fio.dat" for b in baselines]
-            progress(f"{self.config.name}: laying out {self.region // MIB} MiB in each of {2 * count} filesystems")
-            for path in volume_files + baseline_files:
+            directory_files = [stack.enter_context(plain_directory(self.pool / f"directory-{index}")) / "fio.dat"
+                               for index in range(count)]
+            progress(f"{self.config.name}: laying out {self.region // MIB} MiB in each of {3 * count} files")
+            for path in volume_files + baseline_files + directory_files:
                 await lay_out(path, self.region)
             for rw in JOBS:
                 for n in self.counts:
-                    await self._compare(scaling.qd32(rw), n, volume_files[:n], baseline_files[:n])
+                    await self._compare(scaling.qd32(rw), n, volume_files[:n], baseline_files[:n],
+                                        directory_files[:n])
 
-    async def _compare(self, job: Job, n: int, volumes: list[Path], baselines: list[Path]) -> None:
+    async def _compare(self, job: Job, n: int, volumes: list[Path], baselines: list[Path],
+                       directories: list[Path]) -> None:
         exports = [export_file(self.box.state_dir / "exports", vid) for vid in list(self.staged)[:n]]
         progress(f"{self.config.name}: {job.name} x{n}, {self.rounds} x {self.seconds:g} s each side")
         self.rows.append(scaling.Row("pod", job.name, n))
-        await scaling.compare(self.rows[-1], scaling.qsd_pids_of(self.box, self.shards), self.rounds,
-                              functools.partial(fio, job, *volumes, runtime=self.seconds, size=self.region),
+        self.resident[(job.name, n)] = await resident(self.images(list(self.staged)[:n]))
+
+        async def on_volumes() -> float:
+            if self.drop_caches:
+                await drop_page_cache()
+            return await fio(job, *volumes, runtime=self.seconds, size=self.region)
+
+        await scaling.compare(self.rows[-1], scaling.qsd_pids_of(self.box, self.shards), self.rounds, on_volumes,
                               functools.partial(fio, job, *baselines, runtime=self.seconds, size=self.region), exports)
+        self.directory[(job.name, n)] = [await fio(job, *directories, runtime=self.seconds, size=self.region)
+                                         for _ in range(self.rounds)]
+
+    def images(self, volume_ids: list[str]) -> list[Path]:
+        """The image files of `volume_ids` in the pool (each volume's newest file: its top image)."""
+        found = []
+        for vid in volume_ids:
+            own = sorted(self.pool.glob(f"*{vid.removeprefix('vol-')}*"), key=lambda p: p.stat().st_mtime)
+            found += own[-1:]
+        return found
 
     def render(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items()) or \
@@ -156,16 +191,46 @@ class Bench(ServedBench):
             vol, base = statistics.mean(row.volume), statistics.mean(row.baseline)
             spread = f"{min(row.volume) / 1000:.1f}-{max(row.volume) / 1000:.1f}k"
             volume_cost, baseline_cost = row.cpu_per_io()
+            plain = statistics.mean(self.directory.get((row.job, row.count)) or [0.0])
             rows.append([row.job, str(row.count), f"{vol / 1000:.1f}k", spread, f"{base / 1000:.1f}k",
-                         ratio(vol, base), f"{volume_cost:.1f} / {baseline_cost:.1f}",
+                         ratio(vol, base), f"{plain / 1000:.1f}k", ratio(vol, plain) if plain else "-",
+                         self.resident.get((row.job, row.count), "?"), f"{volume_cost:.1f} / {baseline_cost:.1f}",
                          f"{statistics.mean(row.volume_cores):.2f} / {statistics.mean(row.baseline_cores):.2f}",
                          row.in_flight, row.threads[-1] if row.threads else "-"])
         ones = {row.job: row for row in self.rows if row.count == 1}
         projected = scaling.projection([(row.job, ones[row.job], row.count) for row in self.rows
                                         if row.count > 1 and row.job in ones], self.shards)
-        headers = ["job", "N", "volumes", "spread", "baseline", "ratio", "CPU us/IO vol / base",
-                   "busy cores vol / base", "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)"]
+        headers = ["job", "N", "volumes", "spread", "baseline", "ratio", "plain dir", "ratio to dir", "images cached",
+                   "CPU us/IO vol / base", "busy cores vol / base", "FUSE in flight/vol",
+                   "QSD CPU per thread (volumes' last run)"]
         return "\n".join(part for part in (head, table(headers, rows), projected) if part)
+
+
+@contextlib.contextmanager
+def plain_directory(path: Path) -> Iterator[Path]:
+    """A directory on the pool's filesystem, what csi-driver-host-path gives a filesystem volume; removed on exit."""
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+async def resident(files: list[Path]) -> str:
+    """How much of `files` the host's page cache holds (fincore): a volume's reads there never reach the disk."""
+    if not files or missing("fincore"):
+        return "?"
+    held = total = 0
+    for path in files:
+        res, size = (await output("fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", str(path))).split()
+        held, total = held + int(res), total + int(size)
+    return f"{held / MIB:.0f}/{total / MIB:.0f} MiB"
+
+
+async def drop_page_cache() -> None:
+    """Write back and drop the host's clean page cache, so the next run starts cold."""
+    await asyncio.to_thread(os.sync)
+    await asyncio.to_thread(Path("/proc/sys/vm/drop_caches").write_text, "3\n")
 
 
 @contextlib.contextmanager
@@ -190,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB of the fio file in each filesystem (default 512)")
     parser.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (default 2)")
     parser.add_argument("--shards", type=int, default=1, help="the driver's --qsd-shards (default 1)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="drop the host's page cache before each run on the volumes (reads start cold)")
     parser.add_argument("--serve", action="append", default=[], metavar="ARG",
                         help="one more argument for `csi-qsd serve` (repeat it), e.g. --serve=--fuse-threads=main")
     args = parser.parse_args(argv)
@@ -206,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         with sandbox() as box, pool_for(box, config, max(args.counts)) as pool:
             bench = Bench(box, config, pool, args.counts, args.runtime, args.rounds, args.shards,
                           args.region_mib * MIB, tuple(args.serve))
+            bench.drop_caches = args.drop_caches
             status = run_to_end(bench.run(), bench.driver, what=f"pod_default {config.name}") or status
             print(bench.render() + "\n", flush=True)
     return status

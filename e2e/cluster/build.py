@@ -3,14 +3,15 @@
 Kubernetes, etcd and the CSI sidecars are built from their Go modules (the
 scripts beside this file), except node-driver-registrar and livenessprobe,
 whose release builds come from `../shared/bin` (`prebuilt`); each sidecar,
-pause and a busybox become `FROM scratch` images; the driver's image is built from this checkout's
-Dockerfile (`scripts/build-image.sh`), cached by a digest of the files that
-go into it. The cache lives in `$CSI_QSD_CACHE_DIR/cluster` (default
+pause and a busybox become `FROM scratch` images; the driver's image is
+built from this checkout's Dockerfile (`scripts/build-image.sh`), cached by
+a digest of the files that go into it. The cache lives in `$CSI_QSD_CACHE_DIR/cluster` (default
 `~/.cache/csi-qsd/cluster`), so a second run builds nothing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -231,12 +232,27 @@ def snapshot_controller_manifests() -> Path:
 
 
 def build_all(root: Path | None = None) -> Built:
-    """Build (or find in the cache) everything a cluster run needs."""
+    """Build (or find in the cache) everything a cluster run needs.
+
+    Under a lock on the cache: `scripts/test.sh` starts a build in the
+    background while the tests that mostly wait run, and the cluster tier's
+    own call then waits for it and finds everything built.
+    """
     root = root or cache_root()
     root.mkdir(parents=True, exist_ok=True)
+    with open(root / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_all(root)
+
+
+def _build_all(root: Path) -> Built:
     releases = prebuilt.releases()
     kubernetes = kubernetes_binaries(root)
     images = [*pause_images(root), busybox_image(root), kubectl_image(root, kubernetes), *sidecar_images(root),
               *prebuilt_images(root, releases), driver_images(root), qemu_image(root),
               *e2e_test_images(root, kubernetes), jessie_dnsutils_image(root)]
     return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests(), tuple(releases))
+
+
+if __name__ == "__main__":
+    print(build_all(), flush=True)
