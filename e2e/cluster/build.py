@@ -22,6 +22,7 @@ from pathlib import Path
 
 from e2e.cluster import prebuilt, versions
 from e2e.cluster.images import ImageFile, ScratchImage, write_oci_archive
+from e2e.helpers import shared_bin
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -186,16 +187,21 @@ def driver_images(root: Path) -> Path:
 QEMU_IMAGE = "localhost/csi-qsd-test/qemu:trixie"
 
 
-def _debian_image(root: Path, name: str, stem: str, recipe: str) -> Path:
+def _debian_image(root: Path, name: str, stem: str, recipe: str, files: tuple[Path, ...] = ()) -> Path:
     """An image built with podman from `recipe` (on the base image scripts/build-image.sh makes, which must
-    have run first), cached by the recipe."""
-    archive = root / "images" / f"{stem}-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.tar"
+    have run first) with `files` in its context, cached by the recipe and the files' bytes."""
+    key = hashlib.sha256(recipe.encode())
+    for source in files:
+        key.update(source.name.encode() + b"\0" + hashlib.sha256(source.read_bytes()).digest())
+    archive = root / "images" / f"{stem}-{key.hexdigest()[:16]}.tar"
     if archive.exists():
         return archive
     work = root / "images" / f"{stem}-build"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     (work / "Containerfile").write_text(recipe)
+    for source in files:
+        shutil.copy2(source, work / source.name)
     _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", name, str(work)])
     for stale in (root / "images").glob(f"{stem}-*.tar"):
         stale.unlink()
@@ -214,6 +220,25 @@ def qemu_image(root: Path) -> Path:
         "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
         "qemu-system-x86 socat && rm -rf /var/lib/apt/lists/*\n"
         'ENTRYPOINT ["qemu-system-x86_64"]\n'))
+
+
+HOSTPATH_IMAGE = "localhost/csi-qsd-test/hostpathplugin:v1.18.0"  # e2e/cluster/hostpath/node.yaml's
+
+
+def hostpath_image(root: Path) -> Path | None:
+    """csi-driver-host-path's release build from ../shared/bin on Debian (it runs mount, losetup and fallocate),
+    for side-by-side runs; None without the binary. Raises ValueError when its tag is not the image's."""
+    binary = shared_bin.find("hostpathplugin")
+    release = shared_bin.release("hostpathplugin")
+    if binary is None or release is None:
+        return None
+    prebuilt.check_tag(HOSTPATH_IMAGE, release[1], str(binary))
+    return _debian_image(root, HOSTPATH_IMAGE, "hostpathplugin", (
+        "FROM localhost/csi-qsd-base:trixie\n"
+        "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
+        "mount util-linux && rm -rf /var/lib/apt/lists/*\n"
+        "COPY hostpathplugin /hostpathplugin\n"
+        'ENTRYPOINT ["/hostpathplugin"]\n'), (binary,))
 
 
 def jessie_dnsutils_image(root: Path) -> Path:
@@ -251,6 +276,8 @@ def _build_all(root: Path) -> Built:
     images = [*pause_images(root), busybox_image(root), kubectl_image(root, kubernetes), *sidecar_images(root),
               *prebuilt_images(root, releases), driver_images(root), qemu_image(root),
               *e2e_test_images(root, kubernetes), jessie_dnsutils_image(root)]
+    hostpath = hostpath_image(root)
+    images += [hostpath] if hostpath else []
     return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests(), tuple(releases))
 
 
