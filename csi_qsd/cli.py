@@ -1,4 +1,4 @@
-"""`csi-qsd`: serve the driver, run QSD beside it, drive a served driver, or stand in for kubelet's sidecars.
+"""`csi-qsd`: serve the driver, run QSD beside it, or drive a served driver.
 
 The only place that reads flags and `CSI_QSD_*` environment variables; it
 builds a `Config` and hands it down.
@@ -36,8 +36,6 @@ from csi_qsd.config import (
 from csi_qsd.csi import present
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import DriverError, FailedPrecondition
-from csi_qsd.kubelet import flags as kubelet_flags
-from csi_qsd.kubelet import liveness, registrar
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import iothreads, shards
 from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
@@ -51,7 +49,6 @@ from csi_qsd.sys.signals import stop_event
 from csi_qsd.sys.tools import bundled
 
 ENV_PREFIX = "CSI_QSD_"
-LIVENESS_PORT = 9808  # the livenessprobe sidecar's default --health-port
 OUTPUTS = ("table", "json")
 
 
@@ -125,32 +122,6 @@ def _seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
-
-
-def _go_flag(parser: argparse.ArgumentParser, name: str, parse: Callable[[str], object], default: object,
-             help_text: str, metavar: str | None = None) -> None:
-    """A flag of an upstream Go sidecar: `-name` and `--name` alike, `=VALUE` or a separate VALUE, as Go parses."""
-
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parser.add_argument(f"-{name}", f"--{name}", type=convert, default=default, metavar=metavar, help=help_text)
-
-
-def _kubelet_helper(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
-                    help_text: str) -> argparse.ArgumentParser:
-    """A subcommand that stands in for an upstream sidecar: its flags, Go-style, and klog's --v."""
-    parser: argparse.ArgumentParser = sub.add_parser(
-        name, help=help_text, description=help_text + ". Flags are the upstream sidecar's, given as -flag or "
-        "--flag, with =VALUE or a separate VALUE; durations as in Go (3s, 1m30s).", allow_abbrev=False)
-    _go_flag(parser, "csi-address", kubelet_flags.csi_endpoint, "/run/csi/socket",
-             "the driver's CSI socket: a path or unix:///path (default /run/csi/socket)", "PATH")
-    _go_flag(parser, "v", kubelet_flags.verbosity, 0,
-             f"klog verbosity: {kubelet_flags.DEBUG_VERBOSITY} or more logs at debug, less at info", "N")
-    return parser
 
 
 def _device_pool(text: str) -> DevicePoolSpec:
@@ -337,33 +308,6 @@ def build_parser() -> argparse.ArgumentParser:
     _option(router, "--node-timeout", "5", "seconds a node may take to say whether it holds a snapshot",
             type=_seconds)
 
-    registration = _kubelet_helper(
-        sub, "kubelet-registrar", "register the driver with kubelet (drop-in for the CSI node-driver-registrar): "
-        "ask the driver its name, then serve kubelet's plugin registration API on "
-        "<plugin-registration-path>/<name>-reg.sock")
-    _go_flag(registration, "kubelet-registration-path", str, "",
-             "the driver's CSI socket as kubelet sees it, a host path (required)", "PATH")
-    _go_flag(registration, "plugin-registration-path", str, "/registration",
-             "kubelet's plugins_registry directory as mounted here (default /registration)", "DIR")
-    _go_flag(registration, "http-endpoint", kubelet_flags.http_endpoint, "",
-             "HOST:PORT or :PORT for GET /healthz: 200 while registered and the driver answers "
-             "GetPluginInfo (default: no HTTP server)", "ADDRESS")
-    _go_flag(registration, "health-port", kubelet_flags.port, None,
-             "deprecated upstream: /healthz on :PORT instead of --http-endpoint", "PORT")
-    _go_flag(registration, "timeout", kubelet_flags.timeout, 1.0,
-             "how long the driver may take to answer GetPluginInfo (default 1s)", "DURATION")
-
-    probe = _kubelet_helper(
-        sub, "liveness-probe", "serve GET /healthz for the driver's liveness probe (drop-in for the CSI "
-        "livenessprobe): 200 while the driver answers Probe ready, 500 with the reason otherwise")
-    _go_flag(probe, "http-endpoint", kubelet_flags.http_endpoint, "",
-             "HOST:PORT or :PORT for /healthz (default :<health-port>)", "ADDRESS")
-    _go_flag(probe, "health-port", kubelet_flags.port, None,
-             f"port for /healthz on all interfaces when --http-endpoint is not given (default "
-             f"{LIVENESS_PORT})", "PORT")
-    _go_flag(probe, "probe-timeout", kubelet_flags.timeout, 1.0,
-             "how long the driver may take to answer Probe (default 1s)", "DURATION")
-
     run = sub.add_parser("qsd-run", help="run qemu-storage-daemon in the foreground (its own container)")
     _common(run)
 
@@ -522,25 +466,6 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
                         node_timeout=float(args.node_timeout), log_level=args.log_level)
 
 
-def registrar_settings_from(args: argparse.Namespace) -> registrar.RegistrarSettings:
-    """Raises ValueError for a missing --kubelet-registration-path or both --http-endpoint and --health-port."""
-    if not args.kubelet_registration_path:
-        raise ValueError("--kubelet-registration-path is required")
-    return registrar.RegistrarSettings(
-        csi_endpoint=args.csi_address, kubelet_registration_path=args.kubelet_registration_path,
-        registration_dir=Path(args.plugin_registration_path),
-        health_address=kubelet_flags.health_address(args.http_endpoint, args.health_port), timeout=args.timeout)
-
-
-def liveness_settings_from(args: argparse.Namespace) -> liveness.LivenessSettings:
-    """Raises ValueError for both --http-endpoint and --health-port, or a port of 0."""
-    address = kubelet_flags.health_address(args.http_endpoint, args.health_port, LIVENESS_PORT)
-    if not address:
-        raise ValueError("--health-port 0 leaves no port for /healthz")
-    return liveness.LivenessSettings(csi_endpoint=args.csi_address, health_address=address,
-                                     probe_timeout=args.probe_timeout)
-
-
 def setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
@@ -573,13 +498,6 @@ def _say_qsd_keeps_running(config: Config) -> None:
           "pods and VMs keep their disks across driver restarts, and the next `csi-qsd serve` adopts it.\n"
           f"To stop it: csi-qsd qsd-stop --state-dir {shlex.quote(str(config.state_dir))}",
           file=sys.stderr, flush=True)
-
-
-async def _kubelet(args: argparse.Namespace) -> int:
-    stop = stop_event()
-    if args.command == "kubelet-registrar":
-        return await registrar.run(registrar_settings_from(args), stop)
-    return await liveness.run(liveness_settings_from(args), stop)
 
 
 async def _route(config: RouterConfig) -> None:
@@ -781,13 +699,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"csi-qsd snapshot-metadata-router: cannot start: {exc}", file=sys.stderr)
             return 1
         return 0
-    if args.command in ("kubelet-registrar", "liveness-probe"):
-        setup_logging(kubelet_flags.log_level(args.v))
-        try:
-            return asyncio.run(_kubelet(args))
-        except (DriverError, OSError, ValueError) as exc:
-            print(f"csi-qsd {args.command}: cannot start: {exc}", file=sys.stderr)
-            return 1
     config = config_from(args)
     setup_logging(config.log_level)
     if args.command == "qsd-run":

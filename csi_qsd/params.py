@@ -22,6 +22,7 @@ from typing import Any
 from csi_qsd.errors import InvalidArgument, OutOfRange
 from csi_qsd.qcow2.granularity import DEFAULT as DEFAULT_GRANULARITY
 from csi_qsd.qcow2.granularity import parse as parse_granularity
+from csi_qsd.sys.volume_keys import VolumeKey
 
 PROVISIONER_PREFIX = "csi.storage.k8s.io/"
 # The claim's namespace, which the external-provisioner adds with --extra-create-metadata.
@@ -97,6 +98,8 @@ class VolumeParameters:
     # serves one namespace's volumes from one shard, so a VolumeGroupSnapshot (namespaced) is cut in one
     # transaction. Not part of what makes two requests the same volume.
     namespace: str = dataclasses.field(default="", compare=False)
+    # Every image of the volume is a qcow2 with LUKS encryption (`encrypt.format=luks`), keyed by a Secret.
+    encrypted: bool = False
 
     def to_json(self) -> str:
         raw: dict[str, Any] = {}
@@ -138,6 +141,12 @@ def _integer(key: str, value: str, allowed: range | tuple[int, ...]) -> int:
     return number
 
 
+def _boolean(key: str, value: str) -> bool:
+    if value not in ("true", "false"):
+        raise InvalidArgument(f"parameter {key!r} is {value!r}; allowed: 'true', 'false'")
+    return value == "true"
+
+
 def pool_name(key: str, value: str) -> str:
     if not POOL_NAME_RE.match(value):
         raise InvalidArgument(
@@ -160,6 +169,7 @@ _PARSERS: dict[str, tuple[str, Any]] = {
     "vmmGroup": ("vmm_group", lambda k, v: str(_integer(k, v, range(1, MAX_GID + 1)))),
     "pool": ("pool", pool_name),
     "changedBlockGranularity": ("granularity", parse_granularity),
+    "encrypted": ("encrypted", _boolean),
 }
 
 VHOST_ONLY_KEYS = frozenset({"numQueues", "logicalBlockSize", "cache", "iothreadPollMaxNs", "vmmGroup"})
@@ -198,9 +208,35 @@ def parse_parameters(parameters: Mapping[str, str]) -> VolumeParameters:
             "parameter 'changedBlockGranularity' applies only to format 'qcow2': raw volumes (every volume of "
             "a device pool is one) have no snapshots to track changes between"
         )
+    if params.encrypted and (params.format is not ImageFormat.QCOW2 or params.pool != DEFAULT_POOL_NAME):
+        raise InvalidArgument("parameter 'encrypted' applies only to format 'qcow2' in the file pool "
+                              "(pool 'default'): QEMU encrypts qcow2 images with LUKS")
     if params.format is ImageFormat.RAW and params.preallocation is Preallocation.METADATA:
         raise InvalidArgument("parameter 'preallocation' 'metadata' applies only to format 'qcow2'")
     return params
+
+
+# ---------------------------------------------------------------- keys of encrypted volumes
+
+# The entry of the Secret that holds an encrypted volume's passphrase: what the sidecars pass in `secrets`.
+SECRET_KEY = "key"
+# Where each call's Secret is named, in the StorageClass (or VolumeSnapshotClass), for the errors.
+PROVISIONER_SECRET = PROVISIONER_PREFIX + "provisioner-secret-name"
+NODE_STAGE_SECRET = PROVISIONER_PREFIX + "node-stage-secret-name"
+SNAPSHOTTER_SECRET = PROVISIONER_PREFIX + "snapshotter-secret-name"
+
+
+def volume_key(secrets: Mapping[str, str], what: str, secret: str) -> VolumeKey:
+    """The passphrase of encrypted volume `what` from a request's CSI `secrets`; `secret` is the parameter that
+    names the Secret it comes from. Raises InvalidArgument (never showing a value) when it is missing or empty."""
+    text = secrets.get(SECRET_KEY, "")
+    if not text:
+        carried = ", ".join(repr(k) for k in sorted(secrets)) or "none"
+        raise InvalidArgument(
+            f"{what} is encrypted: its passphrase must come in entry {SECRET_KEY!r} of the Secret named by "
+            f"{secret!r}; the request carries {'an empty one' if SECRET_KEY in secrets else 'no such entry'} "
+            f"(entries: {carried})")
+    return VolumeKey(text)
 
 
 # ---------------------------------------------------------------- mutable parameters: QoS

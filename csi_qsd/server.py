@@ -51,10 +51,11 @@ from csi_qsd.qsd import features
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import Rebuild
 from csi_qsd.qsd.shards import QSDShards
-from csi_qsd.sys import mounts, runtime
+from csi_qsd.sys import mounts, runtime, volume_keys
 from csi_qsd.sys.failpoints import Failpoints
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.sys.tools import bundled
+from csi_qsd.sys.volume_keys import KeyStore
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,11 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         qsd = QSDShards(config, config.qsd_shards)
         await placed(catalog, qsd)
         await qsd.stop_beyond()
+        keys = KeyStore(config.runtime_dir / volume_keys.KEYS_DIR)
+        await asyncio.to_thread(keys.keep_only, {stage.volume_id for stage in await catalog.stages()})
         exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints,
-                                         before_open=LinkCheck(catalog)))
-        snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
+                                         before_open=LinkCheck(catalog), keys=keys))
+        snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints, keys=keys)
         node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         healer = pod_healer(config)
         if healer is not None:  # before QSD starts: its first rebuild may cut pods off already

@@ -1,9 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate the gRPC bindings in csi_qsd/csi_pb/ from proto/*.proto.
-
-Two protocols: CSI (proto/csi.proto, what the driver serves) and kubelet's
-plugin registration (proto/pluginregistration.proto, what `csi-qsd
-kubelet-registrar` serves to kubelet).
+"""Regenerate the gRPC bindings in csi_qsd/csi_pb/ from proto/csi.proto (CSI, what the driver serves).
 
 Why this script exists: the generated modules are committed, so that the
 driver installs and imports with nothing but the grpcio/protobuf runtimes
@@ -32,7 +28,7 @@ from grpc_tools import protoc
 
 REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 PROTO_DIR: Path = REPO_ROOT / "proto"
-PROTO_FILES: tuple[str, ...] = ("csi.proto", "pluginregistration.proto")
+PROTO_FILES: tuple[str, ...] = ("csi.proto",)
 DEFAULT_OUT_DIR: Path = REPO_ROOT / "csi_qsd" / "csi_pb"
 
 

@@ -29,6 +29,7 @@ from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
 from csi_qsd.sys.failpoints import Failpoints
 from csi_qsd.sys.filesystems import MINIMUM_BYTES
 from csi_qsd.sys.locks import KeyedLocks
+from csi_qsd.sys.volume_keys import VolumeKey
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Volumes:
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
         *, base: Path | None = None, base_size: int = 0, source: str = "",
-        make_base: Callable[[], Awaitable[Path]] | None = None, qos: QoS = QoS(),
+        make_base: Callable[[], Awaitable[Path]] | None = None, qos: QoS = QoS(), key: VolumeKey | None = None,
     ) -> VolumeRecord:
         """Create (or return the existing identical) volume called `name`.
 
@@ -90,7 +91,8 @@ class Volumes:
         clone, O(1)) of at least `base_size` bytes; `source` says where it
         came from. `make_base` produces the base only after every check has
         passed (a clone cuts its source then). `qos` are the I/O limits from
-        the request's mutable parameters. Raises InvalidArgument,
+        the request's mutable parameters; `key` the passphrase of an encrypted
+        volume (`params.encrypted`), which every image of it is made with. Raises InvalidArgument,
         OutOfRange, AlreadyExists, ResourceExhausted, Aborted.
         """
         for cap in caps:
@@ -99,6 +101,9 @@ class Volumes:
                 raise InvalidArgument(reason)
         pool = self.pool_for(params.pool)
         pool.check_parameters(params)
+        if params.encrypted and key is None:
+            raise InvalidArgument(f"volume {name!r} is encrypted: its passphrase must come with the request")
+        key = key if params.encrypted else None
         async with self.name_locks.hold(name):
             existing = await self._catalog.volume_by_name(name)
             if existing is not None:
@@ -132,9 +137,9 @@ class Volumes:
                 self._failpoints.hit("create.after_intent")
                 try:
                     if base is not None:
-                        await pool.create_overlay(record.image, base, size, params.granularity)
+                        await pool.create_overlay(record.image, base, size, params.granularity, key=key)
                     else:
-                        await self._with_room(pool, lambda: pool.create(record.image, size, params))
+                        await self._with_room(pool, lambda: pool.create(record.image, size, params, key=key))
                 except ResourceExhausted as exc:
                     await self._discard(record)
                     raise ResourceExhausted(f"cannot create volume {name!r} of {size} bytes: {exc}") from exc

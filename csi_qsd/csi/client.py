@@ -53,7 +53,7 @@ class CSIClient:
 
     async def create_volume(self, name: str, size: int, parameters: dict[str, str] | None = None,
                             *, block: bool = False, fs_type: str = "", from_snapshot: str = "",
-                            from_volume: str = "") -> pb.Volume:
+                            from_volume: str = "", secrets: dict[str, str] | None = None) -> pb.Volume:
         source = None
         if from_snapshot:
             source = pb.VolumeContentSource(snapshot=pb.VolumeContentSource.SnapshotSource(snapshot_id=from_snapshot))
@@ -63,7 +63,7 @@ class CSIClient:
             pb.CreateVolumeRequest(
                 name=name, capacity_range=pb.CapacityRange(required_bytes=size),
                 volume_capabilities=[capability(block=block, fs_type=fs_type)],
-                parameters=parameters or {}, volume_content_source=source,
+                parameters=parameters or {}, volume_content_source=source, secrets=secrets or {},
             ),
             timeout=self.timeout,
         )
@@ -72,9 +72,9 @@ class CSIClient:
     async def delete_volume(self, volume_id: str) -> None:
         await self.controller.DeleteVolume(pb.DeleteVolumeRequest(volume_id=volume_id), timeout=self.timeout)
 
-    async def create_snapshot(self, name: str, volume_id: str) -> pb.Snapshot:
+    async def create_snapshot(self, name: str, volume_id: str, secrets: dict[str, str] | None = None) -> pb.Snapshot:
         response: Any = await self.controller.CreateSnapshot(
-            pb.CreateSnapshotRequest(name=name, source_volume_id=volume_id), timeout=self.timeout
+            pb.CreateSnapshotRequest(name=name, source_volume_id=volume_id, secrets=secrets or {}), timeout=self.timeout
         )
         return response.snapshot  # type: ignore[no-any-return]
 
@@ -118,11 +118,12 @@ class CSIClient:
                 return entries
 
     async def stage(self, volume_id: str, staging_path: str, *, block: bool = False, fs_type: str = "",
-                    mount_group: str = "") -> None:
+                    mount_group: str = "", secrets: dict[str, str] | None = None) -> None:
         await self.node.NodeStageVolume(
             pb.NodeStageVolumeRequest(
                 volume_id=volume_id, staging_target_path=staging_path,
                 volume_capability=capability(block=block, fs_type=fs_type, mount_group=mount_group),
+                secrets=secrets or {},
             ),
             timeout=self.timeout,
         )

@@ -27,7 +27,17 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from csi_qsd.node.copy_streams import CopyStreams
-from csi_qsd.params import MIB, PROVISIONER_PREFIX, parse_mutable_parameters, parse_parameters, unsupported_capability
+from csi_qsd.params import (
+    MIB,
+    PROVISIONER_PREFIX,
+    PROVISIONER_SECRET,
+    SECRET_KEY,
+    parse_mutable_parameters,
+    parse_parameters,
+    unsupported_capability,
+    volume_key,
+)
+from csi_qsd.sys.volume_keys import VolumeKey
 
 _RPC = pb.ControllerServiceCapability.RPC.Type
 CAPABILITIES = (
@@ -51,6 +61,11 @@ def check_snapshot_parameters(parameters: dict[str, str]) -> None:
     unknown = sorted(k for k in parameters if not k.startswith(PROVISIONER_PREFIX))
     if unknown:
         raise InvalidArgument(f"unknown snapshot parameter {unknown[0]!r}: snapshots take no parameters")
+
+
+def _local_only(encrypted: bool, source: str) -> None:
+    if encrypted:
+        raise InvalidArgument(f"{source} is on another node: encrypted volumes are not copied across nodes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,24 +142,27 @@ class ControllerService(pb_grpc.ControllerServicer):
                     f"volume {name!r} cannot be placed: requisite topology excludes node {self._config.node_id!r}"
                 )
         required, limit = request.capacity_range.required_bytes, request.capacity_range.limit_bytes
+        key = volume_key(dict(request.secrets), f"volume {name!r}", PROVISIONER_SECRET) if params.encrypted else None
         if source is None:
-            record = await self._volumes.create(name, required, limit, params, caps, qos=qos)
+            record = await self._volumes.create(name, required, limit, params, caps, qos=qos, key=key)
         elif source.WhichOneof("type") == "snapshot":
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
             if self._copies is not None and self._config.copies_with_peers and await self._snapshots.get(snapshot_id) is None:
+                _local_only(params.encrypted, f"snapshot {snapshot_id}")
                 record = await self._copies.remote.create(
                     name, required, limit, params, caps, source=f"snapshot:{snapshot_id}", qos=qos)
             else:
                 record = await self._snapshots.volume_from(
-                    name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos)
+                    name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos, key=key)
         else:
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
             if self._copies is not None and self._config.copies_with_peers and await self._volumes.get(volume_id) is None:
+                _local_only(params.encrypted, f"volume {volume_id}")
                 record = await self._copies.remote.create(
                     name, required, limit, params, caps, source=f"volume:{volume_id}", qos=qos)
             else:
                 record = await self._snapshots.volume_from(
-                    name, required, limit, params, caps, volume_id=volume_id, qos=qos)
+                    name, required, limit, params, caps, volume_id=volume_id, qos=qos, key=key)
         return pb.CreateVolumeResponse(volume=self._volume_message(record))
 
     @rpc
@@ -293,7 +311,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         name = validate.name(request.name)
         check_snapshot_parameters(dict(request.parameters))
         source = validate.volume_id(request.source_volume_id, "source_volume_id")
-        record = await self._snapshots.create(name, source)
+        given = request.secrets.get(SECRET_KEY, "")
+        record = await self._snapshots.create(name, source, VolumeKey(given) if given else None)
         return pb.CreateSnapshotResponse(snapshot=snapshot_message(record))
 
     @rpc

@@ -1,1 +1,1 @@
-"""Generated protobuf and gRPC bindings (see scripts/gen_proto.py): CSI v1.12, and kubelet's plugin registration."""
+"""Generated protobuf and gRPC bindings of CSI v1.12 (see scripts/gen_proto.py)."""

@@ -30,6 +30,7 @@ from csi_qsd.qsd.daemon import QSDDaemon
 from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
 from csi_qsd.sys.failpoints import Failpoints
+from csi_qsd.sys.volume_keys import KeyStore
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class ExportHost:
     # Asked before QSD opens a volume's chain from disk (`attach.TopImage.before_open`): refuses to open one
     # that reads through another node that does not answer, which would hold QSD's monitor.
     before_open: Callable[[VolumeRecord], Awaitable[None]] | None = None
+    # The keys of the encrypted volumes staged here (`csi_qsd.sys.volume_keys`), for every open of their layers.
+    keys: KeyStore = dataclasses.field(default_factory=lambda: KeyStore(None))
 
     def daemon_of(self, volume_id: str) -> QSDDaemon:
         """The QSD (shard) serving the volume."""
@@ -79,7 +82,9 @@ class ExportHost:
         """What QSD must have open as the volume's top node, in the terms of the volume's pool."""
         storage = self.pools[volume.pool].storage(volume.image)
         check = functools.partial(self.before_open, volume) if self.before_open is not None else None
-        return attach.TopImage(volume.id, volume.generation, storage, volume.params, volume.qos, before_open=check)
+        key = self.keys.get(volume.id) if volume.params.encrypted else None
+        return attach.TopImage(volume.id, volume.generation, storage, volume.params, volume.qos, before_open=check,
+                               key=key)
 
 
 class ExportPath(abc.ABC):

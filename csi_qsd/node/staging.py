@@ -37,6 +37,7 @@ from csi_qsd.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    PermissionDenied,
     Unavailable,
 )
 from csi_qsd.exports.base import ExportPath, VolumeStats
@@ -44,13 +45,15 @@ from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import moves, placement
 from csi_qsd.node.cut_off import CutOffTargets
 from csi_qsd.node.rebuild import Backoff, GraphRebuild
-from csi_qsd.params import choose_size
+from csi_qsd.params import NODE_STAGE_SECRET, SECRET_KEY, choose_size
 from csi_qsd.pools.base import Pool, settle_image
+from csi_qsd.qsd import attach
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import Rebuild
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
 from csi_qsd.sys.failpoints import Failpoints
 from csi_qsd.sys.locks import KeyedLocks
+from csi_qsd.sys.volume_keys import VolumeKey
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class StageSpec:
     fs_type: str
     mount_flags: tuple[str, ...]
     mount_group: str = ""
+    key: VolumeKey | None = dataclasses.field(default=None, repr=False)  # an encrypted volume's passphrase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,7 @@ class NodeVolumes:
             if existing is not None and existing.state is StageState.STAGED:
                 _check_restage(spec, existing, access, fs_type)
                 client = self._client(existing)
+                await self._hold_key(volume, spec.key, client, staged=True)
                 brought = await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id), client)
                 if brought != existing:  # a lost export came back on a new loop device: unstage must find it
                     await self._catalog.put_stage(brought)
@@ -122,12 +127,14 @@ class NodeVolumes:
                 shard=await placement.shard_for(self._catalog, volume, self._qsd.count),
             )
             client = self._client(record)
+            await self._hold_key(volume, spec.key, client, staged=False)
             await self._catalog.put_stage(record, durable=False)
             self._failpoints.hit("stage.after_intent")
             try:
                 record = await kind.bring_up(volume, record, [], client)
             except BaseException:
                 await self._undo_stage(kind, volume, record)
+                self._exports.host.keys.forget(volume.id)
                 raise
             # Not waited onto the disk: a power loss takes the mounts, loop devices and QSD the row
             # describes with it, and kubelet stages again after the reboot. A crash keeps the row.
@@ -151,6 +158,7 @@ class NodeVolumes:
             await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING), durable=False)
             self._failpoints.hit("unstage.after_intent")
             await self._exports.of(volume).tear_down(volume, record, client, thorough=False)
+            self._exports.host.keys.forget(volume_id)
             await self._catalog.delete_stage(volume_id)
             self._qsd.forget(volume_id)
             self._rebuild.forget(volume_id)
@@ -200,6 +208,29 @@ class NodeVolumes:
             # Not waited onto the disk, as a stage's row (a power loss takes the bind mount with it).
             await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.PUBLISHED), durable=False)
             log.info("event=published volume_id=%s target=%s readonly=%s", volume.id, spec.target_path, spec.readonly)
+
+    async def _hold_key(self, volume: VolumeRecord, key: VolumeKey | None, client: QSDClient, *, staged: bool) -> None:
+        """Keep an encrypted volume's key for every later open of its layers, once it is known to open them.
+
+        A staged volume's key must be the one it was opened with. Raises
+        InvalidArgument (no key), PermissionDenied (a key that does not open
+        the volume, or another than the one it is open with); nothing changes.
+        """
+        if not volume.params.encrypted:
+            return
+        if key is None:
+            raise InvalidArgument(f"volume {volume.id} is encrypted: stage it with the Secret named by "
+                                  f"{NODE_STAGE_SECRET!r}, entry {SECRET_KEY!r}")
+        keys = self._exports.host.keys
+        held = await asyncio.to_thread(keys.get, volume.id)
+        if staged and held is not None:
+            if held != key:
+                raise PermissionDenied(
+                    f"the passphrase in entry {SECRET_KEY!r} of the Secret named by {NODE_STAGE_SECRET!r} is not the "
+                    f"one volume {volume.id} is staged with")
+            return
+        await attach.check_key(client, dataclasses.replace(self._exports.host.top_image(volume), key=key))
+        await asyncio.to_thread(keys.put, volume.id, key)
 
     async def unpublish(self, volume_id: str, target_path: Path) -> None:
         """Raises NotFound for an unknown volume; an unpublished target is success."""

@@ -24,6 +24,7 @@ from csi_qsd.errors import FailedPrecondition
 from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import Storage
+from csi_qsd.sys.volume_keys import VolumeKey
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ class Pool(abc.ABC):
         """The storage reference of a volume's image of `generation` (0: as created, later: overlays)."""
 
     @abc.abstractmethod
-    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
+    async def create(self, image: Path, size: int, params: VolumeParameters, *, key: VolumeKey | None = None) -> None:
         """Raises ResourceExhausted when the pool cannot hold `size` bytes."""
 
     def settles_later(self, params: VolumeParameters) -> bool:
@@ -138,13 +139,19 @@ class Pool(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
+    async def create_overlay(
+        self, image: Path, backing: Path, size: int, granularity: int, *, key: VolumeKey | None = None,
+    ) -> None:
         """A thin qcow2 over `backing`, O(1): snapshots, restores and clones.
 
         `granularity` is the volume's changed-block granularity: the overlay
         allocates in units of it (`csi_qsd.qcow2.granularity`), as every image of
         the volume's chain does.
         """
+
+    async def opens_with(self, image: Path, key: VolumeKey) -> bool:
+        """Whether `key` unlocks the encrypted image `image` (only a file pool holds encrypted images)."""
+        return False
 
     @abc.abstractmethod
     async def backing_of(self, image: Path) -> str: ...

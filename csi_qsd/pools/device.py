@@ -73,6 +73,7 @@ from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice, WholeDevice
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
 from csi_qsd.sys.failpoints import Failpoints
 from csi_qsd.sys.run import run
+from csi_qsd.sys.volume_keys import VolumeKey
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,7 @@ class DevicePool(Pool):
             raise InvalidArgument(f"pool {self.id!r} is a device pool: extents are always fully allocated, "
                                   "leave 'preallocation' unset")
 
-    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
+    async def create(self, image: Path, size: int, params: VolumeParameters, *, key: VolumeKey | None = None) -> None:
         volume_id = self._volume_of(image)
         record = await self._catalog.take_extent(self.id, volume_id, self._best_fit(size))
         if record is None:
@@ -417,7 +418,9 @@ class DevicePool(Pool):
                 moves[row.volume_id] = moves.get(row.volume_id, False) or row.state is ExtentState.RETIRING
         return moves
 
-    async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
+    async def create_overlay(
+        self, image: Path, backing: Path, size: int, granularity: int, *, key: VolumeKey | None = None,
+    ) -> None:
         raise FailedPrecondition(f"device pool {self.id} holds raw extents: no snapshots, restores or clones")
 
     async def backing_of(self, image: Path) -> str:

@@ -26,6 +26,7 @@ from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys import durable
 from csi_qsd.sys.durable import fsync_path
 from csi_qsd.sys.run import run
+from csi_qsd.sys.volume_keys import VolumeKey
 
 __all__ = ["FilePool", "PoolUsage"]
 
@@ -33,6 +34,10 @@ TMP_SUFFIX = durable.TMP_SUFFIX
 CHECK_TIMEOUT = 60.0
 CHECK_CACHE_MAX = 4096
 CHECKS_AT_ONCE = 2
+# PBKDF2 time QEMU spends per keyslot when it opens an encrypted layer, in QSD's main loop (its default is
+# 2000 ms, per layer of a chain, stalling every export of that QSD): a passphrase from a Secret should be random,
+# which no iteration count makes stronger or weaker. Creating an image costs QEMU's benchmark of PBKDF2 (~1 s) more.
+LUKS_ITER_TIME_MS = 100
 # qemu-img check's exit codes: 2 corruptions, 3 leaked clusters only (harmless), 63 format without checks (raw).
 _CHECK_CORRUPT = 2
 _CHECK_FINE = (0, 3, 63)
@@ -75,9 +80,13 @@ class FilePool(Pool):
         """
         return await asyncio.to_thread(_allocated_blocks, images)
 
-    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
-        """Create `image` of `size` bytes; RESOURCE_EXHAUSTED if the pool cannot hold it."""
+    async def create(self, image: Path, size: int, params: VolumeParameters, *, key: VolumeKey | None = None) -> None:
+        """Create `image` of `size` bytes (LUKS-encrypted with `key`); RESOURCE_EXHAUSTED if the pool cannot hold it."""
         await self.check_room(size)
+        if key is not None:
+            await self._create_encrypted(image, size, params.granularity, key,
+                                         preallocation=params.preallocation.value)
+            return
         if params.preallocation is Preallocation.OFF:
             await asyncio.to_thread(durable.create, image, _blank(size, params))
             return
@@ -96,8 +105,33 @@ class FilePool(Pool):
             tmp.unlink(missing_ok=True)
 
     def settles_later(self, params: VolumeParameters) -> bool:
-        """An image made in-process (not preallocated): a few KiB that `settle` writes in a batch."""
-        return params.preallocation is Preallocation.OFF
+        """An image made in-process (not preallocated, not encrypted): a few KiB that `settle` writes in a batch."""
+        return params.preallocation is Preallocation.OFF and not params.encrypted
+
+    async def _create_encrypted(
+        self, image: Path, size: int, granularity: int, key: VolumeKey, *, preallocation: str = "off",
+        backing: Path | None = None,
+    ) -> None:
+        """A qcow2 `image` with a LUKS header of its own, opened by `key` (over `backing`, unopened: O(1) in data).
+
+        qemu-img reads the key from its stdin (a pipe), never from argv or a
+        file. No changed-block record is added: qemu-img would need the key
+        again, and a layer without one counts as changed throughout
+        (`csi_qsd.qcow2.layer_bitmaps`), so changed blocks stay a superset.
+        """
+        tmp = image.with_name(image.name + TMP_SUFFIX)
+        tmp.unlink(missing_ok=True)
+        options = ["encrypt.format=luks", "encrypt.key-secret=key", f"encrypt.iter-time={LUKS_ITER_TIME_MS}",
+                   f"preallocation={preallocation}", "lazy_refcounts=off", *qcow2_options(granularity)]
+        argv = [self._qemu_img, "create", "-q", "-f", "qcow2", "--object", "secret,id=key,file=/dev/stdin,format=base64",
+                "-o", ",".join(options)]
+        if backing is not None:
+            argv += ["-u", "-b", backing.name, "-F", "qcow2"]
+        try:
+            await run(*argv, str(tmp), str(size), timeout=3600, stdin=key.base64().encode())
+            await asyncio.to_thread(durable.replace, tmp, image)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     async def check_room(self, size: int) -> None:
         available = self.usage().available
@@ -132,17 +166,36 @@ class FilePool(Pool):
                 raise
         return settled
 
-    async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
+    async def create_overlay(
+        self, image: Path, backing: Path, size: int, granularity: int, *, key: VolumeKey | None = None,
+    ) -> None:
         """Create a thin qcow2 `image` over `backing` (same directory, named relatively): O(1).
 
         It allocates in units of `granularity` whatever `backing` does: what
         a delta reports is what the overlay holds. The backing is named
-        relatively and not opened (the size is given), so it costs no process.
+        relatively and not opened (the size is given), so it costs no process;
+        an encrypted one (`key`) costs a qemu-img that writes its LUKS header.
         """
+        if key is not None:
+            await self._create_encrypted(image, size, granularity, key, backing=backing)
+            return
         backing_format = "qcow2" if backing.suffix == ".qcow2" else "raw"
         pieces = blank.image_bytes(
             size, granularity, layer_bitmaps.OWN, backing=backing.name, backing_format=backing_format)
         await asyncio.to_thread(durable.create, image, lambda fd: blank.write(fd, pieces))
+
+    async def opens_with(self, image: Path, key: VolumeKey) -> bool:
+        """Whether `key` unlocks `image`'s LUKS header: `qemu-img check` of the image alone, which opens it for I/O.
+
+        Without its backing (each layer has a header of its own) and sharing
+        it (QSD may hold it), so a chain in use is checked too. qemu-img's
+        exit code 1 is an open it refused (0, 2 and 3 report on an image it opened).
+        """
+        spec = {"driver": "qcow2", "encrypt.key-secret": "key", "backing": None,
+                "file": {"driver": "file", "filename": str(image)}}
+        code, _ = await run(self._qemu_img, "check", "-q", "-U", "--object", "secret,id=key,file=/dev/stdin,format=base64",
+                            "json:" + json.dumps(spec), timeout=CHECK_TIMEOUT, check=False, stdin=key.base64().encode())
+        return code != 1
 
     async def backing_of(self, image: Path) -> str:
         """The absolute backing file an image's header names, or ''."""

@@ -19,6 +19,7 @@ STRUCT = struct.Struct(">4sIQIIQIIQQIIQQQQII")  # the fields of version 3, in fi
 V2_LENGTH = 72  # a version 2 header ends after the snapshots' offset: no feature bits, refcount order 4
 INCOMPAT_COMPRESSION_TYPE = 1 << 3
 INCOMPAT_EXTENDED_L2 = 1 << 4
+CRYPT_LUKS = 2  # crypt_method of an image encrypted with LUKS (1 is the old AES, which QEMU no longer opens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,16 +15,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.errors import OutOfRange, QSDError
-from csi_qsd.params import QoS, VolumeParameters
-from csi_qsd.qcow2 import layer_bitmaps
-from csi_qsd.qsd import features, graph, vhost_greeting
+from csi_qsd.errors import FailedPrecondition, OutOfRange, PermissionDenied, QSDError
+from csi_qsd.params import NODE_STAGE_SECRET, SECRET_KEY, QoS, VolumeParameters
+from csi_qsd.qcow2 import header, layer_bitmaps
+from csi_qsd.qsd import encryption, features, graph, vhost_greeting
 from csi_qsd.qsd.client import JOB_BY_HAND, BlockNodeInfo, QSDClient, node_info
 from csi_qsd.qsd.iothreads import IOThreadPool
-from csi_qsd.qsd.storage import Storage
+from csi_qsd.qsd.storage import ImageFile, Storage
+from csi_qsd.sys.volume_keys import VolumeKey
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,49 @@ class TopImage:
     # Awaited before QSD opens the image with its backing chain from disk; raises if that open could hold
     # QSD's monitor (a chain that reads through another node that does not answer: `csi_qsd.controller.copy_leases`).
     before_open: Callable[[], Awaitable[None]] | None = dataclasses.field(default=None, compare=False)
+    # An encrypted volume's passphrase, if this node holds it: QSD gets it only while it opens layers.
+    key: VolumeKey | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def nodes(self) -> graph.VolumeNodes:
         return graph.nodes_for(self.volume_id, self.generation)
+
+    def format_blockdev(self, *, read_only: bool, chain: bool = True) -> graph.QMPArgs:
+        """The top's format node; an encrypted one keyed, with every layer below it keyed too (`chain`)."""
+        spec = graph.format_blockdev(self.nodes, self.params, read_only=read_only)
+        return self._keyed(spec, chain=chain)
+
+    def overlay_blockdev(self) -> graph.QMPArgs:
+        """A new top's format node opened without its backing (blockdev-snapshot attaches it); keyed if encrypted."""
+        return self._keyed(graph.overlay_blockdev(self.nodes, self.params), chain=False)
+
+    def _keyed(self, spec: graph.QMPArgs, *, chain: bool) -> graph.QMPArgs:
+        if not self.params.encrypted:
+            return spec
+        image = self.image_file()
+        below = encryption.chain_below(image.path) if chain else None
+        return encryption.keyed(spec, self.nodes.secret, below, self.params, image.aio)
+
+    def image_file(self) -> ImageFile:
+        if not isinstance(self.storage, ImageFile):
+            raise FailedPrecondition(f"volume {self.volume_id} is encrypted: only image files are")
+        return self.storage
+
+    @contextlib.asynccontextmanager
+    async def key_loaded(self, client: QSDClient) -> AsyncIterator[None]:
+        """The volume's secret in QSD while the body opens its layers (nothing for a plain volume).
+
+        Raises FailedPrecondition for an encrypted volume whose key this node does not hold.
+        """
+        if not self.params.encrypted:
+            yield
+            return
+        if self.key is None:
+            raise FailedPrecondition(
+                f"volume {self.volume_id} is encrypted and this node holds no key for it: stage it again with "
+                f"the Secret named by {NODE_STAGE_SECRET!r}")
+        async with encryption.loaded(client, self.nodes.secret, self.key):
+            yield
 
 
 async def ensure_top(
@@ -78,7 +118,7 @@ async def _open_fresh(client: QSDClient, top: TopImage, read_only: bool, export:
     refused alone leaves the nodes, as a separate export-add would.
     """
     nodes = top.nodes
-    image_format = graph.format_blockdev(nodes, top.params, read_only=read_only)
+    image_format = top.format_blockdev(read_only=read_only)
     inline = top.storage.inline_child(top.params, read_only=read_only)
     steps: list[tuple[str, graph.QMPArgs, tuple[str, graph.QMPArgs]]] = [
         ("object-add", graph.throttle_group_object(nodes, top.qos), ("object-del", {"id": nodes.throttle_group})),
@@ -94,7 +134,8 @@ async def _open_fresh(client: QSDClient, top: TopImage, read_only: bool, export:
         ("blockdev-add", graph.throttle_blockdev(nodes), ("blockdev-del", {"node-name": nodes.throttle})),
     ]
     commands = [(command, args) for command, args, _ in steps]
-    answers = await client.execute_in_turn(commands + ([("block-export-add", export)] if export else []))
+    async with top.key_loaded(client):
+        answers = await client.execute_in_turn(commands + ([("block-export-add", export)] if export else []))
     refused = [answer for answer in answers[:len(steps)] if isinstance(answer, QSDError)]
     if refused:
         for (_command, _args, undo), answer in reversed(list(zip(steps, answers))):
@@ -116,7 +157,8 @@ async def _ensure_format(client: QSDClient, top: TopImage, present: set[str], re
     if nodes.file not in present:
         await client.blockdev_add(top.storage.protocol_blockdev(nodes, top.params, read_only=read_only))
     try:
-        await client.blockdev_add(graph.format_blockdev(nodes, top.params, read_only=read_only))
+        async with top.key_loaded(client):
+            await client.blockdev_add(top.format_blockdev(read_only=read_only))
     except Exception:
         if nodes.file not in present:
             await client.blockdev_del(nodes.file)
@@ -167,7 +209,8 @@ async def switch_tops(client: QSDClient, switches: list[tuple[int, TopImage]]) -
             nodes = top.nodes
             await client.blockdev_add(top.storage.protocol_blockdev(nodes, top.params, read_only=False))
             added.append(nodes.file)
-            await client.blockdev_add(graph.overlay_blockdev(nodes, top.params))
+            async with top.key_loaded(client):
+                await client.blockdev_add(top.overlay_blockdev())
             added.append(nodes.format)
         actions = [
             {"type": "blockdev-snapshot",
@@ -254,6 +297,38 @@ async def _fit_size_guard(client: QSDClient, top: TopImage) -> None:
     """Set the size guard to the throttle filter's length: the volume's size, fixed again."""
     size = (await client.named_nodes())[top.nodes.throttle]["virtual_size"]
     await client.execute("blockdev-reopen", {"options": [graph.size_guard_blockdev(top.nodes, size)]})
+
+
+async def check_key(client: QSDClient, top: TopImage) -> None:
+    """Refuse a key that does not open an encrypted volume's top image, before anything of the volume opens.
+
+    The top layer alone is opened read-only, unlocked (QSD may hold it
+    already) and closed again: a refusal of an image whose header says
+    LUKS is the key's (PermissionDenied, QEMU's reason with it). A plain
+    volume passes. Raises FailedPrecondition for an image not encrypted.
+    """
+    if not top.params.encrypted:
+        return
+    image = top.image_file()
+    head = header.read_file(image.path)
+    if head is None or head.crypt_method != header.CRYPT_LUKS:
+        raise FailedPrecondition(f"volume {top.volume_id} is encrypted, but its image {image.path} has no LUKS header")
+    probe = top.nodes.secret + "p"
+    spec: graph.QMPArgs = {
+        "driver": "qcow2", "node-name": probe, "read-only": True, "backing": None,
+        "file": {"driver": "file", "filename": str(image.path), "read-only": True, "locking": "off"},
+        **encryption.layer_options(top.nodes.secret),
+    }
+    async with top.key_loaded(client):
+        try:
+            await client.blockdev_add(spec)
+        except QSDError as exc:
+            if exc.error_class != "GenericError":
+                raise
+            raise PermissionDenied(
+                f"the passphrase in entry {SECRET_KEY!r} of the Secret named by {NODE_STAGE_SECRET!r} does not open "
+                f"encrypted volume {top.volume_id} ({exc})") from exc
+        await client.blockdev_del(probe)
 
 
 async def has_export(client: QSDClient, export_id: str) -> bool:

@@ -8,8 +8,11 @@ Two things decide how many of them QSD sees at once and what each costs:
   FUSE server asked for FUSE_ASYNC_DIO in its FUSE_INIT reply. Otherwise the
   loop device's worker waits for each in turn: one request in flight however
   deep the pod's queue. QSD 10.0's export (libfuse) asks for it; QEMU 11's
-  rewritten export (11.1.3) does not (measured: fusectl's `waiting` never
-  above 1, `e2e.bench.scaling`), which cancels what its iothread queues add.
+  rewritten export (11.1.3) asks for it only when the export is `growable`
+  (measured: fusectl's `waiting` never above 1 on a plain export, the whole
+  queue on a growable one). So the probe tries the plain export, and the
+  growable one where the plain one lacks it, and the driver adds growable
+  exports (`FusePaths.growable`) on a size guard (`graph.fuse_export`).
 * **FUSE over io_uring.** Linux 6.14+ (`enable_uring`, off by default) lets a
   server take requests from and answer them on io_uring queues, one per CPU,
   instead of a read and a write on /dev/fuse per request. QEMU's FUSE export
@@ -20,8 +23,8 @@ Both are asked of QSD, never assumed from a version: the option from QSD's
 own QMP schema (`query-qmp-schema`), FUSE_ASYNC_DIO from what the kernel
 does (`async_dio`): a direct-I/O loop device over a probe export whose reads
 take `PROBE_LATENCY_NS` each, read by several threads at once, shows more
-than one request waiting only if the server asked for it. The day the
-bundled QSD offers either, the driver takes it up (`FusePaths`) and logs so.
+than one request waiting only if the server asked for it. The driver takes
+up what QSD offers (`FusePaths`) and logs so (`event=fuse_paths`).
 """
 
 from __future__ import annotations

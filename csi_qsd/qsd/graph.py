@@ -39,6 +39,7 @@ class VolumeNodes:
     size_guard: str  # a fixed-size raw node over the throttle filter: what a growable FUSE export stands on
     throttle_group: str  # the object holding the volume's limits
     move_job: str  # the block job that moves the volume to a new home (`csi_qsd.qsd.move`)
+    secret: str  # an encrypted volume's key, only while QSD opens its layers (`csi_qsd.qsd.encryption`)
 
 
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -69,6 +70,7 @@ def nodes_for(volume_id: str, generation: int = 0) -> VolumeNodes:
         size_guard=f"{NODE_PREFIX}{suffix}-g",
         throttle_group=f"{NODE_PREFIX}{suffix}-tg",
         move_job=f"{NODE_PREFIX}{suffix}-mv",
+        secret=f"{NODE_PREFIX}{suffix}-k",
     )
 
 

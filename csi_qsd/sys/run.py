@@ -26,14 +26,17 @@ def tool_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-async def run(*argv: str, timeout: float = 120.0, check: bool = True) -> tuple[int, str]:
-    """Run `argv`, return (exit code, stdout); raise HostCommandError with stderr on failure."""
+async def run(*argv: str, timeout: float = 120.0, check: bool = True, stdin: bytes | None = None) -> tuple[int, str]:
+    """Run `argv`, return (exit code, stdout); raise HostCommandError with stderr on failure.
+
+    `stdin` is fed to the tool through a pipe: how a secret reaches it (QEMU's `file=/dev/stdin`), never argv.
+    """
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=tool_env(),
+        *argv, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=tool_env(),
     )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
     except asyncio.TimeoutError as exc:
         proc.kill()
         await proc.wait()

@@ -1,10 +1,11 @@
 """Everything the cluster runs, built here and cached by version: binaries, images, CRDs.
 
 Kubernetes, etcd and the CSI sidecars are built from their Go modules (the
-scripts beside this file); each sidecar, pause and a busybox become `FROM
-scratch` images; the driver's image is built from this checkout's
-Dockerfile (`scripts/build-image.sh`), cached by a digest of the files that
-go into it. The cache lives in `$CSI_QSD_CACHE_DIR/cluster` (default
+scripts beside this file), except node-driver-registrar and livenessprobe,
+whose release builds come from `../shared/bin` (`prebuilt`); each sidecar,
+pause and a busybox become `FROM scratch` images; the driver's image is
+built from this checkout's Dockerfile (`scripts/build-image.sh`), cached by
+a digest of the files that go into it. The cache lives in `$CSI_QSD_CACHE_DIR/cluster` (default
 `~/.cache/csi-qsd/cluster`), so a second run builds nothing.
 """
 
@@ -19,18 +20,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.cluster import versions
+from e2e.cluster import prebuilt, versions
 from e2e.cluster.images import ImageFile, ScratchImage, write_oci_archive
+from e2e.helpers import shared_bin
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
 DRIVER_IMAGE = "ghcr.io/csi-qsd/csi-qsd:0.1.0"
-# The node-driver-registrar and livenessprobe modules are not served by the Go module proxy; the
-# driver's image carries drop-in replacements with the same flags (csi-qsd kubelet-registrar,
-# csi-qsd liveness-probe), and the cluster's overlay points those two containers at them.
-REGISTRAR_IMAGE = "localhost/csi-qsd/kubelet-registrar:0.1.0"
-LIVENESS_IMAGE = "localhost/csi-qsd/liveness-probe:0.1.0"
 # The driver's image with one more label: another image (its own ID) for the in-place upgrade test.
 UPGRADE_IMAGE = "ghcr.io/csi-qsd/csi-qsd:0.1.0-upgrade"
 
@@ -43,12 +40,14 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Built:
-    """What a cluster run needs: the Kubernetes binaries' directory, image archives, the snapshot CRDs and controller."""
+    """What a cluster run needs: the Kubernetes binaries' directory, image archives, the snapshot CRDs and controller,
+    and which upstream release builds the registrar's and livenessprobe's images hold."""
 
     kubernetes: Path
     images: tuple[Path, ...]
     snapshot_crds: Path
     snapshot_controller_manifests: Path
+    releases: tuple[prebuilt.Release, ...] = ()
 
 
 def _run(argv: list[str], **kwargs: object) -> str:
@@ -96,6 +95,12 @@ def sidecar_images(root: Path) -> list[Path]:
         binary = out / sidecar.version / name
         archives.append(_scratch(root, ScratchImage(sidecar.image, (ImageFile(f"/{name}", binary),), (f"/{name}",))))
     return archives
+
+
+def prebuilt_images(root: Path, releases: list[prebuilt.Release]) -> list[Path]:
+    """The registrar's and livenessprobe's release builds, each alone in a scratch image under node.yaml's name."""
+    return [_scratch(root, ScratchImage(r.image, (ImageFile(f"/{r.sidecar.binary}", r.path),), (f"/{r.sidecar.binary}",)))
+            for r in releases]
 
 
 def pause_images(root: Path) -> list[Path]:
@@ -166,7 +171,7 @@ def _source_digest() -> str:
 
 
 def driver_images(root: Path) -> Path:
-    """The driver's image from the Dockerfile, and the registrar and liveness images derived from it."""
+    """The driver's image from the Dockerfile, and the in-place upgrade test's image derived from it."""
     archive = root / "images" / f"csi-qsd-{_source_digest()}-u.tar"
     if archive.exists():
         return archive
@@ -175,9 +180,6 @@ def driver_images(root: Path) -> Path:
     work = root / "images" / "derived"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    for name, command in ((REGISTRAR_IMAGE, "kubelet-registrar"), (LIVENESS_IMAGE, "liveness-probe")):
-        (work / "Containerfile").write_text(f'FROM {DRIVER_IMAGE}\nENTRYPOINT ["csi-qsd", "{command}"]\n')
-        _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", name, str(work)])
     (work / "Containerfile").write_text(f'FROM {DRIVER_IMAGE}\nLABEL io.csi-qsd.test="in-place upgrade"\n')
     _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", UPGRADE_IMAGE, str(work)])
     for stale in (root / "images").glob("csi-qsd-*.tar"):
@@ -185,7 +187,7 @@ def driver_images(root: Path) -> Path:
     tmp = archive.with_name(archive.name + ".tmp")
     tmp.unlink(missing_ok=True)
     _run(["podman", "save", "--multi-image-archive", "--format", "docker-archive", "--output", str(tmp),
-          DRIVER_IMAGE, REGISTRAR_IMAGE, LIVENESS_IMAGE, UPGRADE_IMAGE])
+          DRIVER_IMAGE, UPGRADE_IMAGE])
     tmp.rename(archive)
     shutil.rmtree(work, ignore_errors=True)
     return archive
@@ -194,16 +196,21 @@ def driver_images(root: Path) -> Path:
 QEMU_IMAGE = "localhost/csi-qsd-test/qemu:trixie"
 
 
-def _debian_image(root: Path, name: str, stem: str, recipe: str) -> Path:
+def _debian_image(root: Path, name: str, stem: str, recipe: str, files: tuple[Path, ...] = ()) -> Path:
     """An image built with podman from `recipe` (on the base image scripts/build-image.sh makes, which must
-    have run first), cached by the recipe."""
-    archive = root / "images" / f"{stem}-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.tar"
+    have run first) with `files` in its context, cached by the recipe and the files' bytes."""
+    key = hashlib.sha256(recipe.encode())
+    for source in files:
+        key.update(source.name.encode() + b"\0" + hashlib.sha256(source.read_bytes()).digest())
+    archive = root / "images" / f"{stem}-{key.hexdigest()[:16]}.tar"
     if archive.exists():
         return archive
     work = root / "images" / f"{stem}-build"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     (work / "Containerfile").write_text(recipe)
+    for source in files:
+        shutil.copy2(source, work / source.name)
     _run(["podman", "build", "--isolation", "chroot", "--quiet", "--tag", name, str(work)])
     for stale in (root / "images").glob(f"{stem}-*.tar"):
         stale.unlink()
@@ -222,6 +229,25 @@ def qemu_image(root: Path) -> Path:
         "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
         "qemu-system-x86 socat && rm -rf /var/lib/apt/lists/*\n"
         'ENTRYPOINT ["qemu-system-x86_64"]\n'))
+
+
+HOSTPATH_IMAGE = "localhost/csi-qsd-test/hostpathplugin:v1.18.0"  # e2e/cluster/hostpath/node.yaml's
+
+
+def hostpath_image(root: Path) -> Path | None:
+    """csi-driver-host-path's release build from ../shared/bin on Debian (it runs mount, losetup and fallocate),
+    for side-by-side runs; None without the binary. Raises ValueError when its tag is not the image's."""
+    binary = shared_bin.find("hostpathplugin")
+    release = shared_bin.release("hostpathplugin")
+    if binary is None or release is None:
+        return None
+    prebuilt.check_tag(HOSTPATH_IMAGE, release[1], str(binary))
+    return _debian_image(root, HOSTPATH_IMAGE, "hostpathplugin", (
+        "FROM localhost/csi-qsd-base:trixie\n"
+        "RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
+        "mount util-linux && rm -rf /var/lib/apt/lists/*\n"
+        "COPY hostpathplugin /hostpathplugin\n"
+        'ENTRYPOINT ["/hostpathplugin"]\n'), (binary,))
 
 
 def jessie_dnsutils_image(root: Path) -> Path:
@@ -254,11 +280,14 @@ def build_all(root: Path | None = None) -> Built:
 
 
 def _build_all(root: Path) -> Built:
+    releases = prebuilt.releases()
     kubernetes = kubernetes_binaries(root)
     images = [*pause_images(root), busybox_image(root), kubectl_image(root, kubernetes), *sidecar_images(root),
-              driver_images(root), qemu_image(root), *e2e_test_images(root, kubernetes),
-              jessie_dnsutils_image(root)]
-    return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests())
+              *prebuilt_images(root, releases), driver_images(root), qemu_image(root),
+              *e2e_test_images(root, kubernetes), jessie_dnsutils_image(root)]
+    hostpath = hostpath_image(root)
+    images += [hostpath] if hostpath else []
+    return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests(), tuple(releases))
 
 
 if __name__ == "__main__":

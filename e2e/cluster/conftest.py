@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import deploy
+from e2e.cluster import deploy, prebuilt
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
 from e2e.cluster.versions import KUBERNETES
 
 TOOLS = ("go", "gcc", "containerd", "runc", "podman", "mmdebstrap", "iptables", "nsenter", "unshare")
-_MISSING = [tool for tool in TOOLS if shutil.which(tool) is None]
+_MISSING = [tool for tool in TOOLS if shutil.which(tool) is None] + prebuilt.missing()
 _REPORT: list[str] = []
 
 
@@ -56,6 +56,7 @@ def cluster(built: Built) -> Iterator[Cluster]:
                        f"containerd {_containerd_version()}")
         deploy.install_snapshot_support(running, built)
         deploy.deploy_driver(running)
+        _report_sidecars(running, built)
         yield running
     finally:
         try:
@@ -67,6 +68,15 @@ def cluster(built: Built) -> Iterator[Cluster]:
                 _REPORT.append("cluster teardown left: " + "; ".join(problems))
             _REPORT.append(f"cluster logs (components and pods) kept in {kept}")
     assert not problems, f"the cluster left things behind: {problems} (logs in {kept})"
+
+
+def _report_sidecars(cluster: Cluster, built: Built) -> None:
+    """Say which registrar and livenessprobe the node pod runs: the release, and whether its process is that file."""
+    pod = deploy.driver_pod(cluster)
+    for release in built.releases:
+        digest = deploy.executable_digest(cluster, pod, release.sidecar.container)
+        verdict = "its process runs that file" if digest == release.sha256 else f"but its process runs sha256:{digest}"
+        _REPORT.append(f"cluster tier ran {release.describe()}; {verdict}")
 
 
 def _keep_logs(base: Path) -> Path:

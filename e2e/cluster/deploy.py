@@ -20,6 +20,9 @@ from e2e.cluster.cluster import Cluster
 
 HERE = Path(__file__).resolve().parent
 OVERLAY = HERE / "overlay"
+HOSTPATH = HERE / "hostpath"
+HOSTPATH_NAMESPACE = "csi-hostpath"
+HOSTPATH_DRIVER = "hostpath.csi.k8s.io"
 SNAPSHOT_CONTROLLER_IMAGE = "registry.k8s.io/sig-storage/snapshot-controller:v8.7.0"
 DRIVER_NAMESPACE = "csi-qsd"
 
@@ -82,13 +85,23 @@ def deploy_driver(cluster: Cluster) -> None:
                120, f"kubelet to register csi-qsd.io on {cluster.node_name} (CSINode)")
 
 
-def wait_daemonset_ready(cluster: Cluster, timeout: float = 240) -> None:
+def deploy_hostpath(cluster: Cluster) -> None:
+    """csi-driver-host-path beside csi-qsd (e2e/cluster/hostpath/), then wait until kubelet has registered it."""
+    cluster.kubectl("apply", "-k", str(HOSTPATH))
+    wait_daemonset_ready(cluster, namespace=HOSTPATH_NAMESPACE, name="csi-hostpath-node")
+    wait_until(lambda: any(d["name"] == HOSTPATH_DRIVER for d in
+                           (get_json(cluster, "csinode", cluster.node_name)["spec"].get("drivers") or [])),
+               120, f"kubelet to register {HOSTPATH_DRIVER} on {cluster.node_name} (CSINode)")
+
+
+def wait_daemonset_ready(cluster: Cluster, timeout: float = 240, namespace: str = DRIVER_NAMESPACE,
+                         name: str = "csi-qsd-node") -> None:
     def ready() -> bool:
-        status = get_json(cluster, "-n", DRIVER_NAMESPACE, "daemonset", "csi-qsd-node")["status"]
+        status = get_json(cluster, "-n", namespace, "daemonset", name)["status"]
         return bool(status.get("desiredNumberScheduled")) and \
             status.get("numberReady") == status.get("desiredNumberScheduled") and \
             status.get("updatedNumberScheduled") == status.get("desiredNumberScheduled")
-    wait_until(ready, timeout, "the csi-qsd-node DaemonSet to be Ready", interval=1)
+    wait_until(ready, timeout, f"the {name} DaemonSet to be Ready", interval=1)
 
 
 def driver_pod(cluster: Cluster) -> dict[str, Any]:
@@ -96,3 +109,12 @@ def driver_pod(cluster: Cluster) -> dict[str, Any]:
     running = [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
     assert len(running) == 1, f"expected one running csi-qsd node pod, found {[p['metadata']['name'] for p in pods]}"
     return running[0]  # type: ignore[no-any-return]
+
+
+def executable_digest(cluster: Cluster, pod: dict[str, Any], container: str) -> str:
+    """The sha256 of the program `container` of `pod` runs, read on the first node from its task's /proc/PID/exe."""
+    [status] = [c for c in pod["status"]["containerStatuses"] if c["name"] == container]
+    container_id = status["containerID"].split("://", 1)[1]
+    tasks = [line.split() for line in cluster.first.ctr("tasks", "ls").splitlines()[1:]]
+    [pid] = [task[1] for task in tasks if task and task[0] == container_id]
+    return cluster.node.run(["sha256sum", f"/proc/{pid}/exe"]).stdout.split()[0]

@@ -1,8 +1,10 @@
-"""deploy/ applied with `kubectl apply -k` in a real cluster: the node plugin runs, kubelet registers it, capacity is published."""
+"""deploy/ applied with `kubectl apply -k` in a real cluster: the node plugin runs, kubelet registers it, capacity is
+published, and the registrar and livenessprobe are the upstream programs."""
 
 from __future__ import annotations
 
 from e2e.cluster import deploy
+from e2e.cluster.build import Built
 from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks
 
@@ -31,3 +33,15 @@ def test_storage_capacity_published_per_class(cluster: Cluster) -> None:
     found = deploy.wait_until(capacities, 120, "CSIStorageCapacity objects from the provisioner")
     classes = {c["storageClassName"] for c in found}
     assert {"csi-qsd-fs", "csi-qsd-block", "csi-qsd-vm"} <= classes, classes
+
+
+def test_registrar_and_livenessprobe_are_the_upstream_release_builds(cluster: Cluster, built: Built) -> None:
+    assert {r.sidecar.container for r in built.releases} == {"node-driver-registrar", "liveness-probe"}
+    pod = deploy.driver_pod(cluster)
+    images = {c["name"]: c["image"] for c in pod["spec"]["containers"]}
+    for release in built.releases:
+        assert images[release.sidecar.container] == release.image
+        assert deploy.executable_digest(cluster, pod, release.sidecar.container) == release.sha256, release.describe()
+    [registrar] = [r for r in built.releases if r.sidecar.container == "node-driver-registrar"]
+    log = cluster.kubectl("logs", "-n", deploy.DRIVER_NAMESPACE, pod["metadata"]["name"], "-c", "node-driver-registrar").stdout
+    assert f'"Version" version="{registrar.tag}"' in log, log[:2000]

@@ -6,6 +6,8 @@
   `release`, a VM volume staged and published as the provisioner and
   kubelet do it; an image's guest-visible bytes read by qemu-img, never
   through QSD.
+* `shared_bin`: where the CSI community's prebuilt binaries are
+  (`../shared/bin`, or `$CSI_QSD_SHARED_BIN`).
 * `writes`: a guest writing paced, acknowledged blocks to its disk, and the
   checks of what it acknowledged, on the guest and from the host.
 

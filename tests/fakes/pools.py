@@ -13,6 +13,7 @@ from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.qsd.storage import ImageFile
+from csi_qsd.sys.volume_keys import VolumeKey
 
 
 class FakePool(Pool):
@@ -38,12 +39,14 @@ class FakePool(Pool):
             return self.directory / f"{volume_id}.{fmt.value}"
         return self.directory / f"{volume_id}.{generation}.qcow2"
 
-    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
+    async def create(self, image: Path, size: int, params: VolumeParameters, *, key: VolumeKey | None = None) -> None:
         if size > self.usage().available:
             raise ResourceExhausted(f"pool {self.id} has {self.usage().available} bytes free")
         self._write(image, size, "")
 
-    async def create_overlay(self, image: Path, backing: Path, size: int, granularity: int) -> None:
+    async def create_overlay(
+        self, image: Path, backing: Path, size: int, granularity: int, *, key: VolumeKey | None = None,
+    ) -> None:
         if not backing.exists():
             raise FileNotFoundError(backing)
         self._write(image, size, str(backing))
@@ -99,7 +102,7 @@ class FakeMovingPool(FakePool):
         """The volume's homes by state (USED, MOVING, RETIRING), each as its slot number."""
         return {row.state: row.start // SLOT for row in self._rows if row.volume_id == volume_id}
 
-    async def create(self, image: Path, size: int, params: VolumeParameters) -> None:
+    async def create(self, image: Path, size: int, params: VolumeParameters, *, key: VolumeKey | None = None) -> None:
         await super().create(image, size, params)
         await self.catalog.take_extent(self.id, _volume_of(image), self._free_slot(size))
         await self.load()

@@ -285,10 +285,10 @@ class HeldPool:
         return True
 
     def _gated(self, making: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
-        async def gated(*args: Any) -> None:
+        async def gated(*args: Any, **kwargs: Any) -> None:
             if self._hold():
                 await asyncio.to_thread(self.released.wait, 60)
-            await making(*args)
+            await making(*args, **kwargs)
         return gated
 
     @contextlib.asynccontextmanager

@@ -120,6 +120,18 @@ def test_fuse_export() -> None:
     }
 
 
+def test_a_growable_fuse_export_stands_on_the_size_guard() -> None:
+    """QEMU 11 offers FUSE_ASYNC_DIO only when growable; a fixed-size raw node keeps the image's size."""
+    spec = graph.fuse_export(NODES, Path("/state/exports/v/disk"), writable=True, growable=True)
+    assert spec["growable"] is True and spec["node-name"] == NODES.size_guard != NODES.throttle
+    assert graph.size_guard_blockdev(NODES, 64 << 20) == {
+        "driver": "raw", "node-name": NODES.size_guard, "file": NODES.throttle, "size": 64 << 20}
+    assert "size" not in graph.size_guard_blockdev(NODES, None), "lifted for a resize"
+    volume_id = "vol-" + NODES.throttle.removeprefix(graph.NODE_PREFIX).removesuffix("-t")
+    assert graph.parse_name(NODES.size_guard) == graph.ParsedName(volume_id, graph.NameKind.SIZE_GUARD)
+    assert graph.volume_of(NODES.size_guard) == volume_id
+
+
 def test_vhost_export_is_writethrough_by_default() -> None:
     """DESIGN.md: without writethrough, a QSD crash loses writes the guest saw acknowledged."""
     spec = graph.vhost_user_blk_export(NODES, Path("/s/vhost.sock"), VolumeParameters(), writable=True)

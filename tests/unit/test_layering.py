@@ -40,7 +40,7 @@ LAYERS: list[set[str]] = [
     {"controller", "node"},
     {"config"},
     {"csi", "csi_pb"},
-    {"backup", "router", "kubelet"},
+    {"backup", "router"},
     {"server"},
     {"metrics"},
     {"cli"},

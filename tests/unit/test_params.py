@@ -10,6 +10,7 @@ import pytest
 from csi_qsd import params as P
 from csi_qsd.errors import InvalidArgument
 from csi_qsd.qcow2.granularity import qcow2_options
+from csi_qsd.sys.volume_keys import VolumeKey
 
 VHOST = {"export": "vhost-user-blk"}
 KIB, MIB = 1 << 10, 1 << 20
@@ -57,6 +58,9 @@ CASES: list[tuple[dict[str, str], str, object]] = [
     ({"changedBlockGranularity": "32Ki"}, "granularity", 32 * KIB),
     ({"changedBlockGranularity": "64Ki"}, "granularity", 64 * KIB),
     ({"changedBlockGranularity": "2Mi"}, "granularity", 2 * MIB),
+    ({}, "encrypted", False),
+    ({"encrypted": "false"}, "encrypted", False),
+    ({"encrypted": "true"}, "encrypted", True),
 ]
 
 
@@ -124,6 +128,10 @@ def test_unknown_key_is_named(key: str) -> None:
     ({"changedBlockGranularity": "Ki"}, "changedBlockGranularity"),
     ({"changedBlockGranularity": " 4Ki"}, "changedBlockGranularity"),
     ({"changedBlockGranularity": "9" * 5000}, "changedBlockGranularity"),
+    ({"encrypted": "yes"}, "encrypted"),
+    ({"encrypted": "True"}, "encrypted"),
+    ({"encrypted": "true", "format": "raw"}, "encrypted"),  # QEMU's LUKS here is qcow2's
+    ({"encrypted": "true", "pool": "nvme-0", "format": "qcow2"}, "encrypted"),
 ])
 def test_bad_value_is_invalid_argument_naming_the_key(parameters: dict[str, str], key: str) -> None:
     with pytest.raises(InvalidArgument) as info:
@@ -198,7 +206,7 @@ def test_json_form_is_stable_and_stores_enum_values() -> None:
         "format": "raw", "preallocation": "falloc", "export": "vhost-user-blk", "num_queues": 7,
         "logical_block_size": 4096, "cache": "writeback", "discard": "ignore", "detect_zeroes": "unmap",
         "iothread_poll_max_ns": 32768, "vmm_group": "", "pool": "default", "granularity": 8192,
-        "namespace": "",
+        "namespace": "", "encrypted": False,
     }
     assert ALL_SET.to_json() == ALL_SET.to_json() and list(raw) == sorted(raw)
 
@@ -221,3 +229,21 @@ def test_the_claims_namespace_is_kept_but_does_not_tell_volumes_apart() -> None:
 def test_parameters_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         P.VolumeParameters().num_queues = 8  # type: ignore[misc]
+
+
+def test_an_encrypted_volume_s_key_comes_from_the_secret_s_entry_and_is_never_shown() -> None:
+    key = P.volume_key({"key": "s3cr3t-passphrase", "other": "x"}, "volume 'v'", P.NODE_STAGE_SECRET)
+    assert key == VolumeKey("s3cr3t-passphrase") and key != VolumeKey("another")
+    assert "s3cr3t" not in repr(key) and "s3cr3t" not in str(key)
+    for secrets in ({}, {"key": ""}, {"password": "s3cr3t-passphrase"}):
+        with pytest.raises(InvalidArgument) as info:
+            P.volume_key(secrets, "volume 'v'", P.NODE_STAGE_SECRET)
+        message = str(info.value)
+        assert P.NODE_STAGE_SECRET in message and "'key'" in message and "volume 'v'" in message
+        assert "s3cr3t" not in message
+
+
+def test_encrypted_survives_the_catalog_s_json_and_old_rows_read_as_plain() -> None:
+    params = P.parse_parameters({"encrypted": "true"})
+    assert P.VolumeParameters.from_json(params.to_json()).encrypted is True
+    assert P.VolumeParameters.from_json(json.dumps({"format": "qcow2"})).encrypted is False

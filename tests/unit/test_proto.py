@@ -1,10 +1,9 @@
-"""The committed bindings match proto/*.proto, and those match CSI v1.12 and kubelet's plugin registration.
+"""The committed bindings match proto/csi.proto, and that matches CSI v1.12.
 
 Regenerating with scripts/gen_proto.py into a temporary directory must give
 the same descriptor and the same gRPC module as the files committed under
 csi_qsd/csi_pb/; spot checks then pin the wire contract to facts of the
-CSI v1.12 spec and of kubelet's pluginregistration/v1 API, so an edit of a
-.proto that drifts from them fails even when the bindings were regenerated
+CSI v1.12 spec, so an edit of the .proto that drifts from them fails even when the bindings were regenerated
 with it.
 """
 
@@ -20,13 +19,13 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from csi_qsd.csi_pb import csi_pb2, csi_pb2_grpc, pluginregistration_pb2, pluginregistration_pb2_grpc
+from csi_qsd.csi_pb import csi_pb2, csi_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GEN_SCRIPT = REPO_ROOT / "scripts" / "gen_proto.py"
 COMMITTED_DIR = REPO_ROOT / "csi_qsd" / "csi_pb"
 # Each .proto and the message module committed for it.
-PROTOS: dict[str, ModuleType] = {"csi": csi_pb2, "pluginregistration": pluginregistration_pb2}
+PROTOS: dict[str, ModuleType] = {"csi": csi_pb2}
 
 
 def _load_gen_script() -> ModuleType:
@@ -332,39 +331,3 @@ def test_wire_encoding() -> None:
     decoded = csi_pb2.CreateVolumeRequest.FromString(b"\x0a\x01v\x42\x06\x0a\x01k\x12\x01x")
     assert decoded.name == "v"
     assert dict(decoded.mutable_parameters) == {"k": "x"}
-
-
-# --- spot checks of kubelet's plugin registration wire contract --------------
-
-
-def test_registration_service_and_methods() -> None:
-    fd = pluginregistration_pb2.DESCRIPTOR
-    assert fd.package == "pluginregistration"
-    assert not list(fd.dependencies)
-    (service,) = fd.services_by_name.values()
-    assert service.full_name == "pluginregistration.Registration"
-    assert [(m.name, m.input_type.name, m.output_type.name) for m in service.methods] == [
-        ("GetInfo", "InfoRequest", "PluginInfo"),
-        ("NotifyRegistrationStatus", "RegistrationStatus", "RegistrationStatusResponse"),
-    ]
-    fdp = _file_descriptor(fd.serialized_pb)
-    assert not any(m.client_streaming or m.server_streaming for s in fdp.service for m in s.method)
-    source = (COMMITTED_DIR / "pluginregistration_pb2_grpc.py").read_text(encoding="utf-8")
-    for method in ("GetInfo", "NotifyRegistrationStatus"):
-        assert f"'/pluginregistration.Registration/{method}'" in source
-    assert hasattr(pluginregistration_pb2_grpc, "add_RegistrationServicer_to_server")
-
-
-def test_registration_messages() -> None:
-    pb = pluginregistration_pb2
-    assert _field_numbers(pb.PluginInfo) == {"type": 1, "name": 2, "endpoint": 3, "supported_versions": 4}
-    versions = pb.PluginInfo.DESCRIPTOR.fields_by_name["supported_versions"]
-    assert versions.is_repeated and versions.type == FieldDescriptor.TYPE_STRING
-    assert _field_numbers(pb.RegistrationStatus) == {"plugin_registered": 1, "error": 2}
-    registered = pb.RegistrationStatus.DESCRIPTOR.fields_by_name["plugin_registered"]
-    assert registered.type == FieldDescriptor.TYPE_BOOL
-    assert _field_numbers(pb.RegistrationStatusResponse) == {}
-    assert _field_numbers(pb.InfoRequest) == {}
-    info = pb.PluginInfo(type="CSIPlugin", name="n", endpoint="/e", supported_versions=["1.0.0"])
-    assert info.SerializeToString() == b"\x0a\x09CSIPlugin\x12\x01n\x1a\x02/e\x22\x051.0.0"
-    assert pb.RegistrationStatus(plugin_registered=True, error="x").SerializeToString() == b"\x08\x01\x12\x01x"

@@ -1,0 +1,104 @@
+"""How QSD opens an encrypted volume's images: a `secret` object, and the LUKS key on every layer.
+
+Every image of an encrypted volume (its top, each snapshot below it) is a
+qcow2 with its own LUKS header (`encrypt.format=luks`), all opened by the
+volume's passphrase. QEMU reads the key only while it opens a layer: it
+takes it from a `secret` object named by `encrypt.key-secret`. Measured on
+QSD 10.0.13 and 11.1.3: after `object-del` of that secret the open layers
+keep reading and writing, and a `blockdev-reopen` (naming the deleted
+secret again) and a `block_resize` of the top succeed. So the secret lives
+in QSD only while layers are opened (`loaded`), never longer; the key
+itself then lives in QEMU's memory as the layers' master keys. A backing
+layer QEMU opens from the header alone is refused ("Parameter
+'encrypt.key-secret' is required for cipher"): a fresh open names each
+layer below the top with its key (`backing_spec`), read from the images'
+headers (never through QEMU). The key goes to QSD over QMP only (base64 in
+`data`), never in a file or on a command line; nothing here logs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from csi_qsd.errors import FailedPrecondition, QSDError
+from csi_qsd.params import VolumeParameters
+from csi_qsd.qcow2 import backing
+from csi_qsd.qsd import graph
+from csi_qsd.qsd.client import QSDClient
+from csi_qsd.qsd.graph import QMPArgs
+from csi_qsd.sys.volume_keys import VolumeKey
+
+FORMAT = "luks"
+
+
+def layer_options(secret_id: str) -> QMPArgs:
+    """The options that open one encrypted qcow2 layer with the volume's secret."""
+    return {"encrypt": {"format": FORMAT, "key-secret": secret_id}}
+
+
+def secret_object(secret_id: str, key: VolumeKey) -> QMPArgs:
+    return {"qom-type": "secret", "id": secret_id, "data": key.base64(), "format": "base64"}
+
+
+def chain_below(image: Path) -> list[Path]:
+    """The images `image`'s header chain reads through, newest first, as their headers name them.
+
+    Raises FailedPrecondition for a chain that leaves the local filesystem
+    (a `json:` name: a copy from another node, not offered encrypted) or
+    loops; OSError if a header cannot be read.
+    """
+    found: list[Path] = []
+    current = image
+    while len(found) < backing.MAX_DEPTH:
+        name = backing.backing_name(current)
+        if not name:
+            return found
+        if name.startswith("json:"):
+            raise FailedPrecondition(f"image {current} reads through {name[:40]}…: encrypted chains are local only")
+        current = current.parent / name
+        found.append(current)
+    raise FailedPrecondition(f"image {image} reads through more than {backing.MAX_DEPTH} images")
+
+
+def backing_spec(chain: list[Path], params: VolumeParameters, secret_id: str, aio: str) -> QMPArgs | None:
+    """The `backing` option of a top layer that reads through `chain` (newest first), each layer keyed."""
+    spec: QMPArgs | None = None
+    for image in reversed(chain):
+        layer: QMPArgs = {
+            "driver": "qcow2",
+            "file": graph.file_blockdev(None, image, params, read_only=True, aio=aio),
+            **layer_options(secret_id),
+        }
+        if spec is not None:
+            layer["backing"] = spec
+        spec = layer
+    return spec
+
+
+def keyed(spec: QMPArgs, secret_id: str, chain: list[Path] | None, params: VolumeParameters, aio: str) -> QMPArgs:
+    """`spec` (a format node's blockdev-add arguments) made to open an encrypted layer; with `chain`, its backing
+    layers named and keyed too (None: the caller attaches the backing, as blockdev-snapshot does)."""
+    spec.update(layer_options(secret_id))
+    if chain:
+        spec["backing"] = backing_spec(chain, params, secret_id, aio)
+    return spec
+
+
+@contextlib.asynccontextmanager
+async def loaded(client: QSDClient, secret_id: str, key: VolumeKey) -> AsyncIterator[None]:
+    """The volume's secret in QSD while the body opens layers; removed after, whatever happened.
+
+    A secret a crashed earlier call left under the ID is replaced: it may
+    hold another key.
+    """
+    objects = {str(item["name"]) for item in await client.execute("qom-list", {"path": "/objects"})}
+    if secret_id in objects:
+        await client.execute("object-del", {"id": secret_id})
+    await client.execute("object-add", secret_object(secret_id, key))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(QSDError):
+            await client.execute("object-del", {"id": secret_id})
