@@ -7,11 +7,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-# What the cluster tier runs (Kubernetes, etcd, the sidecars, images) is built from its modules in the
-# background while the tests that mostly wait run; the tier waits for it (a lock on the cache).
+# What the cluster tier builds from Go modules (Kubernetes, etcd, the sidecars, their scratch images) is
+# built in the background while the tests that mostly wait run; the tier waits for it (a lock on the
+# cache). Its podman images come after: a RUN step's mount namespace would hold the tests' mounts.
 mkdir -p .runtime
 if [ "$#" -eq 0 ] && command -v go >/dev/null 2>&1; then
-  setsid nice -n 10 .venv/bin/python -m e2e.cluster.build > .runtime/cluster-build.log 2>&1 &
+  setsid nice -n 10 .venv/bin/python -m e2e.cluster.build --from-modules > .runtime/cluster-build.log 2>&1 &
   BUILD=$!
   trap 'kill -- -"$BUILD" 2>/dev/null || true' EXIT
   echo "cluster tier: building in the background (.runtime/cluster-build.log)"
