@@ -4,9 +4,10 @@
 #   docker build -t ghcr.io/csi-qsd/csi-qsd:$(version) .
 #   scripts/build-image.sh         (podman, with a base image made locally)
 #
-# Debian 13 because its QEMU (1:10.0.x) carries "fuse: Copy write buffer
-# content before polling" (10.0.8): older FUSE exports corrupt parallel
-# writes, and the driver then falls back to the slow buffered loop device.
+# Debian 13 because its QEMU (1:10.0.x, and 11.1 in its trixie-backports,
+# the one installed below) carries "fuse: Copy write buffer content before
+# polling" (10.0.8): older FUSE exports corrupt parallel writes, and the
+# driver then falls back to the slow buffered loop device.
 # BASE_IMAGE lets a build without a registry start from a Debian 13 root
 # filesystem imported under another name; it must be Debian 13 all the same.
 # Spelled out in full so podman, which refuses ambiguous short names, takes
