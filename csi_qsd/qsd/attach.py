@@ -349,10 +349,18 @@ def fuse_export(top: TopImage, mountpoint: Path, *, writable: bool, iothreads: l
 async def add_fuse_export(client: QSDClient, top: TopImage, spec: graph.QMPArgs) -> None:
     """Add the FUSE export `spec` over `top`'s open nodes, with the size guard a growable one stands on."""
     nodes = top.nodes
-    if spec["node-name"] == nodes.size_guard and nodes.size_guard not in await client.node_names():
-        size = (await client.named_nodes())[nodes.throttle]["virtual_size"]
-        await client.blockdev_add(graph.size_guard_blockdev(nodes, size))
-    await client.export_add(spec)
+    if spec["node-name"] != nodes.size_guard:
+        await client.export_add(spec)
+        return
+    present = await client.named_nodes()  # the names and the throttle filter's length, in one round trip
+    steps: list[tuple[str, graph.QMPArgs]] = []
+    if nodes.size_guard not in present:
+        steps.append(("blockdev-add", graph.size_guard_blockdev(nodes, present[nodes.throttle]["virtual_size"])))
+    # In one round trip: the export names the guard, so it is refused if the guard was.
+    answers = await client.execute_in_turn([*steps, ("block-export-add", spec)])
+    refused = [answer for answer in answers if isinstance(answer, QSDError)]
+    if refused:
+        raise refused[0]
 
 
 async def ensure_vhost_export(
