@@ -39,6 +39,7 @@ from csi_qsd.errors import DriverError, FailedPrecondition
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import iothreads, shards
 from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
+from csi_qsd.qsd.file_aio import FileIO
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.qsd.settings import QSDMode
 from csi_qsd.router.config import DEFAULT_SERVER_NAME, NodeAddress, RouterConfig
@@ -214,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     _option(serve, "--loop-io", LoopIO.AUTO.value,
             "loop devices of container volumes: auto (direct I/O where QSD's FUSE export is known to keep "
             "parallel writes intact, >= 10.0.8), direct or buffered", choices=[m.value for m in LoopIO])
+    _option(serve, "--file-io", FileIO.AUTO.value,
+            "how QSD reads and writes the file pool's images: auto (io_uring where QSD has it, else its thread "
+            "pool; the host's page cache), threads, direct (auto's engine with O_DIRECT) or native (Linux AIO, "
+            "O_DIRECT)", choices=[m.value for m in FileIO])
     _option(serve, "--fuse-threads", FuseThreads.AUTO.value,
             "where QSD >= 11 serves FUSE exports (container volumes): auto (the --iothreads pool, one /dev/fuse "
             f"queue each, on nodes of {FUSE_IOTHREADS_MIN_CORES} or more cores; the main loop on smaller ones), "
@@ -424,6 +429,7 @@ def config_from(args: argparse.Namespace) -> Config:
         max_volumes=int(getattr(args, "max_volumes", 0)),
         loop_io=LoopIO(getattr(args, "loop_io", LoopIO.AUTO.value)),
         fuse_threads=FuseThreads(getattr(args, "fuse_threads", FuseThreads.AUTO.value)),
+        file_io=FileIO(getattr(args, "file_io", FileIO.AUTO.value)),
         qmp_timeout=float(getattr(args, "qmp_timeout", 10.0)),
         qsd_binary=args.qsd_binary,
         qemu_img=args.qemu_img,

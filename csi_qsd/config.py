@@ -14,6 +14,7 @@ from pathlib import Path
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.features import FuseThreads, LoopIO
+from csi_qsd.qsd.file_aio import FileIO
 from csi_qsd.qsd.iothreads import check_size as check_iothreads
 from csi_qsd.qsd.iothreads import node_cores
 from csi_qsd.qsd.remote_spec import RemotePoolSpec
@@ -76,6 +77,7 @@ class Config:
     qsd_binary: str = dataclasses.field(default_factory=lambda: bundled("qemu-storage-daemon"))
     qemu_img: str = dataclasses.field(default_factory=lambda: bundled("qemu-img"))
     loop_io: LoopIO = LoopIO.AUTO
+    file_io: FileIO = FileIO.AUTO  # how QSD reads and writes the file pool's images (`csi_qsd.qsd.file_aio`)
     qmp_timeout: float = 10.0
     failpoints: str = ""
     # QSD's pool of iothreads for exports (`csi_qsd.qsd.iothreads`): default one per core, and their

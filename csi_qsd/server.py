@@ -125,7 +125,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
     for directory in (config.state_dir, config.qsd_dir, config.exports_dir):
         directory.mkdir(parents=True, exist_ok=True)
     os.chmod(config.state_dir, 0o700)
-    pool = FilePool(config.pool, config.qemu_img, aio_probe=config.qsd_dir / "aio-probe")
+    pool = FilePool(config.pool, config.qemu_img, aio_probe=config.qsd_dir / "aio-probe", file_io=config.file_io)
     pool.prepare()
     async with Catalog(config.catalog_path) as catalog:
         locks = KeyedLocks("volume")

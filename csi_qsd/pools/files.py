@@ -47,16 +47,18 @@ class FilePool(Pool):
     """Image files in `directory`, one per volume."""
 
     def __init__(self, directory: Path, qemu_img: str = "qemu-img", pool_id: str = DEFAULT_POOL_NAME,
-                 aio_probe: Path | None = None) -> None:
+                 aio_probe: Path | None = None, file_io: file_aio.FileIO = file_aio.FileIO.AUTO) -> None:
         """`aio_probe`: an empty file of the driver's own (not in the pool) that QSD opens to show it can use
-        io_uring (`csi_qsd.qsd.file_aio`); without one, QSD's thread pool serves the images."""
+        io_uring (`csi_qsd.qsd.file_aio`); without one, QSD's thread pool serves the images. `file_io`: the
+        operator's choice of engine and cache."""
         self.id = pool_id
         self.directory = directory
         self._aio_probe = aio_probe
         self._qemu_img = qemu_img
         self._checked: dict[Path, tuple[tuple[int, int, int], str]] = {}
         self._check_slots = asyncio.Semaphore(CHECKS_AT_ONCE)
-        self._aio = file_aio.THREADS  # until `attach` has asked QSD
+        self._file_io = file_io
+        self._engine = file_aio.Engine(file_aio.THREADS, direct=False)  # until `attach` has asked QSD
         self._settling = threading.Lock()
 
     def prepare(self) -> None:
@@ -246,13 +248,13 @@ class FilePool(Pool):
             os.close(fd)
 
     def storage(self, image: Path) -> ImageFile:
-        return ImageFile(image, self._aio)
+        return ImageFile(image, self._engine.aio, self._engine.direct)
 
     async def attach(self, client: QSDClient) -> None:
         """Ask this QSD how it can read and write image files (io_uring or its thread pool)."""
         if self._aio_probe is not None:
-            self._aio = await file_aio.choose(client, self._aio_probe)
-            file_aio.note_filesystem(self.id, self.directory, self._aio)
+            self._engine = await file_aio.resolve(self._file_io, client, self._aio_probe)
+            file_aio.note_filesystem(self.id, self.directory, self._engine)
 
     async def check(self, image: Path, *, in_use: bool) -> str:
         """A missing image; for one QSD does not hold, also what `qemu-img check` finds (cached).

@@ -63,7 +63,7 @@ class TopImage:
             return spec
         image = self.image_file()
         below = encryption.chain_below(image.path) if chain else None
-        return encryption.keyed(spec, self.nodes.secret, below, self.params, image.aio)
+        return encryption.keyed(spec, self.nodes.secret, below, self.params, image.aio, direct=image.direct)
 
     def image_file(self) -> ImageFile:
         if not isinstance(self.storage, ImageFile):

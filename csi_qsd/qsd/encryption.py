@@ -62,13 +62,14 @@ def chain_below(image: Path) -> list[Path]:
     raise FailedPrecondition(f"image {image} reads through more than {backing.MAX_DEPTH} images")
 
 
-def backing_spec(chain: list[Path], params: VolumeParameters, secret_id: str, aio: str) -> QMPArgs | None:
+def backing_spec(chain: list[Path], params: VolumeParameters, secret_id: str, aio: str, *,
+                 direct: bool = False) -> QMPArgs | None:
     """The `backing` option of a top layer that reads through `chain` (newest first), each layer keyed."""
     spec: QMPArgs | None = None
     for image in reversed(chain):
         layer: QMPArgs = {
             "driver": "qcow2",
-            "file": graph.file_blockdev(None, image, params, read_only=True, aio=aio),
+            "file": graph.file_blockdev(None, image, params, read_only=True, aio=aio, direct=direct),
             **layer_options(secret_id),
         }
         if spec is not None:
@@ -77,12 +78,13 @@ def backing_spec(chain: list[Path], params: VolumeParameters, secret_id: str, ai
     return spec
 
 
-def keyed(spec: QMPArgs, secret_id: str, chain: list[Path] | None, params: VolumeParameters, aio: str) -> QMPArgs:
+def keyed(spec: QMPArgs, secret_id: str, chain: list[Path] | None, params: VolumeParameters, aio: str, *,
+          direct: bool = False) -> QMPArgs:
     """`spec` (a format node's blockdev-add arguments) made to open an encrypted layer; with `chain`, its backing
     layers named and keyed too (None: the caller attaches the backing, as blockdev-snapshot does)."""
     spec.update(layer_options(secret_id))
     if chain:
-        spec["backing"] = backing_spec(chain, params, secret_id, aio)
+        spec["backing"] = backing_spec(chain, params, secret_id, aio, direct=direct)
     return spec
 
 

@@ -20,6 +20,8 @@ filesystem is the operator's choice, so the driver only says so at start-up.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 from pathlib import Path
 
@@ -34,19 +36,47 @@ IO_URING_FROM = (10, 0, 0)
 ASYNC_BUFFERED_WRITES = frozenset({"xfs", "btrfs"})
 THREADS = "threads"
 IO_URING = "io_uring"
+NATIVE = "native"
 PROBE_NODE = "csi-qsd-aio-probe"
 
 
-def note_filesystem(pool_id: str, directory: Path, engine: str) -> None:
+class FileIO(enum.Enum):
+    """The operator's setting for image files: QSD's best engine through the page cache, or a forced one."""
+
+    AUTO = "auto"  # io_uring where QSD has it, else the thread pool; the page cache
+    THREADS = "threads"  # the thread pool; the page cache
+    DIRECT = "direct"  # the engine `auto` picks, with O_DIRECT (no page cache)
+    NATIVE = "native"  # Linux AIO, O_DIRECT (QEMU's aio=native needs it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """What a file protocol node is opened with."""
+
+    aio: str
+    direct: bool
+
+
+async def resolve(setting: FileIO, client: QSDClient, probe_file: Path) -> Engine:
+    """The engine `setting` asks for on this QSD (only `auto` and `direct` ask QSD about io_uring)."""
+    if setting is FileIO.THREADS:
+        return Engine(THREADS, direct=False)
+    if setting is FileIO.NATIVE:
+        return Engine(NATIVE, direct=True)
+    return Engine(await choose(client, probe_file), direct=setting is FileIO.DIRECT)
+
+
+def note_filesystem(pool_id: str, directory: Path, engine: Engine) -> None:
     """Log the pool's filesystem, and where io_uring's writes to it will take a worker thread."""
     fs_type = mounts.filesystem_of(directory)
-    if engine == IO_URING and fs_type not in ASYNC_BUFFERED_WRITES:
+    if engine.aio == IO_URING and not engine.direct and fs_type not in ASYNC_BUFFERED_WRITES:
         log.warning("event=pool_filesystem pool=%s fs=%s buffered_writes=worker_thread "
                     "hint=%r", pool_id, fs_type or "unknown",
                     "io_uring completes buffered writes in QSD's own thread on xfs or btrfs only: "
                     "a file pool there takes pods' random writes about 1.6x faster")
     else:
-        log.info("event=pool_filesystem pool=%s fs=%s", pool_id, fs_type or "unknown")
+        log.info("event=pool_filesystem pool=%s fs=%s aio=%s direct=%s", pool_id, fs_type or "unknown",
+                 engine.aio, "yes" if engine.direct else "no")
 
 
 async def choose(client: QSDClient, probe_file: Path) -> str:

@@ -163,8 +163,10 @@ def volume_of(node_or_export: str) -> str | None:
 
 def file_blockdev(
     nodes: VolumeNodes | None, image: Path, params: VolumeParameters, *, read_only: bool, aio: str = "threads",
+    direct: bool = False,
 ) -> QMPArgs:
-    """A file protocol node: I/O through the page cache by `aio` (`csi_qsd.qsd.file_aio`), flushes reaching the disk.
+    """A file protocol node: I/O by `aio` (`csi_qsd.qsd.file_aio`), through the page cache unless `direct`,
+    flushes reaching the disk.
 
     Without `nodes`, an unnamed one, to be defined inside its format node's arguments.
     """
@@ -172,6 +174,8 @@ def file_blockdev(
     spec: QMPArgs = {"driver": "file", **name, "filename": str(image), "discard": params.discard.value}
     if aio != "threads":
         spec["aio"] = aio
+    if direct:
+        spec["cache"] = {"direct": True}
     return _read_only(spec, read_only)
 
 

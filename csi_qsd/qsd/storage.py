@@ -42,16 +42,17 @@ class ImageFile:
 
     path: Path
     aio: str = "threads"  # how QSD reads and writes it (`csi_qsd.qsd.file_aio`)
+    direct: bool = False  # O_DIRECT, past the host's page cache
 
     def protocol_blockdev(self, nodes: graph.VolumeNodes, params: VolumeParameters, *, read_only: bool) -> QMPArgs:
-        return graph.file_blockdev(nodes, self.path, params, read_only=read_only, aio=self.aio)
+        return graph.file_blockdev(nodes, self.path, params, read_only=read_only, aio=self.aio, direct=self.direct)
 
     def max_size(self) -> int | None:
         return None
 
     def inline_child(self, params: VolumeParameters, *, read_only: bool) -> QMPArgs | None:
         """Nothing addresses an image file's node by name (it grows through its format node)."""
-        return graph.file_blockdev(None, self.path, params, read_only=read_only, aio=self.aio)
+        return graph.file_blockdev(None, self.path, params, read_only=read_only, aio=self.aio, direct=self.direct)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,6 +98,11 @@ def test_file_blockdev() -> None:
     json.dumps(spec)
 
 
+def test_file_blockdev_past_the_page_cache() -> None:
+    spec = graph.file_blockdev(NODES, Path("/p"), VolumeParameters(), read_only=False, aio="native", direct=True)
+    assert spec["aio"] == "native" and spec["cache"] == {"direct": True}
+
+
 def test_format_blockdev_qcow2_caps_the_metadata_cache() -> None:
     spec = graph.format_blockdev(NODES, VolumeParameters(detect_zeroes=DetectZeroes.UNMAP), read_only=False)
     assert spec["driver"] == "qcow2" and spec["file"] == NODES.file and spec["node-name"] == NODES.format
