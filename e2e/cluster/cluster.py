@@ -10,6 +10,7 @@ cluster from the host with kubectl.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import ssl
@@ -18,6 +19,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from e2e.cluster import namespace
 from e2e.cluster.node import SERVICE_CIDR, SERVICE_IP, KubeletNode, NodeSpec, kubeconfig
@@ -25,6 +27,8 @@ from e2e.cluster.pki import ClusterPKI
 from e2e.cluster.versions import KUBERNETES
 
 BRIDGE = "csiq-br"
+# One cluster of this project on a machine at a time, whichever checkout or user runs it.
+MACHINE_LOCK = Path("/run/lock/csi-qsd-cluster.lock")
 SUBNET = "10.250.0"
 
 
@@ -62,11 +66,13 @@ class Cluster:
         self.pki: ClusterPKI | None = None
         self.admin_kubeconfig = base / "admin.kubeconfig"
         self.containerd_socket = self.first.containerd_socket
+        self._machine_lock: IO[str] | None = None
 
     # -- start ------------------------------------------------------------------------------
 
     def start(self, images: list[Path]) -> None:
         """Start everything, import `images` (archives) into containerd, and wait for the node to be Ready."""
+        self._take_the_machine()
         self.logs.mkdir(parents=True, exist_ok=True)
         pki = self.pki = ClusterPKI(self.base / "pki")
         ip = self.first.ip
@@ -224,4 +230,17 @@ class Cluster:
         for node in reversed(self.nodes):
             problems += node.stop()
         namespace.remove_bridge(self.address)
+        if self._machine_lock is not None:
+            self._machine_lock.close()  # and with it the lock
+            self._machine_lock = None
         return problems
+
+    def _take_the_machine(self) -> None:
+        """Wait until no other cluster of this project runs here: they would share the bridge, the node's
+        addresses and ports."""
+        self._machine_lock = open(MACHINE_LOCK, "w")  # noqa: SIM115 (held until stop)
+        try:
+            fcntl.flock(self._machine_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"cluster: another cluster runs on this machine; waiting for it ({MACHINE_LOCK})", flush=True)
+            fcntl.flock(self._machine_lock, fcntl.LOCK_EX)
