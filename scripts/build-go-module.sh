@@ -5,6 +5,7 @@
 # into the nested module's release at the same version.
 #
 # Usage: build-go-module.sh MODULE VERSION OUTDIR PACKAGE...   (PACKAGE relative to the module, e.g. cmd/csi-provisioner)
+#   GO_EXTRA_LDFLAGS   more -ldflags (e.g. -X for a module that keeps its version elsewhere than main.version)
 set -euo pipefail
 module=${1:?module} version=${2:?version} out=${3:?output directory}
 shift 3
@@ -29,6 +30,6 @@ open("go.mod", "w").write(text)
 PY
 mkdir -p "$out"
 for p in "${missing[@]}"; do
-  go build -trimpath -ldflags "-s -w -X main.version=$version" -o "$out/${p##*/}.tmp" "./$p"
+  go build -trimpath -ldflags "-s -w -X main.version=$version ${GO_EXTRA_LDFLAGS:-}" -o "$out/${p##*/}.tmp" "./$p"
   mv "$out/${p##*/}.tmp" "$out/${p##*/}"
 done

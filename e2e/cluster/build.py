@@ -1,6 +1,6 @@
 """Everything the cluster runs, built here and cached by version: binaries, images, CRDs.
 
-Kubernetes, etcd and the CSI sidecars are built from their Go modules (the
+Kubernetes, etcd, the CSI sidecars and Helm are built from their Go modules (the
 scripts beside this file), except node-driver-registrar and livenessprobe,
 whose release builds come from `../shared/bin` (`prebuilt`); each sidecar,
 pause and a busybox become `FROM scratch` images; the driver's image is
@@ -51,10 +51,12 @@ class Built:
     snapshot_crds: Path
     snapshot_controller_manifests: Path
     releases: tuple[prebuilt.Release, ...] = ()
+    helm: Path | None = None
 
 
-def _run(argv: list[str], **kwargs: object) -> str:
-    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"}, **kwargs)  # type: ignore[call-overload]
+def _run(argv: list[str], env: dict[str, str] | None = None, **kwargs: object) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C", **(env or {})},  # type: ignore[call-overload]
+                            **kwargs)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
     return str(result.stdout)
@@ -71,6 +73,14 @@ def kubernetes_binaries(root: Path) -> Path:
     out = root / f"kubernetes-{versions.KUBERNETES}"
     _run(["bash", str(REPO / "scripts" / "build-kubernetes.sh"), versions.KUBERNETES, str(out), *versions.KUBERNETES_BINARIES])
     return out
+
+
+def helm_binary(root: Path) -> Path:
+    """Helm at `versions.HELM`, built from its module (cmd/helm)."""
+    out = root / f"helm-{versions.HELM}"
+    _run(["bash", str(REPO / "scripts" / "build-go-module.sh"), versions.HELM_MODULE, versions.HELM, str(out),
+          "cmd/helm"], env={"GO_EXTRA_LDFLAGS": versions.HELM_LDFLAGS})
+    return out / "helm"
 
 
 def _scratch(root: Path, image: ScratchImage) -> Path:
@@ -163,12 +173,15 @@ def kubectl_image(root: Path, kubernetes: Path) -> Path:
 
 
 def _source_digest() -> str:
-    """A digest of the files the driver's image is built from (tracked and new files of this checkout)."""
+    """A digest of the files the driver's image is built from (tracked and new files of this checkout).
+
+    Not the tests, docs, chart or Markdown: the image's build stage copies them but installs none.
+    """
     names = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO).split("\0")
     digest = hashlib.sha256()
     for name in sorted(n for n in names if n):
         path = REPO / name
-        if path.is_file() and not name.startswith(("e2e/", "tests/", "docs/")):
+        if path.is_file() and not name.startswith(("e2e/", "tests/", "docs/", "charts/")) and not name.endswith(".md"):
             digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
@@ -297,6 +310,7 @@ def build_from_modules(root: Path | None = None) -> None:
         kubectl_image(root, kubernetes)
         sidecar_images(root)
         e2e_test_images(root, kubernetes)
+        helm_binary(root)
 
 
 @contextlib.contextmanager
@@ -316,7 +330,8 @@ def _build_all(root: Path) -> Built:
               *e2e_test_images(root, kubernetes), jessie_dnsutils_image(root)]
     hostpath = hostpath_image(root)
     images += [hostpath] if hostpath else []
-    return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests(), tuple(releases))
+    return Built(kubernetes, tuple(images), snapshot_crds(), snapshot_controller_manifests(), tuple(releases),
+                 helm_binary(root))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import deploy, prebuilt
+from e2e.cluster import deploy, prebuilt, session
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
 from e2e.cluster.versions import KUBERNETES
@@ -49,13 +49,11 @@ def cluster(built: Built) -> Iterator[Cluster]:
     running = Cluster(base, Binaries(built.kubernetes))
     problems: list[str] = []
     try:
-        running.start(list(built.images))
+        session.start_deployed(running, built)
         versions = json.loads(running.kubectl("version", "-o", "json").stdout)
         _REPORT.append(f"cluster tier: Kubernetes {versions['serverVersion']['gitVersion']} (server), "
                        f"{versions['clientVersion']['gitVersion']} (kubectl), built as {KUBERNETES}; "
                        f"containerd {_containerd_version()}")
-        deploy.install_snapshot_support(running, built)
-        deploy.deploy_driver(running)
         _report_sidecars(running, built)
         yield running
     finally:
@@ -99,25 +97,11 @@ def _containerd_version() -> str:
 
 def _graceful_teardown(cluster: Cluster) -> list[str]:
     """Delete the tests' namespaces and wait until the driver has taken every volume down."""
-    if cluster.pki is None or cluster.node.holder is None or cluster.node.holder.poll() is not None:
+    if not session.alive(cluster):
         return []
     namespaces = [n["metadata"]["name"] for n in deploy.get_json(cluster, "namespaces", "-l", "csi-qsd-test=true")["items"]]
-    for name in namespaces:
-        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-    problems = []
-    try:
-        deploy.wait_until(lambda: not deploy.get_json(cluster, "pv")["items"], 180,
-                          "every PersistentVolume to be deleted")
-    except TimeoutError as error:
-        problems.append(str(error))
-    node_mounts = cluster.node.run(["findmnt", "-rn", "-o", "TARGET,FSTYPE"], check=False).stdout.splitlines()
-    left = [m for m in node_mounts if "/volumes/kubernetes.io~csi/" in m or "/volumeDevices/kubernetes.io~csi/" in m
-            or "/plugins/kubernetes.io/csi/" in m or m.startswith("/var/lib/csi-qsd/") and "fuse" in m]
-    problems += [f"mount {m}" for m in left]
-    for node in cluster.nodes:
-        # Detached anyway when the node stops: the host keeps no loop device once the node is gone.
-        problems += [f"loop device {device} over one of {node.name}'s FUSE exports" for device in node.loop_devices()]
-    return problems
+    problems = session.release_volumes(cluster, namespaces, delete_namespaces=True)
+    return problems + session.volume_leftovers(cluster)
 
 
 @pytest.fixture

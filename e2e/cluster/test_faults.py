@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import examples as ex
+from e2e.cluster import writer
 from e2e.cluster.build import UPGRADE_IMAGE
 from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks, report
@@ -27,54 +28,12 @@ from e2e.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_daem
 
 pytestmark = cluster_marks()
 
-WRITER = r"""
-i=0
-while :; do
-  i=$((i+1))
-  printf '%08d\n' $i > /tmp/record
-  if ! dd if=/tmp/record of=/data/log bs=9 oflag=append conv=notrunc,fsync 2>/tmp/err; then
-    echo "IOERR $i $(cat /tmp/err)"; exit 1
-  fi
-  echo "ACK $i"
-  sleep 0.05
-done
-"""
-
-
-def _writer(cluster: Cluster, namespace: str) -> None:
-    docs = ex.example("filesystem-pod.yaml")
-    pvc, pod = ex.pick(docs, "PersistentVolumeClaim"), ex.pick(docs, "Pod")
-    pod["metadata"]["name"] = "writer"
-    pod["spec"]["restartPolicy"] = "Never"
-    pod["spec"]["containers"][0]["args"] = [WRITER]
-    ex.apply(cluster, namespace, [pvc, pod])
-    ex.wait_pod_running(cluster, namespace, "writer")
-
-
-def _acks(cluster: Cluster, namespace: str) -> tuple[int, list[str]]:
-    log = cluster.kubectl("logs", "-n", namespace, "writer").stdout
-    acks = [int(n) for n in re.findall(r"^ACK (\d+)$", log, re.M)]
-    return (max(acks) if acks else 0), re.findall(r"^IOERR .*$", log, re.M)
-
-
-def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
-    [status] = [c for c in pod["status"]["containerStatuses"] if c["name"] == name]
-    return status  # type: ignore[no-any-return]
-
-
 def _kill_container(cluster: Cluster, name: str) -> int:
     """SIGKILL one container of the node plugin's pod, as an OOM kill or a crash would; its restart count before."""
-    status = _container(driver_pod(cluster), name)
+    status = writer.container_status(driver_pod(cluster), name)
     container_id = status["containerID"].split("://", 1)[1]
     cluster.ctr("tasks", "kill", "--signal", "SIGKILL", container_id)
     return int(status["restartCount"])
-
-
-def _wait_restarted(cluster: Cluster, name: str, before: int) -> None:
-    def back() -> bool:
-        status = _container(driver_pod(cluster), name)
-        return int(status["restartCount"]) > before and bool(status["ready"])
-    wait_until(back, 180, f"the node plugin's {name} container to restart and be ready", interval=1)
 
 
 def _upgrade_plugin_in_place(cluster: Cluster) -> None:
@@ -84,40 +43,40 @@ def _upgrade_plugin_in_place(cluster: Cluster) -> None:
     template is set back whatever happens, so the tests after this one run the image they were built with.
     """
     pod = driver_pod(cluster)
-    old = _container(pod, "csi-qsd")["image"]
-    old_id = _container(pod, "csi-qsd")["imageID"]
+    old = writer.container_status(pod, "csi-qsd")["image"]
+    old_id = writer.container_status(pod, "csi-qsd")["imageID"]
     try:
         cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", "daemonset/csi-qsd-node", f"csi-qsd={UPGRADE_IMAGE}")
-        before = int(_container(pod, "csi-qsd")["restartCount"])
+        before = int(writer.container_status(pod, "csi-qsd")["restartCount"])
         cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", f"pod/{pod['metadata']['name']}",
                         f"csi-qsd={UPGRADE_IMAGE}")
-        _wait_restarted(cluster, "csi-qsd", before)
+        writer.wait_restarted(cluster, "csi-qsd", before)
         upgraded = driver_pod(cluster)
         [spec] = [c for c in upgraded["spec"]["containers"] if c["name"] == "csi-qsd"]
         assert spec["image"] == UPGRADE_IMAGE
-        assert _container(upgraded, "csi-qsd")["imageID"] != old_id, "the upgrade ran the same image"
+        assert writer.container_status(upgraded, "csi-qsd")["imageID"] != old_id, "the upgrade ran the same image"
     finally:
         cluster.kubectl("-n", DRIVER_NAMESPACE, "set", "image", "daemonset/csi-qsd-node", f"csi-qsd={old}")
 
 
 @pytest.mark.parametrize("fault", ["plugin-container-killed", "plugin-upgraded-in-place"])
 def test_pod_writes_through_a_plugin_fault(cluster: Cluster, test_namespace: str, fault: str) -> None:
-    _writer(cluster, test_namespace)
-    qsd_restarts = int(_container(driver_pod(cluster), "qsd")["restartCount"])
-    wait_until(lambda: _acks(cluster, test_namespace)[0] >= 20, 60, "the writer's first 20 acknowledged writes")
+    writer.start_writer(cluster, test_namespace)
+    qsd_restarts = int(writer.container_status(driver_pod(cluster), "qsd")["restartCount"])
+    wait_until(lambda: writer.acks(cluster, test_namespace)[0] >= 20, 60, "the writer's first 20 acknowledged writes")
     if fault == "plugin-container-killed":
         before = _kill_container(cluster, "csi-qsd")
-        _wait_restarted(cluster, "csi-qsd", before)
+        writer.wait_restarted(cluster, "csi-qsd", before)
     else:
         _upgrade_plugin_in_place(cluster)
     wait_daemonset_ready(cluster)
-    at_recovery = _acks(cluster, test_namespace)[0]
-    wait_until(lambda: _acks(cluster, test_namespace)[0] >= at_recovery + 20, 60,
+    at_recovery = writer.acks(cluster, test_namespace)[0]
+    wait_until(lambda: writer.acks(cluster, test_namespace)[0] >= at_recovery + 20, 60,
                "20 more acknowledged writes after the plugin came back")
-    _check_writer(cluster, test_namespace)
+    writer.check_writer(cluster, test_namespace)
     # Volume calls after the fault: the restarted plugin provisions, stages and publishes a new claim.
     _new_claim_works(cluster, test_namespace, "after-fault")
-    assert int(_container(driver_pod(cluster), "qsd")["restartCount"]) == qsd_restarts, "QSD restarted"
+    assert int(writer.container_status(driver_pod(cluster), "qsd")["restartCount"]) == qsd_restarts, "QSD restarted"
 
 
 def _new_claim_works(cluster: Cluster, namespace: str, name: str) -> None:
@@ -131,19 +90,6 @@ def _new_claim_works(cluster: Cluster, namespace: str, name: str) -> None:
     ex.wait_pod_running(cluster, namespace, name)
     assert ex.pod_exec(cluster, namespace, name,
                        "echo fresh | dd of=/data/fresh conv=fsync 2>/dev/null && cat /data/fresh").strip() == "fresh"
-
-
-def _check_writer(cluster: Cluster, namespace: str) -> None:
-    pod = get_json(cluster, "-n", namespace, "pod", "writer")
-    acked, errors = _acks(cluster, namespace)
-    assert not errors, f"the writer saw I/O errors: {errors}"
-    assert pod["status"]["phase"] == "Running" and _container(pod, "app")["restartCount"] == 0, \
-        ex.dumps(pod["status"])
-    records = ex.pod_exec(cluster, namespace, "writer", "cat /data/log").split()
-    numbers = [int(r) for r in records]
-    assert numbers[:acked] == list(range(1, acked + 1)), \
-        f"acknowledged writes lost: {acked} acknowledged, file holds {len(numbers)}, first gap at " \
-        f"{next((i + 1 for i, n in enumerate(numbers) if n != i + 1), None)}"
 
 
 # The Deployment's writer: numbers its records on from what the file holds, never exits on an I/O error (the
@@ -285,7 +231,7 @@ def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, te
         wait_until(lambda: old_log.acks() >= 20, 60, "the writer's first 20 acknowledged writes")
         killed = time.monotonic()
         before = _kill_container(cluster, "qsd")
-        _wait_restarted(cluster, "qsd", before)
+        writer.wait_restarted(cluster, "qsd", before)
         qsd_back = time.monotonic()
         # The old writer's container ends when the driver deletes its pod; its log then holds every ACK.
         old_text = old_log.wait_ended(HEAL_BOUND)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import examples as ex
+from e2e.cluster import up
 from e2e.cluster.build import QEMU_IMAGE, cache_root
 from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks
@@ -237,3 +238,14 @@ def test_hotplug_example_adds_a_disk_to_a_running_vm(cluster: Cluster, test_name
         # Its pods run `sh` as PID 1, which ignores SIGTERM: gone now rather than after 30 s of grace.
         cluster.kubectl("delete", "-n", test_namespace, "daemonset", "csi-qsd-hotplug-agent", "--cascade=foreground",
                         "--grace-period=1", "--timeout=120s", "--ignore-not-found", check=False, timeout=150)
+
+
+def test_try_it_vm_example_boots_from_its_disk(cluster: Cluster, test_namespace: str) -> None:
+    """README's "Try it": `scripts/cluster.sh example qemu-vhost-user-blk.yaml` as printed, applied: the firmware
+    reads the empty volume's first sector through the vhost-user-blk socket and finds nothing to boot."""
+    docs = up.local_example("qemu-vhost-user-blk.yaml")
+    ex.apply(cluster, test_namespace, docs)
+    ex.wait_pod_running(cluster, test_namespace, "csi-qsd-qemu-demo")
+    log = wait_until(lambda: (text := cluster.kubectl("logs", "-n", test_namespace, "csi-qsd-qemu-demo").stdout)
+                     and "No bootable device" in text and text, 120, "SeaBIOS to give up booting")
+    assert "Booting from Hard Disk...\nBoot failed: not a bootable disk" in log.replace("\r", ""), log[-2000:]

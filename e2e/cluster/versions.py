@@ -55,3 +55,9 @@ SIDECARS = (
 # manifests in the snapshotter's own (deploy/kubernetes/snapshot-controller/).
 SNAPSHOT_CLIENT_MODULE = ("github.com/kubernetes-csi/external-snapshotter/client/v8", "v8.7.0")
 SNAPSHOTTER_MODULE = ("github.com/kubernetes-csi/external-snapshotter/v8", "v8.7.0")
+
+# Helm, for the chart in charts/csi-qsd (built from its module like the rest; it keeps its version in a package
+# of its own, set at link time as its Makefile does).
+HELM_MODULE = "helm.sh/helm/v3"
+HELM = "v3.22.0"
+HELM_LDFLAGS = f"-X {HELM_MODULE}/internal/version.version={HELM}"
