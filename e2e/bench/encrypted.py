@@ -73,9 +73,9 @@ def cpu_offers() -> str:
 
 
 class Bench(ServedBench):
-    def __init__(self, box: Sandbox, seconds: float, rounds: int, kinds: list[str]) -> None:
+    def __init__(self, box: Sandbox, seconds: float, rounds: int, kinds: list[str], region: int = REGION) -> None:
         super().__init__(box)
-        self.seconds, self.rounds, self.kinds = seconds, rounds, kinds
+        self.seconds, self.rounds, self.kinds, self.region = seconds, rounds, kinds, region
         self.rows: list[scaling.Row] = []
         self.setting = "?"
         self.key = {"key": secrets.token_urlsafe(32)}
@@ -92,15 +92,15 @@ class Bench(ServedBench):
         plain = await self.stage(csi, "pod-plain", VOLUME_SIZE)
         sealed = await self.stage(csi, "pod-encrypted", VOLUME_SIZE, ENCRYPTED, secrets=self.key)
         files = {name: volume.target / "fio.dat" for name, volume in (("plain", plain), ("encrypted", sealed))}
-        progress(f"laying out {REGION // MIB} MiB in each volume")
+        progress(f"laying out {self.region // MIB} MiB in each volume")
         for path in files.values():
-            await lay_out(path, REGION)
+            await lay_out(path, self.region)
         exports = [export_file(self.box.state_dir / "exports", sealed.id)]
         for rw in JOBS:
             job = scaling.qd32(rw)
             await self._compare(scaling.Row("pod", job.name, 1),
-                                functools.partial(fio, job, files["encrypted"], runtime=self.seconds, size=REGION),
-                                functools.partial(fio, job, files["plain"], runtime=self.seconds, size=REGION),
+                                functools.partial(fio, job, files["encrypted"], runtime=self.seconds, size=self.region),
+                                functools.partial(fio, job, files["plain"], runtime=self.seconds, size=self.region),
                                 exports)
 
     async def _vms(self, csi: CSIClient) -> None:
@@ -150,15 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime", type=float, default=5, help="seconds per run (default 5)")
     parser.add_argument("--rounds", type=int, default=4, help="runs on each side, alternating (default 4)")
     parser.add_argument("--kinds", type=lambda t: t.split(","), default=["pod", "vm"], help="pod,vm (default both)")
+    parser.add_argument("--region-mib", type=int, default=REGION // MIB,
+                        help="MiB of the fio file in each pod volume (default 512)")
     args = parser.parse_args(argv)
     if missing("fio", "unshare"):
         return 2
-    if args.runtime <= 0 or args.rounds < 1 or not set(args.kinds) <= {"pod", "vm"}:
-        parser.error("--runtime must be positive, --rounds at least 1, --kinds of pod and vm")
+    if args.runtime <= 0 or args.rounds < 1 or not set(args.kinds) <= {"pod", "vm"} or \
+            not 0 < args.region_mib * MIB < VOLUME_SIZE:
+        parser.error("--runtime must be positive, --rounds at least 1, --kinds of pod and vm, --region-mib under "
+                     "the volume's 1024")
     if (rerun := rerun_unshared("e2e.bench.encrypted", argv)) is not None:
         return rerun
     with sandbox() as box:
-        bench = Bench(box, args.runtime, args.rounds, args.kinds)
+        bench = Bench(box, args.runtime, args.rounds, args.kinds, args.region_mib * MIB)
         status = run_to_end(bench.run(), bench.driver, what="encrypted")
         print(bench.render(), flush=True)
     return status
