@@ -224,6 +224,13 @@ SECRET_KEY = "key"
 PROVISIONER_SECRET = PROVISIONER_PREFIX + "provisioner-secret-name"
 NODE_STAGE_SECRET = PROVISIONER_PREFIX + "node-stage-secret-name"
 SNAPSHOTTER_SECRET = PROVISIONER_PREFIX + "snapshotter-secret-name"
+CONTROLLER_MODIFY_SECRET = PROVISIONER_PREFIX + "controller-modify-secret-name"
+# Key rotation: the Secret's label for the key in `SECRET_KEY` (recorded per volume), the key a volume had before
+# (stages and rotations of volumes the rotation has not reached yet use it), and the mutable parameter (in a
+# VolumeAttributesClass) that asks ControllerModifyVolume to bring a volume to a key version.
+KEY_VERSION = "keyVersion"
+PREVIOUS_KEY = "previousKey"
+_KEY_VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
 
 
 def volume_key(secrets: Mapping[str, str], what: str, secret: str) -> VolumeKey:
@@ -237,6 +244,32 @@ def volume_key(secrets: Mapping[str, str], what: str, secret: str) -> VolumeKey:
             f"{secret!r}; the request carries {'an empty one' if SECRET_KEY in secrets else 'no such entry'} "
             f"(entries: {carried})")
     return VolumeKey(text)
+
+
+def previous_key(secrets: Mapping[str, str]) -> VolumeKey | None:
+    """The key a volume had before a rotation (entry `previousKey`), if the Secret still carries one."""
+    text = secrets.get(PREVIOUS_KEY, "")
+    return VolumeKey(text) if text else None
+
+
+def key_version(secrets: Mapping[str, str], secret: str) -> str:
+    """The Secret's `keyVersion` ('' if it has none); raises InvalidArgument, naming `secret`, for a malformed one."""
+    version = secrets.get(KEY_VERSION, "")
+    if version and not _KEY_VERSION_RE.match(version):
+        raise InvalidArgument(f"entry {KEY_VERSION!r} of the Secret named by {secret!r} is {version!r}: a key version "
+                              "is 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return version
+
+
+def wanted_key_version(mutable: Mapping[str, str]) -> str | None:
+    """The key version a VolumeAttributesClass asks for (mutable parameter `keyVersion`), or None."""
+    if KEY_VERSION not in mutable:
+        return None
+    version = mutable[KEY_VERSION]
+    if not _KEY_VERSION_RE.match(version):
+        raise InvalidArgument(f"mutable parameter {KEY_VERSION!r} is {version!r}: a key version is 1-63 letters, "
+                              "digits, '.', '_' or '-', starting with a letter or digit")
+    return version
 
 
 # ---------------------------------------------------------------- mutable parameters: QoS
@@ -314,10 +347,10 @@ def check_mutable_keys(mutable: Mapping[str, str]) -> dict[str, int]:
     """
     changes: dict[str, int] = {}
     for key in sorted(mutable):
-        if key.startswith(PROVISIONER_PREFIX):
+        if key.startswith(PROVISIONER_PREFIX) or key == KEY_VERSION:
             continue
         if key not in QOS_KEYS:
-            known = ", ".join(sorted(QOS_KEYS))
+            known = ", ".join(sorted([*QOS_KEYS, KEY_VERSION]))
             raise InvalidArgument(f"unknown mutable parameter {key!r}; supported: {known}")
         allowed = range(1, MAX_BURST_SECONDS + 1) if key == "burstSeconds" else range(0, QOS_VALUE_MAX + 1)
         changes[QOS_KEYS[key]] = _integer(key, mutable[key], allowed)

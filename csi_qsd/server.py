@@ -21,6 +21,7 @@ from csi_qsd.config import Config
 from csi_qsd.controller.changed_blocks import ChangedBlocks
 from csi_qsd.controller.condition import HealthView
 from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases
+from csi_qsd.controller.key_rotation import KeyRotation
 from csi_qsd.controller.live import LiveImages
 from csi_qsd.controller.qos import VolumeLimits
 from csi_qsd.controller.snapshots import Snapshots
@@ -170,7 +171,7 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         try:
             copies.leases.start_expiry()
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports, node.stalled),
-                         VolumeLimits(catalog, qsd, locks), copies, peer_list)
+                         VolumeLimits(catalog, qsd, locks, KeyRotation(catalog, pool, qsd, keys)), copies, peer_list)
         finally:
             if healer is not None:
                 await healer.close()

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar, overload
 
+import grpc
+import pytest
+
 from csi_qsd.config import Config
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.node.cut_off import REBUILT
@@ -367,3 +370,13 @@ async def qemu_io_session(argv: list[str], first: str, cwd: Path | None = None,
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+async def refused(call: Awaitable[object], code: grpc.StatusCode, *names: str) -> str:
+    """Await a CSI call that must fail with `code` and a message naming each of `names`; the message."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == code, info.value.details()
+    for name in names:
+        assert name in (info.value.details() or "")
+    return info.value.details() or ""

@@ -83,6 +83,7 @@ class VolumeRecord:
     pool: str = DEFAULT_POOL_NAME  # the pool the volume's images live in
     qos: QoS = QoS()  # I/O limits, the mutable parameters (ControllerModifyVolume changes them)
     image_pending: bool = False  # the image may not be written or on disk yet (`Catalog.add_volume`)
+    key_version: str = ""  # an encrypted volume's: the Secret's 'keyVersion' of the key its images open with
 
 
 @dataclasses.dataclass(frozen=True)

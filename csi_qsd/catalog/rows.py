@@ -37,10 +37,10 @@ def add_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     """A new volume row, `image_pending` included; sqlite3.IntegrityError if its ID or name is taken."""
     db.execute(
         "INSERT INTO volumes (id, name, capacity, params, image, state, created_at, backing, generation, source,"
-        " pool, qos, image_pending) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        " pool, qos, image_pending, key_version) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (record.id, record.name, record.capacity, record.params.to_json(), str(record.image),
          record.state.value, record.created_at, record.backing, record.generation, record.source, record.pool,
-         record.qos.to_json(), int(record.image_pending)),
+         record.qos.to_json(), int(record.image_pending), record.key_version),
     )
 
 
@@ -48,10 +48,10 @@ def set_volume(db: sqlite3.Connection, record: VolumeRecord) -> None:
     """Every column of the volume's row but `image_pending` (see `Catalog.set_volume`); no row: no change."""
     db.execute(
         "UPDATE volumes SET name=?, capacity=?, params=?, image=?, state=?, created_at=?, backing=?,"
-        " generation=?, source=?, pool=?, qos=? WHERE id=?",
+        " generation=?, source=?, pool=?, qos=?, key_version=? WHERE id=?",
         (record.name, record.capacity, record.params.to_json(), str(record.image), record.state.value,
          record.created_at, record.backing, record.generation, record.source, record.pool, record.qos.to_json(),
-         record.id),
+         record.key_version, record.id),
     )
 
 
@@ -122,7 +122,7 @@ def volume(row: sqlite3.Row) -> VolumeRecord:
         params=_parsed_params(row["params"]), image=Path(row["image"]),
         state=VolumeState(row["state"]), created_at=row["created_at"], backing=row["backing"],
         generation=row["generation"], source=row["source"], pool=row["pool"], qos=_parsed_qos(row["qos"]),
-        image_pending=bool(row["image_pending"]),
+        image_pending=bool(row["image_pending"]), key_version=row["key_version"],
     )
 
 

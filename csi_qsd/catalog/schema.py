@@ -16,7 +16,7 @@ from pathlib import Path
 
 from csi_qsd.errors import StartupError
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # The whole schema as this release creates it; older catalogs reach it through MIGRATIONS.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS volumes (
@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS volumes (
     source      TEXT NOT NULL DEFAULT '',
     pool        TEXT NOT NULL DEFAULT 'default',
     qos         TEXT NOT NULL DEFAULT '{}',
-    image_pending INTEGER NOT NULL DEFAULT 0
+    image_pending INTEGER NOT NULL DEFAULT 0,
+    key_version TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS snapshots (
     id               TEXT PRIMARY KEY,
@@ -131,6 +132,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     7: (
         # A blank image not yet written or fsynced (made durable after CreateVolume answers); before, none was.
         "ALTER TABLE volumes ADD COLUMN image_pending INTEGER NOT NULL DEFAULT 0",
+    ),
+    8: (
+        # Key rotation: the version (the Secret's 'keyVersion') of the key an encrypted volume's images open
+        # with; volumes of earlier releases were made with an unversioned key ('').
+        "ALTER TABLE volumes ADD COLUMN key_version TEXT NOT NULL DEFAULT ''",
     ),
 }
 

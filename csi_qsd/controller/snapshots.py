@@ -203,6 +203,7 @@ class Snapshots:
     async def volume_from(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
         *, snapshot_id: str = "", volume_id: str = "", qos: QoS = QoS(), key: VolumeKey | None = None,
+        key_version: str = "",
     ) -> VolumeRecord:
         """A new volume over a snapshot, or over a fresh hidden snapshot of a volume (a clone): O(1).
 
@@ -214,7 +215,8 @@ class Snapshots:
         source = f"snapshot:{snapshot_id}" if snapshot_id else f"volume:{volume_id}"
         existing = await self._catalog.volume_by_name(name)
         if existing is not None and existing.state is VolumeState.READY:
-            return await self._volumes.create(name, required, limit, params, caps, source=source, qos=qos, key=key)
+            return await self._volumes.create(name, required, limit, params, caps, source=source, qos=qos, key=key,
+                                              key_version=key_version)
         if snapshot_id:
             async with self._snapshot_locks.hold(snapshot_id):
                 snapshot = await self.get(snapshot_id)
@@ -224,7 +226,7 @@ class Snapshots:
                                              source_encrypted=await encrypted.image_encrypted(snapshot.image))
                 volume = await self._volumes.create(
                     name, required, limit, params, caps, base=snapshot.image, base_size=snapshot.size, source=source,
-                    qos=qos, key=key,
+                    qos=qos, key=key, key_version=key_version,
                 )
         else:
             origin = await self._catalog.volume(volume_id)
@@ -243,7 +245,7 @@ class Snapshots:
 
             volume = await self._volumes.create(
                 name, required, limit, params, caps, base_size=origin.capacity, source=source, make_base=cut_origin,
-                qos=qos, key=key,
+                qos=qos, key=key, key_version=key_version,
             )
         self._maybe_flatten(volume)
         return volume

@@ -84,6 +84,7 @@ class Volumes:
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
         *, base: Path | None = None, base_size: int = 0, source: str = "",
         make_base: Callable[[], Awaitable[Path]] | None = None, qos: QoS = QoS(), key: VolumeKey | None = None,
+        key_version: str = "",
     ) -> VolumeRecord:
         """Create (or return the existing identical) volume called `name`.
 
@@ -92,7 +93,8 @@ class Volumes:
         came from. `make_base` produces the base only after every check has
         passed (a clone cuts its source then). `qos` are the I/O limits from
         the request's mutable parameters; `key` the passphrase of an encrypted
-        volume (`params.encrypted`), which every image of it is made with. Raises InvalidArgument,
+        volume (`params.encrypted`), which every image of it is made with, labelled `key_version` (the
+        Secret's `keyVersion`, recorded). Raises InvalidArgument,
         OutOfRange, AlreadyExists, ResourceExhausted, Aborted.
         """
         for cap in caps:
@@ -129,6 +131,7 @@ class Volumes:
                 id=volume_id, name=name, capacity=size, params=params,
                 image=pool.image_path(volume_id, params.format), state=VolumeState.CREATING, pool=pool.id,
                 created_at=now(), backing=str(base) if base is not None else "", source=source, qos=qos,
+                key_version=key_version if params.encrypted else "",
             )
             if base is None and pool.settles_later(params):
                 return await self._create_blank(pool, record)

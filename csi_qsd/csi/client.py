@@ -117,6 +117,12 @@ class CSIClient:
             if not token:
                 return entries
 
+    async def modify(self, volume_id: str, mutable: dict[str, str], secrets: dict[str, str] | None = None) -> None:
+        """ControllerModifyVolume: I/O limits, or a key rotation (`keyVersion`, keys in `secrets`)."""
+        await self.controller.ControllerModifyVolume(
+            pb.ControllerModifyVolumeRequest(volume_id=volume_id, mutable_parameters=mutable, secrets=secrets or {}),
+            timeout=self.timeout)
+
     async def stage(self, volume_id: str, staging_path: str, *, block: bool = False, fs_type: str = "",
                     mount_group: str = "", secrets: dict[str, str] | None = None) -> None:
         await self.node.NodeStageVolume(

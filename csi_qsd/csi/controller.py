@@ -25,17 +25,20 @@ from csi_qsd.csi import convert
 from csi_qsd.csi.errors import RpcObservers, not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from csi_qsd.errors import InvalidArgument, NotFound, ResourceExhausted, Unimplemented
+from csi_qsd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
 from csi_qsd.node.copy_streams import CopyStreams
 from csi_qsd.params import (
+    KEY_VERSION,
     MIB,
     PROVISIONER_PREFIX,
     PROVISIONER_SECRET,
     SECRET_KEY,
+    key_version,
     parse_mutable_parameters,
     parse_parameters,
     unsupported_capability,
     volume_key,
+    wanted_key_version,
 )
 from csi_qsd.sys.volume_keys import VolumeKey
 
@@ -143,8 +146,9 @@ class ControllerService(pb_grpc.ControllerServicer):
                 )
         required, limit = request.capacity_range.required_bytes, request.capacity_range.limit_bytes
         key = volume_key(dict(request.secrets), f"volume {name!r}", PROVISIONER_SECRET) if params.encrypted else None
+        version = _first_key_version(dict(request.secrets), dict(request.mutable_parameters), params.encrypted)
         if source is None:
-            record = await self._volumes.create(name, required, limit, params, caps, qos=qos, key=key)
+            record = await self._volumes.create(name, required, limit, params, caps, qos=qos, key=key, key_version=version)
         elif source.WhichOneof("type") == "snapshot":
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
             if self._copies is not None and self._config.copies_with_peers and await self._snapshots.get(snapshot_id) is None:
@@ -153,7 +157,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     name, required, limit, params, caps, source=f"snapshot:{snapshot_id}", qos=qos)
             else:
                 record = await self._snapshots.volume_from(
-                    name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos, key=key)
+                    name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos, key=key, key_version=version)
         else:
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
             if self._copies is not None and self._config.copies_with_peers and await self._volumes.get(volume_id) is None:
@@ -162,7 +166,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     name, required, limit, params, caps, source=f"volume:{volume_id}", qos=qos)
             else:
                 record = await self._snapshots.volume_from(
-                    name, required, limit, params, caps, volume_id=volume_id, qos=qos, key=key)
+                    name, required, limit, params, caps, volume_id=volume_id, qos=qos, key=key, key_version=version)
         return pb.CreateVolumeResponse(volume=self._volume_message(record))
 
     @rpc
@@ -284,13 +288,15 @@ class ControllerService(pb_grpc.ControllerServicer):
     async def ControllerModifyVolume(
         self, request: pb.ControllerModifyVolumeRequest, context: grpc.aio.ServicerContext
     ) -> pb.ControllerModifyVolumeResponse:
-        """Change a volume's I/O limits (a VolumeAttributesClass), live where it is staged.
+        """Change a volume's I/O limits or rotate its key (a VolumeAttributesClass), live where it is staged.
 
         The keys are checked once the volume is known (`limits.modify`), so an
         unknown volume is NOT_FOUND whatever they hold; none is nothing to change.
+        A `keyVersion` takes its keys from `secrets` (the Secret named by
+        `csi.storage.k8s.io/controller-modify-secret-name`).
         """
         volume_id = validate.volume_id(request.volume_id)
-        await self._limits.modify(volume_id, dict(request.mutable_parameters))
+        await self._limits.modify(volume_id, dict(request.mutable_parameters), dict(request.secrets))
         return pb.ControllerModifyVolumeResponse()
 
     @rpc
@@ -358,3 +364,22 @@ class ControllerService(pb_grpc.ControllerServicer):
     @not_offered
     async def ControllerExpandVolume(self, request: object, context: grpc.aio.ServicerContext) -> object:
         raise Unimplemented("volume expansion is not supported by this driver version")
+
+
+def _first_key_version(secrets: dict[str, str], mutable: dict[str, str], encrypted: bool) -> str:
+    """The key version a new volume is made with: the provisioner Secret's `keyVersion` ('' if none).
+
+    A VolumeAttributesClass that names a version (the class a rotation moves
+    claims to) must name that one. Raises InvalidArgument, FailedPrecondition.
+    """
+    wanted = wanted_key_version(mutable)
+    if not encrypted:
+        if wanted is not None:
+            raise InvalidArgument(f"mutable parameter {KEY_VERSION!r} applies only to encrypted volumes")
+        return ""
+    version = key_version(secrets, PROVISIONER_SECRET)
+    if wanted is not None and wanted != version:
+        raise FailedPrecondition(f"the VolumeAttributesClass asks for key version {wanted!r}, and entry "
+                                 f"{KEY_VERSION!r} of the Secret named by {PROVISIONER_SECRET!r} says "
+                                 f"{version or 'nothing'!r}")
+    return version

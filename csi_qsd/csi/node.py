@@ -20,7 +20,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
 from csi_qsd.node.staging import NodeVolumes, PublishSpec, StageSpec
-from csi_qsd.params import NODE_STAGE_SECRET, AccessMode, unsupported_capability, volume_key
+from csi_qsd.params import NODE_STAGE_SECRET, AccessMode, previous_key, unsupported_capability, volume_key
 
 _RPC = pb.NodeServiceCapability.RPC.Type
 CAPABILITIES = (
@@ -65,8 +65,9 @@ class NodeService(pb_grpc.NodeServicer):
         staging = convert.request_path(request.staging_target_path, "staging_target_path", self._config)
         block, fs_type, flags, group, _single = self._capability(request)
         volume = await self._node.volume(volume_id)
-        key = volume_key(dict(request.secrets), f"volume {volume_id}", NODE_STAGE_SECRET) if volume.params.encrypted else None
-        await self._node.stage(StageSpec(volume_id, staging, block, fs_type, flags, group, key))
+        secrets = dict(request.secrets)
+        key = volume_key(secrets, f"volume {volume_id}", NODE_STAGE_SECRET) if volume.params.encrypted else None
+        await self._node.stage(StageSpec(volume_id, staging, block, fs_type, flags, group, key, previous_key(secrets)))
         return pb.NodeStageVolumeResponse()
 
     @rpc

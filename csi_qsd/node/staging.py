@@ -69,6 +69,8 @@ class StageSpec:
     mount_flags: tuple[str, ...]
     mount_group: str = ""
     key: VolumeKey | None = dataclasses.field(default=None, repr=False)  # an encrypted volume's passphrase
+    # The Secret's `previousKey`: what a volume a key rotation has not reached yet still opens with.
+    previous_key: VolumeKey | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +115,7 @@ class NodeVolumes:
             if existing is not None and existing.state is StageState.STAGED:
                 _check_restage(spec, existing, access, fs_type)
                 client = self._client(existing)
-                await self._hold_key(volume, spec.key, client, staged=True)
+                await self._hold_key(volume, spec, client, staged=True)
                 brought = await kind.bring_up(volume, existing, await self._catalog.publishes(volume.id), client)
                 if brought != existing:  # a lost export came back on a new loop device: unstage must find it
                     await self._catalog.put_stage(brought)
@@ -127,7 +129,7 @@ class NodeVolumes:
                 shard=await placement.shard_for(self._catalog, volume, self._qsd.count),
             )
             client = self._client(record)
-            await self._hold_key(volume, spec.key, client, staged=False)
+            await self._hold_key(volume, spec, client, staged=False)
             await self._catalog.put_stage(record, durable=False)
             self._failpoints.hit("stage.after_intent")
             try:
@@ -209,27 +211,38 @@ class NodeVolumes:
             await self._catalog.put_publish(dataclasses.replace(record, state=PublishState.PUBLISHED), durable=False)
             log.info("event=published volume_id=%s target=%s readonly=%s", volume.id, spec.target_path, spec.readonly)
 
-    async def _hold_key(self, volume: VolumeRecord, key: VolumeKey | None, client: QSDClient, *, staged: bool) -> None:
+    async def _hold_key(self, volume: VolumeRecord, spec: StageSpec, client: QSDClient, *, staged: bool) -> None:
         """Keep an encrypted volume's key for every later open of its layers, once it is known to open them.
 
-        A staged volume's key must be the one it was opened with. Raises
+        A staged volume's key must be the one it was opened with. The
+        Secret's `previousKey` stands in for its `key` while a rotation has
+        not reached the volume (`csi_qsd.controller.key_rotation`). Raises
         InvalidArgument (no key), PermissionDenied (a key that does not open
         the volume, or another than the one it is open with); nothing changes.
         """
         if not volume.params.encrypted:
             return
+        key, previous = spec.key, spec.previous_key
         if key is None:
             raise InvalidArgument(f"volume {volume.id} is encrypted: stage it with the Secret named by "
                                   f"{NODE_STAGE_SECRET!r}, entry {SECRET_KEY!r}")
         keys = self._exports.host.keys
         held = await asyncio.to_thread(keys.get, volume.id)
         if staged and held is not None:
-            if held != key:
+            if held != key and (previous is None or held != previous):
                 raise PermissionDenied(
                     f"the passphrase in entry {SECRET_KEY!r} of the Secret named by {NODE_STAGE_SECRET!r} is not the "
                     f"one volume {volume.id} is staged with")
             return
-        await attach.check_key(client, dataclasses.replace(self._exports.host.top_image(volume), key=key))
+        top = self._exports.host.top_image(volume)
+        try:
+            await attach.check_key(client, dataclasses.replace(top, key=key))
+        except PermissionDenied:
+            if previous is None:
+                raise
+            await attach.check_key(client, dataclasses.replace(top, key=previous))
+            log.info("event=staged_with_previous_key volume_id=%s key_version=%s", volume.id, volume.key_version)
+            key = previous
         await asyncio.to_thread(keys.put, volume.id, key)
 
     async def unpublish(self, volume_id: str, target_path: Path) -> None:

@@ -153,6 +153,15 @@ class Pool(abc.ABC):
         """Whether `key` unlocks the encrypted image `image` (only a file pool holds encrypted images)."""
         return False
 
+    async def add_key(self, image: Path, opened_by: VolumeKey, key: VolumeKey, *, in_use: bool) -> None:
+        """Give the encrypted image `image` a keyslot for `key` (it opens with `opened_by`); `in_use`: QSD holds it
+        read-only. Raises FailedPrecondition (no pool but a file pool holds encrypted images), HostCommandError."""
+        raise FailedPrecondition(f"pool {self.id} holds no encrypted images")
+
+    async def remove_key(self, image: Path, opened_by: VolumeKey, key: VolumeKey, *, in_use: bool) -> None:
+        """Erase every keyslot of `image` that `key` opens (`opened_by` opens another). Raises as `add_key`."""
+        raise FailedPrecondition(f"pool {self.id} holds no encrypted images")
+
     @abc.abstractmethod
     async def backing_of(self, image: Path) -> str: ...
 

@@ -20,12 +20,12 @@ from csi_qsd.params import DEFAULT_POOL_NAME, ImageFormat, Preallocation, Volume
 from csi_qsd.pools.base import NewImage, Pool, PoolUsage
 from csi_qsd.qcow2 import blank, image_bitmaps, layer_bitmaps
 from csi_qsd.qcow2.granularity import qcow2_options
-from csi_qsd.qsd import file_aio
+from csi_qsd.qsd import encryption, file_aio
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys import durable
 from csi_qsd.sys.durable import fsync_path
-from csi_qsd.sys.run import run
+from csi_qsd.sys.run import run, secret_pipes
 from csi_qsd.sys.volume_keys import VolumeKey
 
 __all__ = ["FilePool", "PoolUsage"]
@@ -34,10 +34,6 @@ TMP_SUFFIX = durable.TMP_SUFFIX
 CHECK_TIMEOUT = 60.0
 CHECK_CACHE_MAX = 4096
 CHECKS_AT_ONCE = 2
-# PBKDF2 time QEMU spends per keyslot when it opens an encrypted layer, in QSD's main loop (its default is
-# 2000 ms, per layer of a chain, stalling every export of that QSD): a passphrase from a Secret should be random,
-# which no iteration count makes stronger or weaker. Creating an image costs QEMU's benchmark of PBKDF2 (~1 s) more.
-LUKS_ITER_TIME_MS = 100
 # qemu-img check's exit codes: 2 corruptions, 3 leaked clusters only (harmless), 63 format without checks (raw).
 _CHECK_CORRUPT = 2
 _CHECK_FINE = (0, 3, 63)
@@ -123,7 +119,7 @@ class FilePool(Pool):
         """
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
-        options = ["encrypt.format=luks", "encrypt.key-secret=key", f"encrypt.iter-time={LUKS_ITER_TIME_MS}",
+        options = ["encrypt.format=luks", "encrypt.key-secret=key", f"encrypt.iter-time={encryption.ITER_TIME_MS}",
                    f"preallocation={preallocation}", "lazy_refcounts=off", *qcow2_options(granularity)]
         argv = [self._qemu_img, "create", "-q", "-f", "qcow2", "--object", "secret,id=key,file=/dev/stdin,format=base64",
                 "-o", ",".join(options)]
@@ -198,6 +194,40 @@ class FilePool(Pool):
         code, _ = await run(self._qemu_img, "check", "-q", "-U", "--object", "secret,id=key,file=/dev/stdin,format=base64",
                             "json:" + json.dumps(spec), timeout=CHECK_TIMEOUT, check=False, stdin=key.base64().encode())
         return code != 1
+
+    async def add_key(self, image: Path, opened_by: VolumeKey, key: VolumeKey, *, in_use: bool) -> None:
+        """A keyslot for `key` in `image`'s LUKS header, written by qemu-img (never QSD: see `_amend_key`)."""
+        await self._amend_key(image, opened_by, key, ["encrypt.state=active", "encrypt.new-secret=k2",
+                                                      f"encrypt.iter-time={encryption.ITER_TIME_MS}"], in_use=in_use)
+
+    async def remove_key(self, image: Path, opened_by: VolumeKey, key: VolumeKey, *, in_use: bool) -> None:
+        """Erase `image`'s keyslots that `key` opens; QEMU refuses to erase the last one (`opened_by` must open
+        another)."""
+        await self._amend_key(image, opened_by, key, ["encrypt.state=inactive", "encrypt.old-secret=k2"],
+                              in_use=in_use)
+
+    async def _amend_key(self, image: Path, opened_by: VolumeKey, key: VolumeKey, options: list[str], *,
+                         in_use: bool) -> None:
+        """`qemu-img amend` of `image`'s LUKS keyslots, opened alone (each layer has its own header) by `opened_by`.
+
+        Both keys come through pipes (`secret_pipes`). `in_use`: QSD holds
+        the image open read-only (a layer below a staged volume's top), so
+        qemu-img opens it without taking QEMU's file locks: it writes only
+        the keyslot area of the LUKS header, which QEMU reads once, when it
+        opens a layer, and a read-only layer never writes. A crash midway
+        leaves a keyslot written or not: LUKS marks a slot active only once
+        its key material is on disk, and erases material only after.
+        """
+        file: dict[str, object] = {"driver": "file", "filename": str(image)}
+        if in_use:
+            file["locking"] = "off"
+        spec = {"driver": "qcow2", "encrypt.key-secret": "k1", "backing": None, "file": file}
+        with secret_pipes(opened_by.base64().encode(), key.base64().encode()) as (first, second):
+            await run(self._qemu_img, "amend", "-q",
+                      "--object", f"secret,id=k1,file=/dev/fd/{first},format=base64",
+                      "--object", f"secret,id=k2,file=/dev/fd/{second},format=base64",
+                      "-o", ",".join(options), "json:" + json.dumps(spec),
+                      timeout=CHECK_TIMEOUT, pass_fds=(first, second))
 
     async def backing_of(self, image: Path) -> str:
         """The absolute backing file an image's header names, or ''."""

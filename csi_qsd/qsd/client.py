@@ -410,6 +410,20 @@ class QSDClient:
                 return dict(info)
         return None
 
+    async def finish_plain_job(self, job_id: str) -> None:
+        """Wait for a job that is no block job (an amend: query-jobs lists it, query-block-jobs does not) and
+        finalizes itself to conclude, then dismiss it; nothing if there is none. QSDError if it failed."""
+        while True:
+            info = next((job for job in await self.execute("query-jobs") if job["id"] == job_id), None)
+            if info is None:
+                return
+            if info["status"] == "concluded":
+                await self.execute("job-dismiss", {"id": job_id})
+                if info.get("error"):
+                    raise QSDError(f"job {job_id} ended without success: {info['error']}")
+                return
+            await asyncio.sleep(JOB_POLL)
+
     async def finish_job(self, job_id: str, before_finalize: Callable[[], Awaitable[None]] | None = None) -> None:
         """Wait for a job made with `JOB_BY_HAND` to end: finalize it from here, dismiss it; QSDError if it failed.
 

@@ -9,9 +9,10 @@ by a tool's message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from csi_qsd.errors import HostCommandError
 
@@ -26,14 +27,39 @@ def tool_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-async def run(*argv: str, timeout: float = 120.0, check: bool = True, stdin: bytes | None = None) -> tuple[int, str]:
+@contextlib.contextmanager
+def secret_pipes(*secrets: bytes) -> Iterator[list[int]]:
+    """One pipe per secret, filled and closed for writing: the read ends, for `run`'s `pass_fds` (`/dev/fd/N`).
+
+    A tool that needs several secrets at once (qemu-img amend: the key that
+    opens an image and the one it adds) reads each from its own pipe, so
+    none is on a command line or in a file. A secret fits a pipe's buffer.
+    """
+    ends: list[int] = []
+    try:
+        for secret in secrets:
+            read, write = os.pipe()
+            ends.append(read)
+            try:
+                os.write(write, secret)
+            finally:
+                os.close(write)
+        yield ends
+    finally:
+        for fd in ends:
+            os.close(fd)
+
+
+async def run(*argv: str, timeout: float = 120.0, check: bool = True, stdin: bytes | None = None,
+              pass_fds: Sequence[int] = ()) -> tuple[int, str]:
     """Run `argv`, return (exit code, stdout); raise HostCommandError with stderr on failure.
 
     `stdin` is fed to the tool through a pipe: how a secret reaches it (QEMU's `file=/dev/stdin`), never argv.
+    `pass_fds` stay open in the tool under their numbers (more secrets, each a pipe: `secret_pipes`).
     """
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=tool_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=tool_env(), pass_fds=pass_fds,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)

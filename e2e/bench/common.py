@@ -408,16 +408,18 @@ class Staged:
 
 async def stage(csi: CSIClient, box: Sandbox, name: str, size: int, parameters: Mapping[str, str] | None = None,
                 *, block: bool = False, fs_type: str = "", publish: bool = True,
-                made: dict[str, Staged] | None = None) -> Staged:
+                made: dict[str, Staged] | None = None, secrets: dict[str, str] | None = None) -> Staged:
     """CreateVolume, NodeStageVolume and NodePublishVolume (unless not `publish`) of a volume named `name`.
 
-    `made` records the volume as soon as it exists, so a failure in between still leaves it to undo.
+    `made` records the volume as soon as it exists, so a failure in between still leaves it to undo;
+    `secrets` go with the create and the stage (an encrypted volume's key).
     """
-    vid = (await csi.create_volume(name, size, dict(parameters or {}), block=block, fs_type=fs_type)).volume_id
+    vid = (await csi.create_volume(name, size, dict(parameters or {}), block=block, fs_type=fs_type,
+                                   secrets=secrets)).volume_id
     volume = Staged(vid, box.staging(name), box.target(name))
     if made is not None:
         made[vid] = volume
-    await csi.stage(vid, str(volume.staging), block=block, fs_type=fs_type)
+    await csi.stage(vid, str(volume.staging), block=block, fs_type=fs_type, secrets=secrets)
     if publish:
         await csi.publish(vid, str(volume.staging), str(volume.target), block=block, fs_type=fs_type)
     return volume
@@ -464,10 +466,11 @@ class ServedBench:
         raise NotImplementedError
 
     async def stage(self, csi: CSIClient, name: str, size: int, parameters: Mapping[str, str] | None = None,
-                    *, block: bool = False, fs_type: str = "", publish: bool = True) -> Staged:
+                    *, block: bool = False, fs_type: str = "", publish: bool = True,
+                    secrets: dict[str, str] | None = None) -> Staged:
         """`stage` of a volume this run undoes."""
         volume = await stage(csi, self.box, name, size, parameters, block=block, fs_type=fs_type, publish=publish,
-                             made=self.staged)
+                             made=self.staged, secrets=secrets)
         self.volumes.append(volume.id)
         return volume
 

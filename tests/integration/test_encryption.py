@@ -23,7 +23,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.publish import vhost_user
 from csi_qsd.sys import mounts
 from csi_qsd.sys.tools import bundled
-from tests.harness import DriverProcess, Sandbox, crash_qsd, write_synced
+from tests.harness import DriverProcess, Sandbox, crash_qsd, refused, write_synced
 
 MIB = 1 << 20
 ENCRYPTED = {"encrypted": "true"}
@@ -55,14 +55,6 @@ def _luks(image: Path) -> bool:
     return bool(info.get("encrypted")) and info["format-specific"]["data"]["encrypt"]["format"] == "luks"
 
 
-async def _refused(call: object, code: grpc.StatusCode, *names: str) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
-    assert info.value.code() == code, info.value.details()
-    for name in names:
-        assert name in (info.value.details() or "")
-
-
 async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_checked_kept_and_never_logged(
         box: Sandbox, process: DriverProcess) -> None:
     key = "k-" + secrets.token_urlsafe(24)
@@ -70,16 +62,16 @@ async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_c
     marker, later = _marker(), _marker()
     csi = CSIClient(box.endpoint, timeout=120)
     try:
-        await _refused(csi.create_volume("pvc-enc", 64 * MIB, ENCRYPTED), grpc.StatusCode.INVALID_ARGUMENT,
+        await refused(csi.create_volume("pvc-enc", 64 * MIB, ENCRYPTED), grpc.StatusCode.INVALID_ARGUMENT,
                        "csi.storage.k8s.io/provisioner-secret-name", "'key'")
         vid = (await csi.create_volume("pvc-enc", 64 * MIB, ENCRYPTED, secrets=secret)).volume_id
         (image,) = _images(box)
         assert _luks(image)
 
         staging, target = box.staging("enc"), box.target("pod")
-        await _refused(csi.stage(vid, str(staging)), grpc.StatusCode.INVALID_ARGUMENT,
+        await refused(csi.stage(vid, str(staging)), grpc.StatusCode.INVALID_ARGUMENT,
                        "csi.storage.k8s.io/node-stage-secret-name", vid)
-        await _refused(csi.stage(vid, str(staging), secrets={"key": key + "x"}), grpc.StatusCode.PERMISSION_DENIED,
+        await refused(csi.stage(vid, str(staging), secrets={"key": key + "x"}), grpc.StatusCode.PERMISSION_DENIED,
                        "csi.storage.k8s.io/node-stage-secret-name", vid)
         assert mounts.mounted_at(staging) is None
         assert not (box.runtime_dir / "keys" / vid).exists()
@@ -93,14 +85,14 @@ async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_c
         await crash_qsd(box, csi, vid, target)  # the rebuild opens both layers with the key the node holds
         assert (target / "pattern").read_bytes().startswith(marker)
         assert (target / "later").read_bytes().startswith(later)
-        await _refused(csi.stage(vid, str(staging), secrets={"key": key + "x"}), grpc.StatusCode.PERMISSION_DENIED,
+        await refused(csi.stage(vid, str(staging), secrets={"key": key + "x"}), grpc.StatusCode.PERMISSION_DENIED,
                        vid)
 
         restored = (await csi.create_volume("pvc-restored", 64 * MIB, ENCRYPTED, from_snapshot=snapshot.snapshot_id,
                                             secrets=secret)).volume_id
-        await _refused(csi.create_volume("pvc-plain", 64 * MIB, from_snapshot=snapshot.snapshot_id),
+        await refused(csi.create_volume("pvc-plain", 64 * MIB, from_snapshot=snapshot.snapshot_id),
                        grpc.StatusCode.INVALID_ARGUMENT, snapshot.snapshot_id)
-        await _refused(csi.create_volume("pvc-wrong", 64 * MIB, ENCRYPTED, from_snapshot=snapshot.snapshot_id,
+        await refused(csi.create_volume("pvc-wrong", 64 * MIB, ENCRYPTED, from_snapshot=snapshot.snapshot_id,
                                          secrets={"key": "wrong"}), grpc.StatusCode.PERMISSION_DENIED,
                        "csi.storage.k8s.io/provisioner-secret-name")
         staging2, target2 = box.staging("restored"), box.target("pod-2")
@@ -161,9 +153,9 @@ async def test_a_block_volume_is_ciphertext_and_grows(box: Sandbox, process: Dri
         assert _luks(image) and not _holds(image, marker) and not _holds(image, key.encode())
 
         # Not staged: a snapshot's new top needs the key from the snapshotter's Secret, checked first.
-        await _refused(csi.create_snapshot("snap-unstaged", vid), grpc.StatusCode.INVALID_ARGUMENT,
+        await refused(csi.create_snapshot("snap-unstaged", vid), grpc.StatusCode.INVALID_ARGUMENT,
                        "csi.storage.k8s.io/snapshotter-secret-name", vid)
-        await _refused(csi.create_snapshot("snap-unstaged", vid, secrets={"key": "wrong"}),
+        await refused(csi.create_snapshot("snap-unstaged", vid, secrets={"key": "wrong"}),
                        grpc.StatusCode.PERMISSION_DENIED, "csi.storage.k8s.io/snapshotter-secret-name", vid)
         assert _images(box) == [image]
         await csi.create_snapshot("snap-unstaged", vid, secrets={"key": key})

@@ -69,3 +69,16 @@ async def test_a_failed_migration_leaves_schema_2_untouched(tmp_path: Path, monk
         assert "qos" not in columns
     finally:
         db.close()
+
+
+async def test_a_migrated_volume_has_no_key_version_and_keeps_the_one_set(tmp_path: Path) -> None:
+    """Schema 8: the version of an encrypted volume's key; rows from before read as '' (an unversioned key)."""
+    path = tmp_path / "catalog.db"
+    write_v2_catalog(path)
+    async with Catalog(path) as catalog:
+        volume = await catalog.volume(VOLUME_ID)
+        assert volume is not None and volume.key_version == ""
+        await catalog.set_volume(dataclasses.replace(volume, key_version="2026-11"))
+    async with Catalog(path) as catalog:
+        volume = await catalog.volume(VOLUME_ID)
+        assert volume is not None and volume.key_version == "2026-11"

@@ -247,3 +247,20 @@ def test_encrypted_survives_the_catalog_s_json_and_old_rows_read_as_plain() -> N
     params = P.parse_parameters({"encrypted": "true"})
     assert P.VolumeParameters.from_json(params.to_json()).encrypted is True
     assert P.VolumeParameters.from_json(json.dumps({"format": "qcow2"})).encrypted is False
+
+
+def test_a_key_version_is_a_mutable_parameter_beside_the_limits_and_a_secret_entry() -> None:
+    assert P.wanted_key_version({"iopsTotal": "5"}) is None
+    assert P.wanted_key_version({"keyVersion": "v2.1_b-3"}) == "v2.1_b-3"
+    assert P.parse_mutable_parameters({"keyVersion": "2", "iopsTotal": "5"}) == P.QoS(iops_total=5)
+    for bad in ("", "-2", "a b", "x" * 64, "2/3"):
+        with pytest.raises(InvalidArgument, match="keyVersion"):
+            P.wanted_key_version({"keyVersion": bad})
+        if bad:
+            with pytest.raises(InvalidArgument, match="controller-modify-secret-name"):
+                P.key_version({"keyVersion": bad}, P.CONTROLLER_MODIFY_SECRET)
+    with pytest.raises(InvalidArgument, match="supported: .*keyVersion"):
+        P.parse_mutable_parameters({"keyVersoin": "2"})
+    assert P.key_version({}, P.PROVISIONER_SECRET) == ""
+    assert P.previous_key({"previousKey": ""}) is None
+    assert P.previous_key({"previousKey": "old"}) == VolumeKey("old")
