@@ -23,19 +23,10 @@ import time
 from typing import Any
 
 from e2e.cluster import examples as ex
+from e2e.cluster import writer
 from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks, report
 from e2e.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_until
-from e2e.cluster.test_faults import (
-    HEAL_BOUND,
-    HEALING_WRITER,
-    _container,
-    _deployment,
-    _kill_container,
-    _pod_spec,
-    _running_pod_of,
-    _wait_restarted,
-)
 
 pytestmark = cluster_marks()
 
@@ -88,9 +79,9 @@ def test_an_encrypted_claim_rotates_its_key_under_a_writer_and_survives_plugin_a
     started = time.monotonic()
     try:
         ex.apply(cluster, ns, objects)
-        ex.apply(cluster, ns, [_claim(ns), _deployment("writer", _pod_spec("sealed", HEALING_WRITER))])
-        writer = _running_pod_of(cluster, ns, "writer")
-        name = writer["metadata"]["name"]
+        ex.apply(cluster, ns, [_claim(ns),
+                               writer.deployment("writer", writer.pod_spec("sealed", writer.HEALING_WRITER))])
+        name = writer.running_pod_of(cluster, ns, "writer")["metadata"]["name"]
         pv = get_json(cluster, "pv", get_json(cluster, "-n", ns, "pvc", "sealed")["spec"]["volumeName"])
         handle = pv["spec"]["csi"]["volumeHandle"]
         assert pv["metadata"]["annotations"].get("volume.kubernetes.io/controller-modify-secret-name") == secret
@@ -119,23 +110,24 @@ def test_an_encrypted_claim_rotates_its_key_under_a_writer_and_survives_plugin_a
         assert "IOERR" not in logged(), logged()
 
         # The plugin container killed: the writer goes on, the node keeps the new key in its tmpfs.
-        restarted = _kill_container(cluster, "csi-qsd")
-        _wait_restarted(cluster, "csi-qsd", restarted)
+        restarted = writer.kill_container(cluster, "csi-qsd")
+        writer.wait_restarted(cluster, "csi-qsd", restarted)
         at_plugin = _acks(logged())
         wait_until(lambda: _acks(logged()) >= at_plugin + 20, 60, "20 more acknowledged writes after the plugin")
         text = logged()
-        assert "IOERR" not in text and _container(get_json(cluster, "-n", ns, "pod", name), "app")["restartCount"] == 0
+        assert "IOERR" not in text
+        assert writer.container_status(get_json(cluster, "-n", ns, "pod", name), "app")["restartCount"] == 0
         acked = _acks(text)
 
         # QSD's container killed: the driver opens the chain again with the node's key and remakes the pod.
         killed = time.monotonic()
-        before = _kill_container(cluster, "qsd")
-        _wait_restarted(cluster, "qsd", before)
-        wait_until(lambda: _running_pod_of(cluster, ns, "writer")["metadata"]["name"] != name, HEAL_BOUND,
-                   "the driver to remake the writer's pod")
-        new_name = _running_pod_of(cluster, ns, "writer")["metadata"]["name"]
-        wait_until(lambda: _acks(cluster.kubectl("logs", "-n", ns, new_name).stdout) >= acked + 20, HEAL_BOUND,
-                   "20 acknowledged writes from the new writer")
+        before = writer.kill_container(cluster, "qsd")
+        writer.wait_restarted(cluster, "qsd", before)
+        wait_until(lambda: writer.running_pod_of(cluster, ns, "writer")["metadata"]["name"] != name,
+                   writer.HEAL_BOUND, "the driver to remake the writer's pod")
+        new_name = writer.running_pod_of(cluster, ns, "writer")["metadata"]["name"]
+        wait_until(lambda: _acks(cluster.kubectl("logs", "-n", ns, new_name).stdout) >= acked + 20,
+                   writer.HEAL_BOUND, "20 acknowledged writes from the new writer")
         healed_in = time.monotonic() - killed
         numbers = [int(r) for r in ex.pod_exec(cluster, ns, new_name, "cat /data/log").split()]
         assert numbers[:acked] == list(range(1, acked + 1)), f"acknowledged writes lost ({acked} acknowledged)"

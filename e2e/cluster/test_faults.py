@@ -28,14 +28,6 @@ from e2e.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_daem
 
 pytestmark = cluster_marks()
 
-def _kill_container(cluster: Cluster, name: str) -> int:
-    """SIGKILL one container of the node plugin's pod, as an OOM kill or a crash would; its restart count before."""
-    status = writer.container_status(driver_pod(cluster), name)
-    container_id = status["containerID"].split("://", 1)[1]
-    cluster.ctr("tasks", "kill", "--signal", "SIGKILL", container_id)
-    return int(status["restartCount"])
-
-
 def _upgrade_plugin_in_place(cluster: Cluster) -> None:
     """deploy/README.md's upgrade: a new image in the DaemonSet's template, then the running pod's image set in place.
 
@@ -65,7 +57,7 @@ def test_pod_writes_through_a_plugin_fault(cluster: Cluster, test_namespace: str
     qsd_restarts = int(writer.container_status(driver_pod(cluster), "qsd")["restartCount"])
     wait_until(lambda: writer.acks(cluster, test_namespace)[0] >= 20, 60, "the writer's first 20 acknowledged writes")
     if fault == "plugin-container-killed":
-        before = _kill_container(cluster, "csi-qsd")
+        before = writer.kill_container(cluster, "csi-qsd")
         writer.wait_restarted(cluster, "csi-qsd", before)
     else:
         _upgrade_plugin_in_place(cluster)
@@ -92,21 +84,6 @@ def _new_claim_works(cluster: Cluster, namespace: str, name: str) -> None:
                        "echo fresh | dd of=/data/fresh conv=fsync 2>/dev/null && cat /data/fresh").strip() == "fresh"
 
 
-# The Deployment's writer: numbers its records on from what the file holds, never exits on an I/O error (the
-# old pod goes on failing on the dead mount until the driver deletes it), and retries the record it failed.
-HEALING_WRITER = r"""
-i=$(( $(cat /data/log 2>/dev/null | wc -l) + 0 ))
-while :; do
-  i=$((i+1))
-  printf '%08d\n' $i > /tmp/record
-  if ! dd if=/tmp/record of=/data/log bs=9 oflag=append conv=notrunc,fsync 2>/tmp/err; then
-    echo "IOERR $i $(cat /tmp/err)"; i=$((i-1)); sleep 0.5; continue
-  fi
-  echo "ACK $i"
-  sleep 0.05
-done
-"""
-HEAL_BOUND = 120.0  # seconds from QSD's container ready again to the Deployment's new writer acknowledging writes
 EVENT_REASON = "VolumeDataPathRebuilt"  # csi_qsd.csi.heal_plan
 
 
@@ -114,35 +91,6 @@ def _claim(name: str) -> dict[str, Any]:
     pvc = ex.pick(ex.example("filesystem-pod.yaml"), "PersistentVolumeClaim")
     pvc["metadata"]["name"] = name
     return pvc
-
-
-def _pod_spec(claim: str, script: str, propagation: str = "") -> dict[str, Any]:
-    spec = ex.pick(ex.example("filesystem-pod.yaml"), "Pod")["spec"]
-    spec["containers"][0]["args"] = [script]
-    spec["volumes"][0]["persistentVolumeClaim"]["claimName"] = claim
-    spec["terminationGracePeriodSeconds"] = 2  # sh as PID 1 ignores SIGTERM
-    if propagation:
-        spec["containers"][0]["volumeMounts"][0]["mountPropagation"] = propagation
-    return spec  # type: ignore[no-any-return]
-
-
-def _deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
-            "spec": {"replicas": 1, "selector": {"matchLabels": {"heal": name}},
-                     "template": {"metadata": {"labels": {"heal": name}}, "spec": spec}}}
-
-
-def _pods_of(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
-    """The pods of Deployment `name`, not being deleted."""
-    pods = get_json(cluster, "-n", namespace, "pods", "-l", f"heal={name}")["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
-def _running_pod_of(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    def one_running() -> dict[str, Any] | None:
-        pods = [p for p in _pods_of(cluster, namespace, name) if p["status"].get("phase") == "Running"]
-        return pods[0] if len(pods) == 1 else None
-    return wait_until(one_running, 180, f"a running pod of {name}", interval=1)  # type: ignore[no-any-return]
 
 
 class _Log:
@@ -193,14 +141,14 @@ def _block_deployment() -> tuple[dict[str, Any], dict[str, Any]]:
     pvc["metadata"]["name"] = spec["volumes"][0]["persistentVolumeClaim"]["claimName"] = "heal-block"
     spec["containers"][0]["args"] = ["exec sleep 3600000"]
     spec["terminationGracePeriodSeconds"] = 2
-    return pvc, _deployment("block", spec)
+    return pvc, writer.deployment("block", spec)
 
 
 def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, test_namespace: str) -> None:
     """QSD's container SIGKILLed under four pods, each with its own volume (docs/crashes-and-recovery.md).
 
     Expected, one outcome each: the Deployment's writer (fsync per record) is deleted by the driver and made
-    again by its ReplicaSet within HEAL_BOUND s of QSD being back, the new pod reads every record the old one
+    again by its ReplicaSet within writer.HEAL_BOUND s of QSD being back, the new pod reads every record the old one
     acknowledged and writes on, and the claim keeps its PersistentVolume; the bare pod is kept, with an event
     naming its volume and the crash; the Deployment whose pod mounts with mountPropagation HostToContainer is
     kept, with an event, and writes with fsync through its mount (it received the new mount); the Deployment
@@ -211,13 +159,13 @@ def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, te
     ex.apply(cluster, ns, [_claim("heal-writer"), _claim("heal-bare"), _claim("heal-propagation"), block_claim])
     bare = ex.pick(ex.example("filesystem-pod.yaml"), "Pod")
     bare["metadata"] = {"name": "bare"}
-    bare["spec"] = _pod_spec("heal-bare", "exec sleep 3600000")
-    ex.apply(cluster, ns, [_deployment("writer", _pod_spec("heal-writer", HEALING_WRITER)), bare,
-                           _deployment("receiver", _pod_spec("heal-propagation", "exec sleep 3600000",
+    bare["spec"] = writer.pod_spec("heal-bare", "exec sleep 3600000")
+    ex.apply(cluster, ns, [writer.deployment("writer", writer.pod_spec("heal-writer", writer.HEALING_WRITER)), bare,
+                           writer.deployment("receiver", writer.pod_spec("heal-propagation", "exec sleep 3600000",
                                                              propagation="HostToContainer")), block])
-    old_writer = _running_pod_of(cluster, ns, "writer")
-    receiver = _running_pod_of(cluster, ns, "receiver")
-    old_block = _running_pod_of(cluster, ns, "block")
+    old_writer = writer.running_pod_of(cluster, ns, "writer")
+    receiver = writer.running_pod_of(cluster, ns, "receiver")
+    old_block = writer.running_pod_of(cluster, ns, "block")
     bare_pod = ex.wait_pod_running(cluster, ns, "bare")
     ex.pod_exec(cluster, ns, receiver["metadata"]["name"],
                 "echo before | dd of=/data/before conv=fsync 2>/dev/null")
@@ -230,24 +178,24 @@ def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, te
     try:
         wait_until(lambda: old_log.acks() >= 20, 60, "the writer's first 20 acknowledged writes")
         killed = time.monotonic()
-        before = _kill_container(cluster, "qsd")
+        before = writer.kill_container(cluster, "qsd")
         writer.wait_restarted(cluster, "qsd", before)
         qsd_back = time.monotonic()
         # The old writer's container ends when the driver deletes its pod; its log then holds every ACK.
-        old_text = old_log.wait_ended(HEAL_BOUND)
+        old_text = old_log.wait_ended(writer.HEAL_BOUND)
     finally:
         old_log.close()
     acked = max(int(n) for n in re.findall(r"^ACK (\d+)$", old_text, re.M))
     assert re.search(r"^IOERR ", old_text, re.M), "the old writer never hit the dead mount"
 
-    new_writer = _running_pod_of(cluster, ns, "writer")
+    new_writer = writer.running_pod_of(cluster, ns, "writer")
     assert new_writer["metadata"]["uid"] != old_writer["metadata"]["uid"]
     new_name = new_writer["metadata"]["name"]
 
     def new_acks() -> int:
         log = cluster.kubectl("logs", "-n", ns, new_name).stdout
         return max((int(n) for n in re.findall(r"^ACK (\d+)$", log, re.M)), default=0)
-    wait_until(lambda: new_acks() >= acked + 1, max(1.0, HEAL_BOUND - (time.monotonic() - qsd_back)),
+    wait_until(lambda: new_acks() >= acked + 1, max(1.0, writer.HEAL_BOUND - (time.monotonic() - qsd_back)),
                "the new writer's first acknowledged write")
     writing_after = time.monotonic() - killed
     wait_until(lambda: new_acks() >= acked + 20, 60, "20 acknowledged writes from the new writer")
@@ -268,7 +216,7 @@ def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, te
         and "died" in bare_event["message"], bare_event["message"]
 
     # The HostToContainer pod: kept, told, and it writes through the mount it received.
-    receiver_now = _running_pod_of(cluster, ns, "receiver")
+    receiver_now = writer.running_pod_of(cluster, ns, "receiver")
     assert receiver_now["metadata"]["uid"] == receiver["metadata"]["uid"]
     [receiver_event] = _events(cluster, ns, receiver["metadata"]["name"])
     assert "HostToContainer" in receiver_event["message"], receiver_event["message"]
@@ -277,10 +225,10 @@ def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, te
                        "cat /data/after").split() == ["before", "after"]
 
     # The block pod: made again, and its device holds what was synced before the crash.
-    new_block = _running_pod_of(cluster, ns, "block")
+    new_block = writer.running_pod_of(cluster, ns, "block")
     assert new_block["metadata"]["uid"] != old_block["metadata"]["uid"]
     block_after = time.monotonic() - killed
-    assert block_after - (qsd_back - killed) <= HEAL_BOUND, block_after
+    assert block_after - (qsd_back - killed) <= writer.HEAL_BOUND, block_after
     assert ex.pod_exec(cluster, ns, new_block["metadata"]["name"],
                        "dd if=/dev/xvda bs=4096 count=1 2>/dev/null | head -c 13") == "synced-before"
     [block_event] = _events(cluster, ns, old_block["metadata"]["name"])
@@ -293,6 +241,6 @@ def test_qsd_killed_heals_a_deployment_and_tells_a_bare_pod(cluster: Cluster, te
                                                "-c", "csi-qsd").stdout.splitlines() if "event=pod_healed" in line]
     assert len(healed) == 4, healed
     report(f"QSD killed: container ready again {qsd_back - killed:.1f} s after the kill; the writer's new pod "
-           f"acknowledged its first write {writing_after:.1f} s after the kill (bound: {HEAL_BOUND:g} s after QSD "
+           f"acknowledged its first write {writing_after:.1f} s after the kill (bound: {writer.HEAL_BOUND:g} s after QSD "
            f"is back), the block pod ran again by {block_after:.1f} s; {acked} acknowledged records, all read "
            f"back by the new pod ({len(numbers)} in the file)")
