@@ -1,4 +1,4 @@
-"""Test-wide guards: no test may leak an asyncio task; every test uses one QEMU.
+"""Test-wide guards: no test may leak an asyncio task; every test uses one QEMU; no tier is skipped silently.
 
 By default tests use the QEMU the install put into the venv (>= 10.0.8 on a
 Debian 12 host). `CSI_QSD_HOST_QEMU=1` runs them against the host's own
@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
+from tests import tiers
 
 if os.environ.get("CSI_QSD_HOST_QEMU") == "1":
     os.environ.setdefault("CSI_QSD_QSD_BINARY", "/usr/bin/qemu-storage-daemon")
@@ -45,6 +47,16 @@ def _orphaned_loop_devices() -> set[str]:
         except OSError:
             continue  # detached meanwhile
     return found
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test whose tier lacks a tool fails in CI and is skipped elsewhere, before its fixtures build anything."""
+    tiers.enforce(item)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    tiers.report(terminalreporter.write_line)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

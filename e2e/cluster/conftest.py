@@ -24,6 +24,7 @@ from e2e.cluster import deploy, prebuilt
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
 from e2e.cluster.versions import KUBERNETES
+from tests import tiers
 
 TOOLS = ("go", "gcc", "containerd", "runc", "podman", "mmdebstrap", "iptables", "nsenter", "unshare")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None] + prebuilt.missing()
@@ -31,9 +32,8 @@ _REPORT: list[str] = []
 
 
 def cluster_marks() -> list[pytest.MarkDecorator]:
-    """`pytestmark` for a cluster-tier module: marked, and skipped naming any missing tool."""
-    return [pytest.mark.cluster,
-            pytest.mark.skipif(bool(_MISSING), reason=f"cluster tier needs {', '.join(_MISSING)}")]
+    """`pytestmark` for a cluster-tier module: marked; a missing tool fails it in CI, else skips it, naming the tool."""
+    return [pytest.mark.cluster, tiers.needs("cluster", _MISSING)]
 
 
 # Package scope: the cluster goes when the tier's last test is done, not at the end of the whole suite
