@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import deploy, prebuilt
+from e2e.cluster import deploy, examples, prebuilt
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
 from e2e.cluster.versions import KUBERNETES
@@ -134,6 +134,43 @@ def test_namespace(cluster: Cluster) -> Iterator[str]:
     cluster.kubectl("delete", "-n", name, "pods", "--all", "--grace-period=1", "--wait=true", "--timeout=120s",
                     check=False, timeout=150)
     cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=180s", check=False, timeout=200)
+    examples.delete_owned(cluster, name)  # what the test applied outside it: StorageClasses, RBAC, VolumeAttributesClasses
+
+
+LAST = "cluster_tier_last"
+_OUTCOMES: dict[str, list[tuple[str, str]]] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{LAST}: runs after every other cluster test (it checks what they did)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `cluster_tier_last` move behind the tier's last test (still inside the package: same cluster)."""
+    last = [item for item in items if item.get_closest_marker(LAST)]
+    for item in last:
+        items.remove(item)
+    tier = [i for i, item in enumerate(items) if Path(__file__).parent in Path(item.path).parents]
+    at = tier[-1] + 1 if tier else len(items)
+    items[at:at] = last
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _OUTCOMES.setdefault(report.nodeid, []).append((report.when, report.outcome))
+
+
+def outcome(test: str) -> str:
+    """How `test` (a node ID without its parameters) did in this run: "passed" (every parameter's setup, call and
+    teardown), or what happened instead."""
+    runs = {nodeid: phases for nodeid, phases in _OUTCOMES.items() if nodeid == test or nodeid.startswith(f"{test}[")}
+    if not runs:
+        return "did not run in this run"
+    bad = {nodeid: [f"{when} {result}" for when, result in phases if result != "passed"]
+           for nodeid, phases in runs.items()}
+    bad = {nodeid: phases for nodeid, phases in bad.items() if phases}
+    if bad:
+        return "; ".join(f"{nodeid}: {', '.join(phases)}" for nodeid, phases in bad.items())
+    return "passed" if all(any(when == "call" for when, _ in phases) for phases in runs.values()) else "never called"
 
 
 def report(line: str) -> None:
