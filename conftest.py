@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import tiers
+from tests import tiers, timeouts
 
 if os.environ.get("CSI_QSD_HOST_QEMU") == "1":
     os.environ.setdefault("CSI_QSD_QSD_BINARY", "/usr/bin/qemu-storage-daemon")
@@ -47,6 +47,15 @@ def _orphaned_loop_devices() -> set[str]:
         except OSError:
             continue  # detached meanwhile
     return found
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test gets its tier's time limit (tests/timeouts.py), or its own `timeout` mark's seconds."""
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        explicit = (mark.args[0] if mark.args else mark.kwargs.get("timeout")) if mark else None
+        limit = timeouts.limit_for(Path(item.path).relative_to(config.rootpath).as_posix(), explicit)
+        item.add_marker(pytest.mark.timeout(limit.seconds, func_only=limit.func_only), append=False)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -169,6 +169,7 @@ def _kill_and_wait(cluster: Cluster, name: str) -> None:
     wait_daemonset_ready(cluster)
 
 
+@pytest.mark.timeout(2400)  # its own bounds add up to 2280 s: a TCG guest writes 3000 fsynced blocks through two faults
 def test_vm_pod_rides_through_plugin_and_qsd_restarts(cluster: Cluster, test_namespace: str, guest_dir: Path) -> None:
     claim = _claim(cluster, test_namespace)
     pod = _vm_pod("vm-faults", claim, "faults", guest_dir)
