@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -77,7 +76,7 @@ from e2e.guest import (
     write_summaries,
 )
 from e2e.helpers.served import Served, provision, serving
-from tests import tiers
+from tests import owner, tiers
 from tests.harness import DriverProcess, qemu_io_session, qsd_pid
 
 pytestmark = e2e_marks()
@@ -239,7 +238,7 @@ def assert_ticks_clean(clock: ConsoleClock) -> None:
 @contextlib.contextmanager
 def short_dir() -> Iterator[Path]:
     """A private directory with a short path (UNIX socket paths are limited to 107 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="cq10", dir="/tmp"))
+    root = owner.make_base("cq10")
     try:
         yield root
     finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from e2e.cluster import deploy, examples, prebuilt
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
 from e2e.cluster.versions import KUBERNETES
-from tests import tiers
+from tests import owner, tiers
 
 TOOLS = ("go", "gcc", "containerd", "runc", "podman", "mmdebstrap", "iptables", "nsenter", "unshare")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None] + prebuilt.missing()
@@ -45,7 +44,7 @@ def built() -> Built:
 
 @pytest.fixture(scope="package")
 def cluster(built: Built) -> Iterator[Cluster]:
-    base = Path(tempfile.mkdtemp(prefix="csi-qsd-cluster-", dir="/var/tmp"))
+    base = owner.make_base("csi-qsd-cluster-", Path("/var/tmp"))
     running = Cluster(base, Binaries(built.kubernetes))
     problems: list[str] = []
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,12 +10,13 @@ from pathlib import Path
 from e2e.cluster import deploy
 from e2e.cluster.build import Built
 from e2e.cluster.cluster import Binaries, Cluster
+from tests import owner
 
 
 @contextmanager
 def deployed_cluster(built: Built) -> Iterator[Cluster]:
     """A started cluster with the snapshot CRDs and controller and csi-qsd (`kubectl apply -k`); removed after."""
-    base = Path(tempfile.mkdtemp(prefix="csi-qsd-bench-cluster-", dir="/var/tmp"))
+    base = owner.make_base("csi-qsd-bench-cluster-", Path("/var/tmp"))
     cluster = Cluster(base, Binaries(built.kubernetes))
     try:
         cluster.start(list(built.images))
