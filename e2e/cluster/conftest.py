@@ -4,12 +4,19 @@ The cluster is built (or found in the cache), started, given the snapshot
 CRDs and controller, and csi-qsd is deployed with `kubectl apply -k` of the
 overlay. At the end every test namespace is deleted first, so the driver
 unpublishes, unstages and deletes what the tests made as it would in a real
-cluster; what it leaves (a mount, a loop device, a QSD export) fails the
-session, and then the node is killed and its cgroup and link removed.
+cluster; what it leaves fails the session: a PersistentVolume or a
+VolumeSnapshotContent (a retained snapshot), a volume or snapshot still in a
+node's catalog (asked over CSI: ListVolumes, ListSnapshots), a QSD export:
+FUSE (a mount) or on a UNIX socket (vhost-user-blk, NBD: a socket QSD listens
+on, other than its monitor's), a pod's mount, a loop device over a node's
+FUSE exports. QSD's monitor cannot be asked for its exports: it takes one
+client, and the driver holds it. Then the nodes are killed and their cgroups
+and links removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -19,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from csi_qsd.csi.client import CSIClient
 from e2e.cluster import deploy, examples, prebuilt
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
@@ -109,6 +117,11 @@ def _graceful_teardown(cluster: Cluster) -> list[str]:
                           "every PersistentVolume to be deleted")
     except TimeoutError as error:
         problems.append(str(error))
+    try:
+        deploy.wait_until(lambda: not _driver_leftovers(cluster), 120,
+                          "no VolumeSnapshotContent, no volume or snapshot in a catalog, no export in a QSD")
+    except TimeoutError:
+        problems += _driver_leftovers(cluster)
     node_mounts = cluster.node.run(["findmnt", "-rn", "-o", "TARGET,FSTYPE"], check=False).stdout.splitlines()
     left = [m for m in node_mounts if "/volumes/kubernetes.io~csi/" in m or "/volumeDevices/kubernetes.io~csi/" in m
             or "/plugins/kubernetes.io/csi/" in m or m.startswith("/var/lib/csi-qsd/") and "fuse" in m]
@@ -117,6 +130,26 @@ def _graceful_teardown(cluster: Cluster) -> list[str]:
         # Detached anyway when the node stops: the host keeps no loop device once the node is gone.
         problems += [f"loop device {device} over one of {node.name}'s FUSE exports" for device in node.loop_devices()]
     return problems
+
+
+def _driver_leftovers(cluster: Cluster) -> list[str]:
+    """What the driver still holds once every claim is gone: VolumeSnapshotContents, each node's catalog (volumes and
+    snapshots, over the node's CSI socket) and the UNIX sockets its QSD exports on (vhost-user-blk, NBD)."""
+    left = [f"VolumeSnapshotContent {c['metadata']['name']} (deletionPolicy {c['spec'].get('deletionPolicy')})"
+            for c in deploy.get_json(cluster, "volumesnapshotcontents")["items"]]
+    for node in cluster.nodes:
+        left += asyncio.run(_catalog_leftovers(node.name, node.namespace.base))
+        listening = node.namespace.run(["ss", "-xlpH"], check=False).stdout.splitlines()
+        left += [f"{node.name}: QSD export socket {line.split()[4]}" for line in listening
+                 if '"qemu-storage-da' in line and not line.split()[4].endswith("/qmp.sock")]
+    return left
+
+
+async def _catalog_leftovers(name: str, root: Path) -> list[str]:
+    """`root`: the node's directory, bound on its /var/lib/kubelet (`kubelet`): the driver's socket is there."""
+    async with CSIClient(f"unix://{root / 'kubelet' / 'plugins' / 'csi-qsd.io' / 'csi.sock'}", timeout=30) as csi:
+        left = [f"{name}: volume {v.volume_id} in the catalog" for v in await csi.list_volumes()]
+        return left + [f"{name}: snapshot {s.snapshot_id} in the catalog" for s in await csi.list_snapshots()]
 
 
 @pytest.fixture
