@@ -1,4 +1,5 @@
-"""Test-wide guards: no test may leak an asyncio task; every test uses one QEMU.
+"""Test-wide guards: no test may leak an asyncio task; every test uses one QEMU; no tier is skipped silently;
+every test has a time limit; a run starts by sweeping what a killed run left.
 
 By default tests use the QEMU the install put into the venv (>= 10.0.8 on a
 Debian 12 host). `CSI_QSD_HOST_QEMU=1` runs them against the host's own
@@ -14,6 +15,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
+from tests import stale_runs, tiers, timeouts
 
 if os.environ.get("CSI_QSD_HOST_QEMU") == "1":
     os.environ.setdefault("CSI_QSD_QSD_BINARY", "/usr/bin/qemu-storage-daemon")
@@ -47,7 +50,34 @@ def _orphaned_loop_devices() -> set[str]:
     return found
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test gets its tier's time limit (tests/timeouts.py), or its own `timeout` mark's seconds."""
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        explicit = (mark.args[0] if mark.args else mark.kwargs.get("timeout")) if mark else None
+        limit = timeouts.limit_for(Path(item.path).relative_to(config.rootpath).as_posix(), explicit)
+        item.add_marker(pytest.mark.timeout(limit.seconds, func_only=limit.func_only), append=False)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test whose tier lacks a tool fails in CI and is skipped elsewhere, before its fixtures build anything."""
+    tiers.enforce(item)
+
+
+_SWEPT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _SWEPT:
+        terminalreporter.write_line(f"swept at the start, left by a killed run: {'; '.join(_SWEPT)}")
+    tiers.report(terminalreporter.write_line)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    """Sweep what a killed run left (tests/stale_runs.py: only what it provably made), then count orphans."""
+    if os.geteuid() == 0 and not hasattr(session.config, "workerinput"):
+        _SWEPT.extend(stale_runs.sweep_all())
     _ORPHANS_AT_START.update(_orphaned_loop_devices())
 
 

@@ -25,6 +25,7 @@ from e2e.bench.common import verdict
 from e2e.bench.load import Load, report
 from e2e.conftest import e2e_marks
 from e2e.helpers import shared_bin
+from tests import tiers
 from tests.harness import Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,8 +100,8 @@ def run_bench(module: str, args: list[str], timeout: float = 120) -> str:
 
 
 def smoke(test: T) -> T:
-    """Marked e2e; skipped (saying why) without root or a tool the benches run."""
-    marks = [pytest.mark.skipif(os.geteuid() != 0, reason="the benches stage volumes: root, FUSE, loop devices"),
+    """Marked e2e; without root or a tool the benches run, failed in CI and skipped elsewhere (tests.tiers)."""
+    marks = [tiers.needs("e2e", "root (the benches stage volumes: FUSE, loop devices)" if os.geteuid() != 0 else ""),
              *e2e_marks(TOOLS)]
     for mark in marks:
         test = mark(test)
@@ -129,8 +130,7 @@ def test_dataplane_runs_its_baseline_in_the_drivers_loop_mode() -> None:
 
 
 @smoke
-@pytest.mark.skipif(vs_hostpath.find_reference() is None,
-                    reason=f"no hostpathplugin in {shared_bin.directory()} or on PATH")
+@tiers.needs("e2e", "" if vs_hostpath.find_reference() else f"hostpathplugin in {shared_bin.directory()} or on PATH")
 def test_vs_hostpath_runs_beside_the_served_reference() -> None:
     out = run_bench("vs_hostpath", ["--volumes", "2", "--size-mib", "64"])
     for line in ("p50, ms", "csi-qsd", "hostpathplugin (served)", "NodeStageVolume (filesystem)",

@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -63,6 +62,7 @@ from e2e.guest import (
 )
 from e2e.helpers.served import SIZE, SOCKET, Served, read_image, run, serving
 from e2e.helpers.writes import RESTART_TIMEOUT_S, assert_blocks
+from tests import owner
 from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
 
 pytestmark = e2e_marks()
@@ -119,7 +119,7 @@ def guest() -> str:
 @contextlib.contextmanager
 def vm_pod_dir() -> Iterator[Path]:
     """The VM pod's volumes as its QEMU sees them: a short path that uid 107 may traverse."""
-    root = Path(tempfile.mkdtemp(prefix="cqhp", dir="/tmp"))
+    root = owner.make_base("cqhp")
     os.chmod(root, 0o755)
     try:
         yield root

@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -77,6 +76,7 @@ from e2e.guest import (
     write_summaries,
 )
 from e2e.helpers.served import Served, provision, serving
+from tests import owner, tiers
 from tests.harness import DriverProcess, qemu_io_session, qsd_pid
 
 pytestmark = e2e_marks()
@@ -109,8 +109,11 @@ def driver_qsd_binary() -> str:
     return os.environ.get("CSI_QSD_QSD_BINARY", bundled("qemu-storage-daemon"))
 
 
+DRIVER_QSD_VERSION = qsd_version(driver_qsd_binary())
+# A QSD that does not run is a missing tool (tests.tiers); an older one lacks the feature, a skip by design.
+pytestmark.append(tiers.needs("e2e", "" if DRIVER_QSD_VERSION else f"a QSD that runs at {driver_qsd_binary()}"))
 needs_live_resize = pytest.mark.skipif(
-    not features.live_resize_reaches_guest(qsd_version(driver_qsd_binary()) or (0, 0, 0)),
+    DRIVER_QSD_VERSION is not None and not features.live_resize_reaches_guest(DRIVER_QSD_VERSION),
     reason="QSD before 10 never tells a running guest that its vhost-user-blk disk grew",
 )
 
@@ -235,7 +238,7 @@ def assert_ticks_clean(clock: ConsoleClock) -> None:
 @contextlib.contextmanager
 def short_dir() -> Iterator[Path]:
     """A private directory with a short path (UNIX socket paths are limited to 107 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="cq10", dir="/tmp"))
+    root = owner.make_base("cq10")
     try:
         yield root
     finally:

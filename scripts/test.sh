@@ -11,10 +11,19 @@ bash scripts/install.sh
 # built in the background while the tests that mostly wait run; the tier waits for it (a lock on the
 # cache). Its podman images come after: a RUN step's mount namespace would hold the tests' mounts.
 mkdir -p .runtime
+# Every pass appends the tiers it skipped (tests/tiers.py); outside CI they are said again, one line each, at the
+# very end (in CI a missing tool fails its tier; CI's last line stays pytest's own).
+export CSI_QSD_SKIPPED_TIERS="$PWD/.runtime/skipped-tiers"
+: > "$CSI_QSD_SKIPPED_TIERS"
+BUILD=""
+finish() {
+  if [ -n "$BUILD" ]; then kill -- -"$BUILD" 2>/dev/null || true; fi
+  if [ "${CI:-}" != true ] && [ -s "$CSI_QSD_SKIPPED_TIERS" ]; then echo "== tiers skipped in this run"; cat "$CSI_QSD_SKIPPED_TIERS"; fi
+}
+trap finish EXIT
 if [ "$#" -eq 0 ] && command -v go >/dev/null 2>&1; then
   setsid nice -n 10 .venv/bin/python -m e2e.cluster.build --from-modules > .runtime/cluster-build.log 2>&1 &
   BUILD=$!
-  trap 'kill -- -"$BUILD" 2>/dev/null || true' EXIT
   echo "cluster tier: building in the background (.runtime/cluster-build.log)"
 fi
 .venv/bin/python -m mypy

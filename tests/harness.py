@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from csi_qsd.qsd.shards import MAX_SHARDS, ShardSettings
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys import loop, mounts
 from csi_qsd.sys.tools import bundled
+from tests import owner
 
 T = TypeVar("T")
 POLL_INTERVAL = 0.05
@@ -150,7 +150,7 @@ class Sandbox:
 
 @contextlib.contextmanager
 def sandbox() -> Iterator[Sandbox]:
-    root = Path(tempfile.mkdtemp(prefix="cq", dir="/tmp"))
+    root = owner.make_base("cq")  # swept by the next run if this one is killed (tests.stale_runs)
     try:
         yield Sandbox(root)
     finally:

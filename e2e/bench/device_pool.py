@@ -11,12 +11,12 @@ import contextlib
 import dataclasses
 import shutil
 import sqlite3
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
 from e2e.bench.common import MIB, loop_device, sh
+from tests import owner
 from tests.harness import DriverProcess, Sandbox, sandbox
 
 
@@ -42,7 +42,7 @@ class ServedPool:
 @contextlib.asynccontextmanager
 async def served_pool(size: int, *, random_data: bool = False, timeout: float = 120) -> AsyncIterator[ServedPool]:
     """A device of `size` bytes: sparse, or filled with random bytes (then the pool is forced onto it)."""
-    work = Path(tempfile.mkdtemp(prefix="cqbench", dir="/tmp"))
+    work = owner.make_base("cqbench")
     backing = work / "nvme.img"
     if random_data:
         sh("dd", "if=/dev/urandom", f"of={backing}", "bs=1M", f"count={size // MIB}", "status=none")

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import statistics
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
 from e2e.bench.common import MIB, cpu_share, fio, lay_out, loop_device, ratio, table
 from e2e.bench.partitions import JOBS, run_cli
+from tests import owner
 from tests.harness import terminate, until
 
 REGION = 256 * MIB
@@ -133,7 +133,7 @@ async def exported(variant: Variant, device: Path, work: Path) -> AsyncIterator[
 
 
 async def bench(runtime: float, rounds: int) -> str:
-    work = Path(tempfile.mkdtemp(prefix="cqknobs", dir="/tmp"))
+    work = owner.make_base("cqknobs")
     backing = work / "nvme.img"
     with open(backing, "wb") as f:
         f.truncate(OFFSET + REGION + 64 * MIB)

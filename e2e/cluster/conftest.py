@@ -4,26 +4,34 @@ The cluster is built (or found in the cache), started, given the snapshot
 CRDs and controller, and csi-qsd is deployed with `kubectl apply -k` of the
 overlay. At the end every test namespace is deleted first, so the driver
 unpublishes, unstages and deletes what the tests made as it would in a real
-cluster; what it leaves (a mount, a loop device, a QSD export) fails the
-session, and then the node is killed and its cgroup and link removed.
+cluster; what it leaves fails the session: a PersistentVolume or a
+VolumeSnapshotContent (a retained snapshot), a volume or snapshot still in a
+node's catalog (asked over CSI: ListVolumes, ListSnapshots), a QSD export:
+FUSE (a mount) or on a UNIX socket (vhost-user-blk, NBD: a socket QSD listens
+on, other than its monitor's), a pod's mount, a loop device over a node's
+FUSE exports. QSD's monitor cannot be asked for its exports: it takes one
+client, and the driver holds it. Then the nodes are killed and their cgroups
+and links removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from e2e.cluster import deploy, prebuilt, session
+from csi_qsd.csi.client import CSIClient
+from e2e.cluster import deploy, examples, prebuilt, session
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster
 from e2e.cluster.versions import KUBERNETES
+from tests import owner, tiers
 
 TOOLS = ("go", "gcc", "containerd", "runc", "podman", "mmdebstrap", "iptables", "nsenter", "unshare")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None] + prebuilt.missing()
@@ -31,9 +39,8 @@ _REPORT: list[str] = []
 
 
 def cluster_marks() -> list[pytest.MarkDecorator]:
-    """`pytestmark` for a cluster-tier module: marked, and skipped naming any missing tool."""
-    return [pytest.mark.cluster,
-            pytest.mark.skipif(bool(_MISSING), reason=f"cluster tier needs {', '.join(_MISSING)}")]
+    """`pytestmark` for a cluster-tier module: marked; a missing tool fails it in CI, else skips it, naming the tool."""
+    return [pytest.mark.cluster, tiers.needs("cluster", _MISSING)]
 
 
 # Package scope: the cluster goes when the tier's last test is done, not at the end of the whole suite
@@ -45,7 +52,7 @@ def built() -> Built:
 
 @pytest.fixture(scope="package")
 def cluster(built: Built) -> Iterator[Cluster]:
-    base = Path(tempfile.mkdtemp(prefix="csi-qsd-cluster-", dir="/var/tmp"))
+    base = owner.make_base("csi-qsd-cluster-", Path("/var/tmp"))
     running = Cluster(base, Binaries(built.kubernetes))
     problems: list[str] = []
     try:
@@ -101,7 +108,56 @@ def _graceful_teardown(cluster: Cluster) -> list[str]:
         return []
     namespaces = [n["metadata"]["name"] for n in deploy.get_json(cluster, "namespaces", "-l", "csi-qsd-test=true")["items"]]
     problems = session.release_volumes(cluster, namespaces, delete_namespaces=True)
+    try:
+        deploy.wait_until(lambda: _nothing_held(cluster), 120,
+                          "no VolumeSnapshotContent, no volume or snapshot in a catalog, no export in a QSD")
+    except TimeoutError as error:  # its message ends with the last check's answer: what is still held
+        problems.append(str(error))
     return problems + session.volume_leftovers(cluster)
+
+
+def _nothing_held(cluster: Cluster) -> bool:
+    """True when the driver holds nothing (`_driver_leftovers`); raises naming what it still holds."""
+    left = _driver_leftovers(cluster)
+    if left:
+        raise AssertionError("; ".join(left))
+    return True
+
+
+def _driver_leftovers(cluster: Cluster) -> list[str]:
+    """What the driver still holds once every claim is gone: VolumeSnapshotContents, each node's catalog (volumes and
+    snapshots, over the node's CSI socket) and the UNIX sockets its QSD exports on (vhost-user-blk, NBD)."""
+    left = [f"VolumeSnapshotContent {c['metadata']['name']} (deletionPolicy {c['spec'].get('deletionPolicy')})"
+            for c in deploy.get_json(cluster, "volumesnapshotcontents")["items"]]
+    for node in cluster.nodes:
+        left += asyncio.run(_catalog_leftovers(node.name, node.namespace.base))
+        sockets = _qsd_sockets(node.namespace.cgroup_pids())
+        if not any(path.endswith("/qmp.sock") for path in sockets):  # else the listing is not QSD's: nothing checked
+            left.append(f"{node.name}: no QSD monitor socket found, so its exports could not be listed")
+        left += [f"{node.name}: QSD export socket {path}" for path in sockets if not path.endswith("/qmp.sock")]
+    return left
+
+
+def _qsd_sockets(pids: set[int]) -> list[str]:
+    """The UNIX sockets the QSDs among `pids` listen on, listed by `ss` in each one's network namespace (the pod's)."""
+    paths = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "qemu-storage-da":  # the kernel's 15 characters
+                continue
+        except OSError:
+            continue
+        listed = subprocess.run(["nsenter", "-t", str(pid), "-n", "ss", "-xlpH"], capture_output=True, text=True,
+                                env={"LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}).stdout
+        paths += [line.split()[4] for line in listed.splitlines() if f"pid={pid}," in line]
+    return paths
+
+
+async def _catalog_leftovers(name: str, root: Path) -> list[str]:
+    """`root`: the node's directory, bound on its /var/lib/kubelet (`kubelet`): the driver's socket is there."""
+    async with CSIClient(f"unix://{root / 'kubelet' / 'plugins' / 'csi-qsd.io' / 'csi.sock'}", timeout=30) as csi:
+        left = [f"{name}: volume {v.volume_id} in the catalog" for v in await csi.list_volumes()]
+        return left + [f"{name}: snapshot {s.snapshot_id} in the catalog" for s in await csi.list_snapshots()]
 
 
 @pytest.fixture
@@ -118,6 +174,43 @@ def test_namespace(cluster: Cluster) -> Iterator[str]:
     cluster.kubectl("delete", "-n", name, "pods", "--all", "--grace-period=1", "--wait=true", "--timeout=120s",
                     check=False, timeout=150)
     cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=180s", check=False, timeout=200)
+    examples.delete_owned(cluster, name)  # what the test applied outside it: StorageClasses, RBAC, VolumeAttributesClasses
+
+
+LAST = "cluster_tier_last"
+_OUTCOMES: dict[str, list[tuple[str, str]]] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{LAST}: runs after every other cluster test (it checks what they did)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `cluster_tier_last` move behind the tier's last test (still inside the package: same cluster)."""
+    last = [item for item in items if item.get_closest_marker(LAST)]
+    for item in last:
+        items.remove(item)
+    tier = [i for i, item in enumerate(items) if Path(__file__).parent in Path(item.path).parents]
+    at = tier[-1] + 1 if tier else len(items)
+    items[at:at] = last
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _OUTCOMES.setdefault(report.nodeid, []).append((report.when, report.outcome))
+
+
+def outcome(test: str) -> str:
+    """How `test` (a node ID without its parameters) did in this run: "passed" (every parameter's setup, call and
+    teardown), or what happened instead."""
+    runs = {nodeid: phases for nodeid, phases in _OUTCOMES.items() if nodeid == test or nodeid.startswith(f"{test}[")}
+    if not runs:
+        return "did not run in this run"
+    bad = {nodeid: [f"{when} {result}" for when, result in phases if result != "passed"]
+           for nodeid, phases in runs.items()}
+    bad = {nodeid: phases for nodeid, phases in bad.items() if phases}
+    if bad:
+        return "; ".join(f"{nodeid}: {', '.join(phases)}" for nodeid, phases in bad.items())
+    return "passed" if all(any(when == "call" for when, _ in phases) for phases in runs.values()) else "never called"
 
 
 def report(line: str) -> None:

@@ -33,13 +33,25 @@ def pick(docs: list[dict[str, Any]], kind: str, name: str = "") -> dict[str, Any
 
 
 CLUSTER_SCOPED = ("VolumeAttributesClass", "StorageClass", "ClusterRole", "ClusterRoleBinding")
+# On what `apply` makes outside the namespace: the test namespace's teardown deletes it by this label.
+OWNER_LABEL = "csi-qsd-test-namespace"
 
 
 def apply(cluster: Cluster, namespace: str, docs: list[dict[str, Any]]) -> None:
+    """Apply `docs` into `namespace`; cluster-scoped ones are labelled as the namespace's, for `delete_owned`."""
     for doc in docs:
-        if doc["kind"] not in CLUSTER_SCOPED:
-            doc.setdefault("metadata", {})["namespace"] = namespace
+        metadata = doc.setdefault("metadata", {})
+        if doc["kind"] in CLUSTER_SCOPED:
+            metadata.setdefault("labels", {})[OWNER_LABEL] = namespace
+        else:
+            metadata["namespace"] = namespace
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def delete_owned(cluster: Cluster, namespace: str) -> None:
+    """Delete the cluster-scoped objects `apply` made for `namespace` (after it, whatever the test's outcome)."""
+    cluster.kubectl("delete", ",".join(kind.lower() for kind in CLUSTER_SCOPED), "-l", f"{OWNER_LABEL}={namespace}",
+                    "--ignore-not-found", "--wait=false", check=False)
 
 
 def events(cluster: Cluster, namespace: str, name: str) -> str:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tests import owner
+
 # Kernel settings kubelet sets at start when they differ (cm.setupKernelTunables). They are not
 # per namespace: kubelet would change the host's. The node sees files holding the values kubelet
 # wants, bound over the real ones in its own mount namespace.
@@ -58,6 +60,48 @@ def cgroup_hierarchies(*, unified: bool = False) -> list[Path]:
         if (unified or entry.name != "unified") and (entry / "cgroup.procs").exists():
             found.append(entry)
     return found
+
+
+def cgroup_pids(cgroup: str) -> set[int]:
+    """Every process in `cgroup` (a path from the hierarchies' roots) and below, pods included."""
+    pids: set[int] = set()
+    for hierarchy in cgroup_hierarchies(unified=True):
+        if hierarchy.name not in ("pids", "unified"):
+            continue
+        root = hierarchy / cgroup.lstrip("/")
+        if root.exists():
+            for procs in root.rglob("cgroup.procs"):
+                with contextlib.suppress(OSError):
+                    pids.update(int(p) for p in procs.read_text().split())
+    return pids
+
+
+def kill_cgroup(cgroup: str, also: Callable[[], set[int]] = set) -> bool:
+    """SIGKILL everything in `cgroup` (and what `also` names) until nothing is left; False if something stays."""
+    for _ in range(50):
+        pids = cgroup_pids(cgroup) | also()
+        if not pids:
+            return True
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    return False
+
+
+def remove_cgroup(cgroup: str, made: list[Path] | None = None) -> list[str]:
+    """rmdir `cgroup` and everything below it in every hierarchy (kubelet and runc make cgroups in cgroup2's
+    too), then the parents `made` for it; what could not be removed."""
+    problems = []
+    trees = [h / cgroup.lstrip("/") for h in cgroup_hierarchies(unified=True)]
+    for directory in [*trees, *reversed(made or [])]:
+        if not directory.exists():
+            continue
+        children = sorted((d for d in directory.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))
+        for child in [*children, directory]:
+            if not _rmdir(child):
+                problems.append(f"cgroup {child} not removed")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -95,7 +139,9 @@ class NodeNamespace:
         self.name = name
         self.base = base
         self.address = address
-        self.cgroup = f"{_self_cgroup_parent()}/{name}"
+        # Its run's in the name: a run killed before its teardown leaves a cgroup no later run takes for its own
+        # (tests.stale_runs sweeps it, found by the record in `base`).
+        self.cgroup = f"{_self_cgroup_parent()}/{name}-{owner.owner_token()}"
         self.holder: subprocess.Popen[bytes] | None = None
         self._init_pid = 0
         self._made_cgroups: list[Path] = []
@@ -118,24 +164,10 @@ class NodeNamespace:
                     for knob in ("cpuset.cpus", "cpuset.mems"):
                         (directory / knob).write_text((directory.parent / knob).read_text())
 
-    def _kill_leftovers(self) -> None:
-        """Kill what a run stopped before its teardown (SIGKILL, a CI timeout) left in this node's cgroup."""
-        if not self._kill_all():
-            raise RuntimeError(f"{self.name}: a previous run's processes will not die: {sorted(self.cgroup_pids())}")
-
     def _kill_all(self) -> bool:
         """SIGKILL everything in the node's cgroup (and the holder) until nothing is left; False if it stays."""
-        for _ in range(50):
-            pids = self.cgroup_pids()
-            if self.holder is not None and self.holder.poll() is None:
-                pids.add(self.holder.pid)
-            if not pids:
-                return True
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        return False
+        holder = self.holder
+        return kill_cgroup(self.cgroup, lambda: {holder.pid} if holder is not None and holder.poll() is None else set())
 
     def _join_cgroup(self, pid: int = 0) -> None:
         """Move `pid` (0: the calling process) into the node's cgroup; what it starts follows it."""
@@ -146,8 +178,8 @@ class NodeNamespace:
         """Make the namespaces, the cgroup, the veth link (the bridge must exist) and the node's view of /run, /var/lib and /var/log."""
         for sub in ("kubelet", "csi-qsd", "log", "sysctl"):
             (self.base / sub).mkdir(parents=True, exist_ok=True)
-        self._kill_leftovers()
         self._make_cgroup()
+        owner.record_cgroup(self.base, self.cgroup)
         self.holder = subprocess.Popen(
             ["unshare", "--mount", "--net", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc",
              "--propagation", "private", "sleep", "infinity"],
@@ -232,16 +264,7 @@ class NodeNamespace:
 
     def cgroup_pids(self) -> set[int]:
         """Every process in the node's cgroup and below (pods included)."""
-        pids: set[int] = set()
-        for hierarchy in cgroup_hierarchies(unified=True):
-            if hierarchy.name not in ("pids", "unified"):
-                continue
-            root = hierarchy / self.cgroup.lstrip("/")
-            if root.exists():
-                for procs in root.rglob("cgroup.procs"):
-                    with contextlib.suppress(OSError):
-                        pids.update(int(p) for p in procs.read_text().split())
-        return pids
+        return cgroup_pids(self.cgroup)
 
     def stop_process(self, label: str, timeout: float = 15) -> None:
         """SIGTERM the named node processes, SIGKILL after `timeout`."""
@@ -273,16 +296,7 @@ class NodeNamespace:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.holder.wait(5)
         subprocess.run(["ip", "link", "del", self.address.host_if], capture_output=True)
-        # kubelet and runc make cgroups below the node's in every hierarchy, cgroup2's too.
-        trees = [h / self.cgroup.lstrip("/") for h in cgroup_hierarchies(unified=True)]
-        for directory in [*trees, *reversed(self._made_cgroups)]:
-            if not directory.exists():
-                continue
-            children = sorted((d for d in directory.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))
-            for child in [*children, directory]:
-                if not _rmdir(child):
-                    problems.append(f"cgroup {child} not removed")
-        return problems
+        return problems + remove_cgroup(self.cgroup, self._made_cgroups)
 
 
 def _children(pid: int) -> list[int]:

@@ -9,7 +9,6 @@ a real cluster, then look for what it left (a mount, a loop device).
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from e2e.cluster import deploy
 from e2e.cluster.build import Built
 from e2e.cluster.cluster import Binaries, Cluster
+from tests import owner
 
 # Namespaces whose pods are the cluster's own: their workloads are never deleted to release volumes.
 SYSTEM_NAMESPACES = frozenset({deploy.DRIVER_NAMESPACE, "kube-system", "kube-public", "kube-node-lease"})
@@ -32,7 +32,7 @@ def start_deployed(cluster: Cluster, built: Built) -> None:
 @contextmanager
 def deployed_cluster(built: Built) -> Iterator[Cluster]:
     """A started cluster with csi-qsd deployed (`start_deployed`); removed after."""
-    base = Path(tempfile.mkdtemp(prefix="csi-qsd-bench-cluster-", dir="/var/tmp"))
+    base = owner.make_base("csi-qsd-bench-cluster-", Path("/var/tmp"))
     cluster = Cluster(base, Binaries(built.kubernetes))
     try:
         start_deployed(cluster, built)

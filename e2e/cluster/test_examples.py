@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from csi_qsd.sys import caps
+from e2e.cluster import conftest
 from e2e.cluster import examples as ex
 from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks
@@ -89,26 +90,23 @@ def test_online_expansion_reaches_the_running_pod(cluster: Cluster, test_namespa
     docs = ex.example("filesystem-pod.yaml")
     pvc, pod = ex.pick(docs, "PersistentVolumeClaim"), ex.pick(docs, "Pod")
     pvc["spec"]["storageClassName"] = klass["metadata"]["name"]
-    ex.apply(cluster, test_namespace, [klass, pvc, pod])
-    try:
-        ex.wait_pod_running(cluster, test_namespace, "csi-qsd-fs-demo")
-        token = uuid.uuid4().hex
-        ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", f"echo {token} > /data/token && sync /data/token")
-        cluster.kubectl("patch", "-n", test_namespace, "pvc", "csi-qsd-fs-demo", "--type=merge",
-                        "-p", '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}')
+    ex.apply(cluster, test_namespace, [klass, pvc, pod])  # the class goes with the namespace (ex.delete_owned)
+    ex.wait_pod_running(cluster, test_namespace, "csi-qsd-fs-demo")
+    token = uuid.uuid4().hex
+    ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", f"echo {token} > /data/token && sync /data/token")
+    cluster.kubectl("patch", "-n", test_namespace, "pvc", "csi-qsd-fs-demo", "--type=merge",
+                    "-p", '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}')
 
-        def grown() -> int:
-            df = ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "df -k /data | tail -1")
-            return int(df.split()[1]) if int(df.split()[1]) > 1_900_000 else 0
-        try:
-            wait_until(grown, 180, "the pod to see its filesystem at 2Gi", interval=2)
-        except TimeoutError as error:
-            raise TimeoutError(f"{error}; PVC events: {ex.events(cluster, test_namespace, 'csi-qsd-fs-demo')}") from None
-        wait_until(lambda: get_json(cluster, "-n", test_namespace, "pvc", "csi-qsd-fs-demo")["status"]
-                   .get("capacity", {}).get("storage") == "2Gi", 60, "the PVC's capacity to read 2Gi")
-        assert ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "cat /data/token").strip() == token
-    finally:  # cluster-scoped: the namespace's deletion does not take it
-        cluster.kubectl("delete", "storageclass", klass["metadata"]["name"], "--ignore-not-found", check=False)
+    def grown() -> int:
+        df = ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "df -k /data | tail -1")
+        return int(df.split()[1]) if int(df.split()[1]) > 1_900_000 else 0
+    try:
+        wait_until(grown, 180, "the pod to see its filesystem at 2Gi", interval=2)
+    except TimeoutError as error:
+        raise TimeoutError(f"{error}; PVC events: {ex.events(cluster, test_namespace, 'csi-qsd-fs-demo')}") from None
+    wait_until(lambda: get_json(cluster, "-n", test_namespace, "pvc", "csi-qsd-fs-demo")["status"]
+               .get("capacity", {}).get("storage") == "2Gi", 60, "the PVC's capacity to read 2Gi")
+    assert ex.pod_exec(cluster, test_namespace, "csi-qsd-fs-demo", "cat /data/token").strip() == token
 
 
 def _direct_write_seconds(cluster: Cluster, namespace: str, pod: str, mib: int) -> float:
@@ -178,10 +176,21 @@ NOT_HERE = {
 }
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _node_id(test: str) -> str:
+    """`RUN_HERE`'s name of a test as pytest's node ID (a bare name is in this file)."""
+    file, _, name = test.rpartition("::")
+    return f"{Path(__file__).relative_to(REPO).parent / (file or Path(__file__).name)}::{name}"
+
+
+@pytest.mark.cluster_tier_last
 def test_every_example_runs_here_or_says_why_not() -> None:
+    """And every test named here ran in this run and passed: it runs after the tier's other tests (conftest)."""
     files = {p.name for p in ex.EXAMPLES.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(RUN_HERE) | set(NOT_HERE) == files, "an example is neither run in the cluster nor explained"
     assert not set(RUN_HERE) & set(NOT_HERE)
-    here = Path(__file__).read_text() + (Path(__file__).parent / "test_vm_pod.py").read_text()
-    for test in RUN_HERE.values():
-        assert f"def {test.rsplit('::', 1)[-1]}(" in here, test
+    outcomes = {example: conftest.outcome(_node_id(test)) for example, test in RUN_HERE.items()}
+    failed = {example: f"{RUN_HERE[example]}: {how}" for example, how in outcomes.items() if how != "passed"}
+    assert not failed, f"examples whose test did not pass in this run: {failed}"

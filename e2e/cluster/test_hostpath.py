@@ -19,10 +19,11 @@ from e2e.cluster import examples as ex
 from e2e.cluster.build import HOSTPATH_IMAGE
 from e2e.cluster.cluster import Cluster
 from e2e.helpers import shared_bin
+from tests import tiers
 
 pytestmark = [*conftest.cluster_marks(),
-              pytest.mark.skipif(shared_bin.find("hostpathplugin") is None,
-                                 reason=f"no hostpathplugin in {shared_bin.directory()}")]
+              tiers.needs("cluster", [] if shared_bin.find("hostpathplugin") else
+                          [str(shared_bin.directory() / "hostpathplugin")])]
 
 CLASSES = {"csi-qsd": {"filesystem": "csi-qsd-fs", "block": "csi-qsd-block"},
            "host-path": {"filesystem": "csi-hostpath", "block": "csi-hostpath"}}

@@ -1,17 +1,41 @@
 """A pod running QEMU on a csi-qsd-vm claim: deploy/examples/qemu-vhost-user-blk.yaml with the e2e guest.
 
-The hotplug example runs too (attachment pod, node agent, `device_add`).
-The example's claim and pod are applied with what this machine needs
-instead of what it lacks: the QEMU image is built here (the example
-installs QEMU at start, which needs egress), TCG instead of KVM (no device
-plugin, and this machine's KVM hangs a stock kernel), and the e2e guest's
-kernel and a run initrd from a hostPath. The socket path, the chardev with
-`reconnect=1`, the shared memfd RAM and fsGroup are the example's. The
-guest writes a pattern with O_DIRECT + fsync and reads it back; a second VM
-pod reads it again, so the bytes went through the volume, not a cache. A
+The guest writes a pattern with O_DIRECT + fsync and reads it back; a second
+VM pod reads it again, so the bytes went through the volume, not a cache. A
 third VM writes for as long as the test kills the plugin container and then
 QSD's container: the guest reconnects and reports no I/O error, and every
-block it acknowledged is there when read back.
+block it acknowledged is there when read back. The hotplug example runs too
+(attachment pod, node agent, `chardev-add` + `device_add`).
+
+Kept from the examples, as shipped: the claim's class, volume mode and
+access mode; the socket path (read out of the example's QEMU arguments) and
+its chardev with `reconnect=1`; `vhost-user-blk-pci` with one queue; guest
+RAM from `memory-backend-memfd` with `share=on` (vhost-user needs it);
+fsGroup 107, to which the plugin gives the socket; for hotplug, the
+attachment pod, the agent (its ConfigMap, DaemonSet, ServiceAccount,
+ClusterRole), the `pcie-root-port` and the QMP socket path.
+
+Where the tests depart from them, and why:
+
+- Image: the QEMU image built here (`build.QEMU_IMAGE`), QEMU as the
+  command. The examples' Debian image installs QEMU with apt at start, which
+  needs egress this machine does not have.
+- `-accel tcg`, no `-cpu host`, and no `devices.kubevirt.io/kvm` limit: no
+  KVM device plugin runs here, and this machine's KVM hangs a stock kernel.
+- `-smp 1 -m 256M` (memfd 256M), requests 100m CPU and 384Mi, limit 512Mi,
+  instead of 2 CPUs and 1G (1536Mi): two cores shared with the cluster, and
+  the guest is a busybox initramfs.
+- `-kernel`/`-initrd`/`-append` from a read-only hostPath (the e2e guest's
+  kernel and one run initrd per script): the examples boot nothing, their
+  disk is empty. The hotplug VM's initrd waits for a disk to appear.
+- `-serial stdio -no-reboot -nodefaults -display none`, stdin and tty off,
+  `restartPolicy: Never`: nobody attaches; the test reads the guest's
+  console from the pod's log, and the pod's phase ends with the guest's
+  script.
+- Claims of 1Gi instead of 10Gi: the test node's pool is small, and the
+  guests write at most ~190 MiB.
+- Hotplug: the ClusterRoleBinding is named after the test's namespace and
+  binds the agent's ServiceAccount there (the example's is in `default`).
 """
 
 from __future__ import annotations
@@ -146,6 +170,7 @@ def _kill_and_wait(cluster: Cluster, name: str) -> None:
     wait_daemonset_ready(cluster)
 
 
+@pytest.mark.timeout(2400)  # its own bounds add up to 2280 s: a TCG guest writes 3000 fsynced blocks through two faults
 def test_vm_pod_rides_through_plugin_and_qsd_restarts(cluster: Cluster, test_namespace: str, guest_dir: Path) -> None:
     claim = _claim(cluster, test_namespace)
     pod = _vm_pod("vm-faults", claim, "faults", guest_dir)
@@ -232,10 +257,8 @@ def test_hotplug_example_adds_a_disk_to_a_running_vm(cluster: Cluster, test_name
         console = cluster.kubectl("logs", "-n", test_namespace, "csi-qsd-hotplug-vm").stdout
         _passed(console)
         assert len(acknowledged_blocks(console, DISK)) == BLOCKS
-    finally:  # whatever failed: the binding is cluster-scoped, and the agent's pods would hold the namespace
-        cluster.kubectl("delete", "clusterrolebinding", binding["metadata"]["name"], "--ignore-not-found",
-                        check=False)
-        # Its pods run `sh` as PID 1, which ignores SIGTERM: gone now rather than after 30 s of grace.
+    finally:  # whatever failed (the cluster-scoped class, role and binding go with the namespace: ex.delete_owned)
+        # The agent's pods run `sh` as PID 1, which ignores SIGTERM: gone now rather than after 30 s of grace.
         cluster.kubectl("delete", "-n", test_namespace, "daemonset", "csi-qsd-hotplug-agent", "--cascade=foreground",
                         "--grace-period=1", "--timeout=120s", "--ignore-not-found", check=False, timeout=150)
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from tests import owner
+
 from .disks import Disk, VhostUserDisk
 from .image import GuestImage
 from .initramfs import EXIT_MARKER, INIT_FAILED_MARKER, READY_MARKER, write_run_initrd
@@ -374,7 +376,7 @@ async def start_vm(
     are added to the guest's rootfs. ``timeout`` bounds the VM's whole life.
     """
     _check_backends(disks)
-    workdir = Path(tempfile.mkdtemp(prefix="csi-qsd-vm-"))
+    workdir = owner.make_base("csi-qsd-vm-", Path(tempfile.gettempdir()))
     try:
         initrd = workdir / "initrd.img"
         write_run_initrd(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
-import tempfile
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient, capability
@@ -22,6 +21,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.server import Driver
+from tests import owner
 from tests.harness import Sandbox, until
 from tests.helpers.writers import Writer, fs_bytes
 
@@ -34,7 +34,7 @@ class FakeNVMe:
     """A loop device over a sparse file, and a stable-name symlink to it."""
 
     def __init__(self, size: int = DEVICE_BYTES) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="cqnvme", dir="/tmp"))
+        self.dir = owner.make_base("cqnvme")
         self.backing = self.dir / "nvme.img"
         with open(self.backing, "wb") as f:
             f.truncate(size)

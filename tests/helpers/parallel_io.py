@@ -17,7 +17,6 @@ import dataclasses
 import errno
 import json
 import os
-import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from csi_qsd.csi.client import CSIClient
+from tests import owner
 from tests.harness import Sandbox
 
 MIB = 1 << 20
@@ -47,7 +47,7 @@ def _cgroup_hierarchy() -> Path:
 @contextlib.contextmanager
 def cgroups(count: int = GROUPS) -> Iterator[list[Path]]:
     """`count` private child cgroups under a parent of our own; removed afterwards with anything left in them."""
-    parent = _cgroup_hierarchy() / f"csi-qsd-test-{secrets.token_hex(4)}"
+    parent = _cgroup_hierarchy() / owner.cgroup_name()  # its run in the name: swept if the run is killed
     parent.mkdir()
     children = [parent / f"w{i}" for i in range(count)]
     try:

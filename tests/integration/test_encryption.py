@@ -17,12 +17,12 @@ import subprocess
 from pathlib import Path
 
 import grpc
-import pytest
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.publish import vhost_user
 from csi_qsd.sys import mounts
 from csi_qsd.sys.tools import bundled
+from tests import tiers
 from tests.harness import DriverProcess, Sandbox, crash_qsd, refused, write_synced
 
 MIB = 1 << 20
@@ -183,7 +183,7 @@ def _blkio_missing() -> bool:
     return "virtio-blk-vhost-user" not in out
 
 
-@pytest.mark.skipif(_blkio_missing(), reason="the bundled QEMU has no virtio-blk-vhost-user driver (libblkio)")
+@tiers.needs("integration", "the bundled QEMU's virtio-blk-vhost-user driver (libblkio)" if _blkio_missing() else "")
 async def test_a_vm_disk_over_vhost_user_blk_is_ciphertext(box: Sandbox, process: DriverProcess) -> None:
     key = secrets.token_urlsafe(32)
     csi = CSIClient(box.endpoint, timeout=120)

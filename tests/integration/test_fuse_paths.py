@@ -18,6 +18,7 @@ import pytest
 from csi_qsd.qsd import fuse_paths
 from csi_qsd.sys import loop
 from csi_qsd.sys.tools import bundled
+from tests import tiers
 from tests.harness import Sandbox, in_process_driver
 
 EXPECTED_ASYNC_DIO = {"10": True, "11": True}
@@ -27,8 +28,7 @@ EXPECTED_GROWABLE = {"10": False, "11": True}
 @pytest.mark.parametrize("version", sorted(EXPECTED_ASYNC_DIO))
 async def test_probe_answers_for_the_bundled_qsd(box: Sandbox, version: str) -> None:
     binary = bundled(f"qemu-storage-daemon-{version}")
-    if not os.path.exists(binary):
-        pytest.skip(f"the install has no {binary}")
+    tiers.require("integration", "" if os.path.exists(binary) else binary)
     async with in_process_driver(box, qsd_binary=binary) as (driver, _csi):
         client = driver.daemon.client
         members = await fuse_paths.offered(client)

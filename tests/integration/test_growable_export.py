@@ -19,12 +19,13 @@ import pytest
 from csi_qsd.exports import fuse_loop
 from csi_qsd.qsd import graph
 from csi_qsd.sys.tools import bundled
+from tests import tiers
 from tests.harness import Sandbox, crash_qsd, in_process_driver
 
 MIB = 1 << 20
 QSD11 = bundled("qemu-storage-daemon-11")
 
-pytestmark = pytest.mark.skipif(not os.path.exists(QSD11), reason=f"the install has no {QSD11}")
+pytestmark = tiers.needs("integration", "" if os.path.exists(QSD11) else QSD11)
 
 
 def refused(action: str, call: object) -> None:

@@ -44,6 +44,7 @@ import pytest
 from csi_qsd.qsd import features
 from csi_qsd.qsd.features import LoopIO
 from csi_qsd.server import Driver
+from tests import tiers
 from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored
 from tests.helpers.parallel_io import GROUPS, THREADS, Published, cgroups, in_cgroup, loop_dio, published, run_fio
 
@@ -54,7 +55,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Errors a writer may see from a volume whose QSD died under it; anything else is a bug.
 CRASH_ERRNOS = {errno.EIO, errno.ENOTCONN, errno.EROFS, errno.ENODEV, errno.ENXIO}
 
-pytestmark = [pytest.mark.qsd_versions, pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")]
+pytestmark = [pytest.mark.qsd_versions, tiers.needs("integration", "" if shutil.which("fio") else "fio")]
 
 
 # ---------------------------------------------------------------- patterns

@@ -20,6 +20,7 @@ import pytest
 
 from csi_qsd.qcow2 import blank
 from csi_qsd.sys.tools import bundled
+from tests import tiers
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 GRANULARITIES = [4 * KIB, 32 * KIB, 64 * KIB, 1 * MIB, 2 * MIB]
@@ -106,7 +107,7 @@ def test_writes_land_and_mark_the_bitmap(tmp_path: Path) -> None:
         {"flags": ["auto"], "name": "cbt", "granularity": 4 * KIB}]
 
 
-@pytest.mark.skipif(not Path(HOST_QEMU_IMG).exists(), reason="no host QEMU to cross-check with")
+@tiers.needs("integration", "" if Path(HOST_QEMU_IMG).exists() else f"{HOST_QEMU_IMG} (the host's QEMU, qemu-utils)")
 def test_the_host_qemu_reads_them(tmp_path: Path) -> None:
     image = made_here(tmp_path / "v.qcow2", GIB + 512, 4 * KIB)
     assert described(info(image, HOST_QEMU_IMG))["bitmaps"] == [{"flags": ["auto"], "name": "cbt", "granularity": 4096}]

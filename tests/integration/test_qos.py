@@ -27,9 +27,10 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.params import QoS
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
+from tests import tiers
 from tests.harness import Sandbox, qsd_pid, wait_restored
 
-pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
+pytestmark = tiers.needs("integration", "" if shutil.which("fio") else "fio")
 
 MIB = 1 << 20
 TOLERANCE = 0.15

@@ -44,6 +44,7 @@ from csi_qsd.qsd import attach
 from csi_qsd.server import Driver
 from csi_qsd.sys import unix_peers
 from csi_qsd.sys.tools import bundled
+from tests import tiers
 from tests.harness import Sandbox, qemu_io_session, qsd_pid, until, wait_new_qsd
 
 MIB = 1 << 20
@@ -62,7 +63,8 @@ def blkio_missing() -> bool:
     return "virtio-blk-vhost-user" not in out
 
 
-needs_blkio = pytest.mark.skipif(blkio_missing(), reason="the bundled QEMU has no virtio-blk-vhost-user driver (libblkio, qemu-block-extra)")
+needs_blkio = tiers.needs("integration", "the bundled QEMU's virtio-blk-vhost-user driver (libblkio, qemu-block-extra)"
+                          if blkio_missing() else "")
 
 
 def client_argv(uid: int, gid: int, *commands: str) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 
 from e2e.cluster import prebuilt
 from e2e.helpers import shared_bin
+from tests import tiers
 
 README = """| binary | repository, tag (commit) | what it is |
 |---|---|---|
@@ -40,7 +41,7 @@ def test_a_directory_without_the_binaries_misses_both(tmp_path: Path) -> None:
     assert prebuilt.missing(tmp_path / "absent") == [str(tmp_path / "absent" / s.binary) for s in prebuilt.SIDECARS]
 
 
-@pytest.mark.skipif(bool(prebuilt.missing()), reason=f"no prebuilt sidecars in {shared_bin.directory()}")
+@tiers.needs("cluster", prebuilt.missing())
 def test_the_shipped_node_yaml_agrees_with_the_release_builds() -> None:
     found = {r.sidecar.container: r for r in prebuilt.releases()}
     assert set(found) == {"node-driver-registrar", "liveness-probe"}
