@@ -1,9 +1,9 @@
 """PersistentVolumeClaim created to pod Running, in a real cluster: p50 and p99, split by step.
 
 Starts the cluster tier's cluster (`e2e/cluster/`, built or taken from the
-cache), deploys csi-qsd with `kubectl apply -k`, and then, one at a time,
-creates a claim of the shipped filesystem class and a pod using it, and
-times the pod from the claim's creation to Running. The baseline, measured
+cache), deploys csi-qsd with `kubectl apply -k`, and then creates claims of
+the shipped filesystem and block classes with a pod each, one at a time and
+then all at once, and times each pod from its claim's creation to Running. The baseline, measured
 in the same cluster and the same run, is the same pod with an `emptyDir`
 volume instead: what scheduling and starting the container cost without a
 CSI volume. The reference, csi-driver-host-path, is deployed beside it
@@ -25,6 +25,10 @@ Prometheus histogram, `csi_qsd_rpc_duration_seconds`, scraped before and after):
 Usage:
 
     .venv/bin/python -m e2e.bench.pvc_to_running [--claims 20]
+
+Each of filesystem and block, csi-qsd then host-path: `--claims` claims one
+at a time, then as many created at once (the split then gives the driver's
+mean call times over the burst).
 """
 
 from __future__ import annotations
@@ -104,33 +108,47 @@ class Watch:
             self._process.stdout.close()
 
 
-def _pod(name: str, volume: dict[str, Any]) -> dict[str, Any]:
+def _pod(name: str, volume: dict[str, Any], block: bool = False) -> dict[str, Any]:
+    use = ({"volumeDevices": [{"name": "data", "devicePath": "/dev/xvda"}]} if block
+           else {"volumeMounts": [{"name": "data", "mountPath": "/data"}]})
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"terminationGracePeriodSeconds": 1,
                      "containers": [{"name": "app", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                                     "command": ["sleep", "3600"],
-                                     "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                                     "command": ["sleep", "3600"], **use}],
                      "volumes": [{"name": "data", **volume}]}}
 
 
-def _claim(name: str, klass: str) -> dict[str, Any]:
+def _claim(name: str, klass: str, block: bool = False) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
             "spec": {"storageClassName": klass, "accessModes": ["ReadWriteOnce"],
+                     "volumeMode": "Block" if block else "Filesystem",
                      "resources": {"requests": {"storage": "1Gi"}}}}
 
 
-def _driver_seconds(cluster: Cluster) -> dict[str, float]:
-    """The driver's summed call time per CSI method, from its metrics (through the API server's pod proxy)."""
+def _driver_calls(cluster: Cluster) -> dict[str, tuple[float, int]]:
+    """The driver's summed call time and call count per CSI method, from its metrics (the API server's pod proxy)."""
     pod = deploy.driver_pod(cluster)["metadata"]["name"]
     text = cluster.kubectl("get", "--raw",
                            f"/api/v1/namespaces/{deploy.DRIVER_NAMESPACE}/pods/{pod}:9810/proxy/metrics").stdout
-    sums: dict[str, float] = {}
+    calls: dict[str, tuple[float, int]] = {}
     for line in text.splitlines():
-        if line.startswith("csi_qsd_rpc_duration_seconds_sum{"):
-            labels, value = line.rsplit(" ", 1)
-            method = labels.split('method="', 1)[1].split('"', 1)[0]
-            sums[method] = sums.get(method, 0.0) + float(value)
-    return sums
+        for suffix, index in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith("csi_qsd_rpc_duration_seconds" + suffix):
+                labels, value = line.rsplit(" ", 1)
+                method = labels.split('method="', 1)[1].split('"', 1)[0]
+                pair = list(calls.get(method, (0.0, 0)))
+                pair[index] += float(value) if index == 0 else int(float(value))
+                calls[method] = (pair[0], int(pair[1]))
+    return calls
+
+
+def _per_call(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """Each method's mean call time between two scrapes (0 where it was not called)."""
+    means = {}
+    for method, (seconds, count) in after.items():
+        was_seconds, was_count = before.get(method, (0.0, 0))
+        means[method] = (seconds - was_seconds) / (count - was_count) if count > was_count else 0.0
+    return means
 
 
 def _apply(cluster: Cluster, namespace: str, *docs: dict[str, Any]) -> float:
@@ -140,20 +158,24 @@ def _apply(cluster: Cluster, namespace: str, *docs: dict[str, Any]) -> float:
 
 
 def measure_csi(cluster: Cluster, namespace: str, claims: int, klass: str = "csi-qsd-fs",
-                split: bool = True) -> list[Sample]:
-    """`claims` claims of `klass`, one at a time; with `split`, csi-qsd's own call times from its metrics."""
+                split: bool = True, block: bool = False, at_once: bool = False) -> list[Sample]:
+    """`claims` claims of `klass` with a pod each, one at a time or (`at_once`) all created together; with
+    `split`, csi-qsd's mean call times from its metrics (per claim one at a time, over the burst at once)."""
     pvc_watch, pod_watch = Watch(cluster, namespace, "pvc"), Watch(cluster, namespace, "pods")
-    samples = []
+    prefix = f"{klass}-{'b' if block else 'f'}{'n' if at_once else '1'}"
+    samples: list[Sample] = []
     try:
-        for i in range(claims):
-            before = _driver_seconds(cluster) if split else {}
-            name = f"{klass}-{i}"
+        for batch in ([list(range(claims))] if at_once else [[i] for i in range(claims)]):
+            before = _driver_calls(cluster) if split else {}
+            docs = [d for i in batch for d in (_claim(f"{prefix}-{i}", klass, block),
+                                               _pod(f"{prefix}-{i}", {"persistentVolumeClaim":
+                                                                      {"claimName": f"{prefix}-{i}"}}, block))]
             started = time.monotonic()
-            _apply(cluster, namespace, _claim(name, klass), _pod(name, {"persistentVolumeClaim": {"claimName": name}}))
-            bound = pvc_watch.wait(name, "Bound") - started
-            running = pod_watch.wait(name, "Running") - started
-            after = _driver_seconds(cluster) if split else {}
-            samples.append(Sample(bound, running, {m: after.get(m, 0.0) - before.get(m, 0.0) for m in after}))
+            _apply(cluster, namespace, *docs)
+            times = [(pvc_watch.wait(f"{prefix}-{i}", "Bound", 300) - started,
+                      pod_watch.wait(f"{prefix}-{i}", "Running", 300) - started) for i in batch]
+            means = _per_call(before, _driver_calls(cluster)) if split else {}
+            samples += [Sample(bound, running, means) for bound, running in times]
     finally:
         pvc_watch.stop()
         pod_watch.stop()
@@ -179,13 +201,13 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def report(csi: list[Sample], baseline: list[Sample], hostpath: list[Sample] | str) -> None:
-    """Print the table; `hostpath` is host-path's samples, or why there are none."""
+def report(csi: list[Sample], baseline: list[Sample], hostpath: list[Sample] | str, title: str = "") -> None:
+    """Print one comparison; `hostpath` is host-path's samples, or why there are none."""
     def row(label: str, values: list[float]) -> str:
         return f"  {label:<34} p50 {_p(values, 0.5):6.2f} s   p99 {_p(values, 0.99):6.2f} s"
     running = [s.running for s in csi]
     base = [s.running for s in baseline]
-    print(f"PVC created -> pod Running, {len(csi)} claims, one at a time (csi-qsd-fs, ext4 in a thin qcow2)")
+    print(f"PVC created -> pod Running, {len(csi)} claims{title or ', one at a time (csi-qsd-fs, ext4 in a thin qcow2)'}")
     print(row("csi-qsd", running))
     print(row("baseline: the pod with an emptyDir", base))
     print(f"  ratio csi-qsd / emptyDir pod       p50 {_p(running, 0.5) / _p(base, 0.5):.2f}x   "
@@ -198,36 +220,53 @@ def report(csi: list[Sample], baseline: list[Sample], hostpath: list[Sample] | s
         ratio = _p(running, 0.5) / _p(theirs, 0.5)
         print(f"  ratio csi-qsd / host-path          p50 {ratio:.2f}x   p99 {_p(running, 0.99) / _p(theirs, 0.99):.2f}x"
               f"   target p50 <= {TARGET}x: {verdict(lambda: ratio <= TARGET)}")
-    print("split (p50 over the claims):")
+    print("split (csi-qsd; the driver's calls: mean per call):")
     print(row("claim Bound (schedule + provision)", [s.bound for s in csi]))
-    print(row("  of which CreateVolume (driver)", [s.driver["CreateVolume"] for s in csi]))
-    mount = [s.driver["NodeStageVolume"] + s.driver["NodePublishVolume"] for s in csi]
+    print(row("  of which CreateVolume (driver)", [s.driver.get("CreateVolume", 0.0) for s in csi]))
+    print(row("attach (none: attachRequired false)", [0.0 for _ in csi]))
+    mount = [s.driver.get("NodeStageVolume", 0.0) + s.driver.get("NodePublishVolume", 0.0) for s in csi]
     print(row("NodeStage + NodePublish (driver)", mount))
-    print(row("  NodeStageVolume", [s.driver["NodeStageVolume"] for s in csi]))
-    print(row("  NodePublishVolume", [s.driver["NodePublishVolume"] for s in csi]))
+    print(row("  NodeStageVolume", [s.driver.get("NodeStageVolume", 0.0) for s in csi]))
+    print(row("  NodePublishVolume", [s.driver.get("NodePublishVolume", 0.0) for s in csi]))
     print(row("kubelet and container start (rest)", [s.running - s.bound - m for s, m in zip(csi, mount)]))
-    share = statistics.median((s.driver["CreateVolume"] + m) / s.running for s, m in zip(csi, mount))
+    share = statistics.median((s.driver.get("CreateVolume", 0.0) + m) / s.running for s, m in zip(csi, mount))
     print(f"  the driver's share of PVC -> Running: {share:.0%} (p50)")
+
+
+def _clean(cluster: Cluster, namespace: str) -> None:
+    """Delete every pod and claim of `namespace` and wait until their volumes are gone."""
+    cluster.kubectl("delete", "-n", namespace, "pods,persistentvolumeclaims", "--all", "--grace-period=1",
+                    "--wait=true", "--timeout=300s", timeout=330)
+    deploy.wait_until(lambda: not deploy.get_json(cluster, "pv")["items"], 300, "every PV to be deleted")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--claims", type=int, default=20)
+    parser.add_argument("--claims", type=int, default=20, help="claims one at a time, and created at once")
     args = parser.parse_args(argv)
     with deployed_cluster(build_all()) as cluster:
         namespace = f"bench-{uuid.uuid4().hex[:6]}"
         cluster.kubectl("create", "namespace", namespace)
         deploy.wait_until(lambda: cluster.kubectl("get", "-n", namespace, "serviceaccount", "default",
                                                   check=False).returncode == 0, 60, "the default service account")
-        baseline = measure_baseline(cluster, namespace, args.claims)
-        csi = measure_csi(cluster, namespace, args.claims)
-        hostpath: list[Sample] | str = f"no hostpathplugin in {shared_bin.directory()}"
-        if shared_bin.find("hostpathplugin"):
+        hostpath_missing = "" if shared_bin.find("hostpathplugin") else f"no hostpathplugin in {shared_bin.directory()}"
+        if not hostpath_missing:
             deploy.deploy_hostpath(cluster)
-            hostpath = measure_csi(cluster, namespace, args.claims, "csi-hostpath", split=False)
-        report(csi, baseline, hostpath)
+        baseline = measure_baseline(cluster, namespace, args.claims)
+        _clean(cluster, namespace)
+        for block in (False, True):
+            for at_once in (False, True):
+                ours = measure_csi(cluster, namespace, args.claims, "csi-qsd-block" if block else "csi-qsd-fs",
+                                   block=block, at_once=at_once)
+                _clean(cluster, namespace)
+                theirs: list[Sample] | str = hostpath_missing
+                if not hostpath_missing:
+                    theirs = measure_csi(cluster, namespace, args.claims, "csi-hostpath", split=False, block=block,
+                                         at_once=at_once)
+                    _clean(cluster, namespace)
+                report(ours, baseline, theirs, f", {'created at once' if at_once else 'one at a time'}, "
+                                               f"{'block' if block else 'filesystem'}")
         cluster.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s", timeout=330)
-        deploy.wait_until(lambda: not deploy.get_json(cluster, "pv")["items"], 300, "every PV to be deleted")
     return 0
 
 
