@@ -119,15 +119,15 @@ class ManagedXfs(PoolDirectory):
 
     def _reserve(self, fd: int, path: Path) -> None:
         """Allocate the whole file on the host's filesystem (holes filled, data kept); StartupError without room."""
+        st = os.statvfs(path.parent)  # before: a failed fallocate may keep what it took until the file goes
         try:
             os.posix_fallocate(fd, 0, self.spec.size)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            st = os.statvfs(path.parent)
             raise StartupError(
                 f"cannot preallocate {self.spec.size} bytes for the managed pool {path}: the host's filesystem "
-                f"has {st.f_bavail * st.f_frsize} bytes free ({exc.strerror}); free space, give a smaller size, "
+                f"had {st.f_bavail * st.f_frsize} bytes free ({exc.strerror}); free space, give a smaller size, "
                 f"or drop ',preallocate'") from exc
 
     def _check_file(self) -> None:
