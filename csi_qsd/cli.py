@@ -233,11 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
             "where QSD >= 11 serves FUSE exports (container volumes): auto (the --iothreads pool, one /dev/fuse "
             f"queue each, on nodes of {FUSE_IOTHREADS_MIN_CORES} or more cores; the main loop on smaller ones), "
             "pool or main", choices=[m.value for m in FuseThreads])
-    _option(serve, "--managed-pool", "", "KIND:SIZE[,preallocate], e.g. xfs:200Gi: the pool directory on an XFS "
-            "filesystem the driver makes in one file of the state dir (sparse, or reserved in full with "
-            "',preallocate'), on a direct-I/O loop device, mounted at --pool-dir; reused or attached and mounted "
+    _option(serve, "--managed-pool", "", "KIND:SIZE[,sparse], e.g. xfs:200Gi: the pool directory on an XFS "
+            "filesystem the driver makes in one file of the state dir (reserved in full on the host, or taking "
+            "host space as the pool fills with ',sparse'), on a direct-I/O loop device, mounted at --pool-dir; reused or attached and mounted "
             "again at every start, grown when SIZE grows, never shrunk (empty: a plain directory)",
-            type=_managed_pool, metavar="KIND:SIZE[,preallocate]")
+            type=_managed_pool, metavar="KIND:SIZE[,sparse]")
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
     serve.add_argument("--device-pool", action="append", type=_device_pool, metavar="NAME=PATH|nvme://PCI[/NS][,force]",
                        default=_env_list(serve, "--device-pool", _device_pool),

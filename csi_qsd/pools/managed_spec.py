@@ -1,4 +1,4 @@
-"""The spelling of a managed pool: `--managed-pool KIND:SIZE[,preallocate]`, parsed before anything is touched.
+"""The spelling of a managed pool: `--managed-pool KIND:SIZE[,sparse]`, parsed before anything is touched.
 
 A managed pool is the file pool's directory on a filesystem the driver makes
 itself, in one file in its state directory (`managed_xfs.py`). Apart from
@@ -21,34 +21,40 @@ _SIZE_RE = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?\Z")
 
 @dataclasses.dataclass(frozen=True)
 class ManagedPoolSpec:
-    """The pool's filesystem `kind`, the file's `size` in bytes, and whether the file reserves it (`preallocate`).
+    """The pool's filesystem `kind`, the file's `size` in bytes, and whether the file may leave it unreserved.
 
-    Sparse (the default), the file takes host space as the pool is written;
-    preallocated, it takes all of `size` when made and on every start.
+    Preallocated (the default), the file takes all of `size` when made and
+    again at every start, so a full host filesystem can never fail the pool;
+    `sparse`, it takes host space as the pool is written, and a host that
+    fills up under it shuts the pool down (docs/tuning.md, measured).
     """
 
     kind: str
     size: int
-    preallocate: bool = False
+    sparse: bool = False
+
+    @property
+    def preallocate(self) -> bool:
+        return not self.sparse
 
     @classmethod
     def parse(cls, text: str) -> ManagedPoolSpec:
-        """Parse KIND:SIZE[,preallocate] (SIZE in bytes or with Ki, Mi, Gi, Ti); raises ValueError naming what is wrong."""
+        """Parse KIND:SIZE[,sparse] (SIZE in bytes or with Ki, Mi, Gi, Ti); raises ValueError naming what is wrong."""
         kind, colon, rest = text.partition(":")
         size_text, _, option = rest.partition(",")
         if not colon or kind not in KINDS:
-            raise ValueError(f"--managed-pool {text!r}: expected KIND:SIZE[,preallocate] with KIND one of "
+            raise ValueError(f"--managed-pool {text!r}: expected KIND:SIZE[,sparse] with KIND one of "
                              f"{', '.join(KINDS)}, e.g. xfs:200Gi")
         match = _SIZE_RE.match(size_text)
         if match is None:
             raise ValueError(f"--managed-pool {text!r}: SIZE must be bytes or a number with Ki, Mi, Gi or Ti")
-        if option not in ("", "preallocate"):
-            raise ValueError(f"--managed-pool {text!r}: unknown option {option!r} (only 'preallocate')")
+        if option not in ("", "sparse"):
+            raise ValueError(f"--managed-pool {text!r}: unknown option {option!r} (only 'sparse')")
         size = int(match.group(1)) * UNITS[match.group(2) or ""]
         if size < MINIMUM or size % ALIGNMENT:
             raise ValueError(f"--managed-pool {text!r}: SIZE must be a whole number of MiB, at least "
                              f"{MINIMUM >> 20}Mi (the smallest {kind} filesystem)")
-        return cls(kind, size, option == "preallocate")
+        return cls(kind, size, option == "sparse")
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.size >> 20}Mi" + (",preallocate" if self.preallocate else "")
+        return f"{self.kind}:{self.size >> 20}Mi" + (",sparse" if self.sparse else "")

@@ -3,7 +3,7 @@
 Why: QSD's io_uring completes a buffered write in QSD's own thread on XFS,
 where on ext4 each one takes an io_uring worker thread (docs/benchmarks.md);
 a node whose only filesystem is ext4 gets XFS through a direct-I/O loop
-device over one file on it (`--managed-pool xfs:SIZE[,preallocate]`).
+device over one file on it (`--managed-pool xfs:SIZE[,sparse]`).
 
 The file is `<state-dir>/managed-pool/xfs.img`. It is made under a
 temporary name, formatted through a loop device and renamed into place, so
@@ -128,7 +128,7 @@ class ManagedXfs(PoolDirectory):
             raise StartupError(
                 f"cannot preallocate {self.spec.size} bytes for the managed pool {path}: the host's filesystem "
                 f"had {st.f_bavail * st.f_frsize} bytes free ({exc.strerror}); free space, give a smaller size, "
-                f"or drop ',preallocate'") from exc
+                f"or give ',sparse' (the host's space is then taken as the pool fills)") from exc
 
     def _check_file(self) -> None:
         """The file is an XFS this driver made, and no larger than the size asked (XFS cannot shrink)."""
@@ -232,4 +232,4 @@ class ManagedXfs(PoolDirectory):
             log.warning("event=managed_pool_overcommitted file=%s unallocated=%d host_free=%d hint=%r", self.image,
                         unallocated, free, "the sparse pool file may need more than the host's filesystem has "
                         "left; when that fills, XFS gets write errors and shuts down, and every volume on it "
-                        "fails: free space, or use ',preallocate'")
+                        "fails: free space, or drop ',sparse'")

@@ -53,4 +53,4 @@ def test_the_readme_overlay_sets_a_size_of_its_own(tmp_path: Path) -> None:
     kustomization["resources"] = [str(OVERLAY)]
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     args = build_parser().parse_args(container(pod_of(render(tmp_path)), "csi-qsd")["args"])
-    assert args.managed_pool == ManagedPoolSpec("xfs", 500 << 30, preallocate=True)
+    assert args.managed_pool == ManagedPoolSpec("xfs", 500 << 30, sparse=True)

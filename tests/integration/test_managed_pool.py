@@ -106,10 +106,10 @@ async def refused(driver: DriverProcess, message: str) -> None:
 
 
 async def test_made_reused_and_attached_again_after_a_node_restart(box: Sandbox) -> None:
-    async with running_driver(box, "--managed-pool=xfs:1Gi") as driver:
+    async with running_driver(box, "--managed-pool=xfs:1Gi,sparse") as driver:
         device = assert_mounted(box)
         st = image_of(box).stat()
-        assert st.st_size == 1 << 30 and st.st_blocks * 512 < st.st_size // 4, "sparse by default"
+        assert st.st_size == 1 << 30 and st.st_blocks * 512 < st.st_size // 4, "sparse takes only what mkfs wrote"
         assert (1 << 30) - MIB <= await xfs_bytes(box) <= 1 << 30
         async with CSIClient(box.endpoint, timeout=60) as csi:
             # The capacity reported is the XFS's, not the host filesystem's.
@@ -171,8 +171,8 @@ async def test_grows_online_and_refuses_to_shrink(box: Sandbox) -> None:
             await grown.stop()
 
 
-async def test_preallocated_reserves_the_whole_file(box: Sandbox) -> None:
-    async with running_driver(box, "--managed-pool=xfs:512Mi,preallocate") as driver:
+async def test_reserves_the_whole_file_unless_sparse(box: Sandbox) -> None:
+    async with running_driver(box, "--managed-pool=xfs:512Mi") as driver:
         assert_mounted(box)
         st = image_of(box).stat()
         assert st.st_blocks * 512 >= st.st_size

@@ -1,4 +1,4 @@
-"""`--managed-pool KIND:SIZE[,preallocate]`: what is accepted and refused, where it may mount, and a plain pool's guard."""
+"""`--managed-pool KIND:SIZE[,sparse]`: what is accepted and refused, where it may mount, and a plain pool's guard."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("text,spec", [
     ("xfs:200Gi", ManagedPoolSpec("xfs", 200 << 30)),
-    ("xfs:512Mi,preallocate", ManagedPoolSpec("xfs", 512 * MIB, preallocate=True)),
+    ("xfs:512Mi,sparse", ManagedPoolSpec("xfs", 512 * MIB, sparse=True)),
     ("xfs:1Ti", ManagedPoolSpec("xfs", 1 << 40)),
     (f"xfs:{300 * MIB}", ManagedPoolSpec("xfs", 300 * MIB)),
 ])
@@ -38,7 +38,7 @@ def test_accepted(text: str, spec: ManagedPoolSpec) -> None:
     ("xfs", "KIND one of xfs"),
     ("xfs:10G", "SIZE must be bytes or a number with Ki, Mi, Gi or Ti"),
     ("xfs:-1Gi", "SIZE must be bytes"),
-    ("xfs:10Gi,sparse", "unknown option 'sparse'"),
+    ("xfs:10Gi,preallocate", "unknown option 'preallocate'"),
     ("xfs:299Mi", "at least 300Mi"),
     ("xfs:1048577000", "whole number of MiB"),
 ])
@@ -53,8 +53,8 @@ def test_every_kind_spelled_has_a_pool_directory() -> None:
 
 def test_flag_and_environment_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.config_from(cli.build_parser().parse_args(["serve"])).managed_pool is None
-    args = cli.build_parser().parse_args(["serve", "--managed-pool", "xfs:1Gi,preallocate"])
-    assert cli.config_from(args).managed_pool == ManagedPoolSpec("xfs", 1 << 30, preallocate=True)
+    args = cli.build_parser().parse_args(["serve", "--managed-pool", "xfs:1Gi,sparse"])
+    assert cli.config_from(args).managed_pool == ManagedPoolSpec("xfs", 1 << 30, sparse=True)
     monkeypatch.setenv("CSI_QSD_MANAGED_POOL", "xfs:2Gi")
     assert cli.config_from(cli.build_parser().parse_args(["serve"])).managed_pool == ManagedPoolSpec("xfs", 2 << 30)
 
