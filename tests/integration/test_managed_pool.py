@@ -260,3 +260,27 @@ async def test_crash_while_growing_it(box: Sandbox) -> None:
         assert 767 * MIB <= await xfs_bytes(box) <= 768 * MIB
     finally:
         await grown.stop()
+
+
+async def test_a_host_too_small_refuses_a_reserved_pool_and_warns_of_a_sparse_one(box: Sandbox) -> None:
+    # The pool's file on a 200 MiB host filesystem of its own, mounted where the driver keeps it.
+    host, place = box.root / "host.img", image_of(box).parent
+    host.write_bytes(b"")
+    os.truncate(host, 200 * MIB)
+    subprocess.run(["mkfs.ext4", "-q", str(host)], check=True, capture_output=True)
+    place.mkdir(parents=True)
+    subprocess.run(["mount", "-o", "loop", str(host), str(place)], check=True, capture_output=True)
+    driver = managed(box, "512Mi,sparse")
+    try:
+        await refused(managed(box, "512Mi"), "cannot preallocate 536870912 bytes for the managed pool")
+        assert list(place.iterdir()) == [place / "lost+found"], "the reservation that failed is removed"
+        await driver.start()
+        assert_mounted(box)
+        assert "event=managed_pool_overcommitted" in driver.log()
+        await driver.stop()
+    finally:
+        await driver.stop()
+        subprocess.run(["umount", str(pool_of(box))], check=False, capture_output=True)
+        for lp in loop.find_loop(image_of(box)):
+            subprocess.run(["losetup", "-d", str(lp.device)], check=False, capture_output=True)
+        subprocess.run(["umount", str(place)], check=False, capture_output=True)
