@@ -36,6 +36,7 @@ from csi_qsd.config import (
 from csi_qsd.csi import present
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import DriverError, FailedPrecondition
+from csi_qsd.pools.managed_spec import ManagedPoolSpec
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import iothreads, shards
 from csi_qsd.qsd.features import FUSE_IOTHREADS_MIN_CORES, FuseThreads, LoopIO
@@ -132,6 +133,15 @@ def _device_pool(text: str) -> DevicePoolSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _managed_pool(text: str) -> ManagedPoolSpec | None:
+    if not text:
+        return None
+    try:
+        return ManagedPoolSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _remote_pool(text: str) -> RemotePoolSpec:
     try:
         return parse_remote_pool(text)
@@ -223,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
             "where QSD >= 11 serves FUSE exports (container volumes): auto (the --iothreads pool, one /dev/fuse "
             f"queue each, on nodes of {FUSE_IOTHREADS_MIN_CORES} or more cores; the main loop on smaller ones), "
             "pool or main", choices=[m.value for m in FuseThreads])
+    _option(serve, "--managed-pool", "", "KIND:SIZE[,sparse], e.g. xfs:200Gi: the pool directory on an XFS "
+            "filesystem the driver makes in one file of the state dir (reserved in full on the host, or taking "
+            "host space as the pool fills with ',sparse'), on a direct-I/O loop device, mounted at --pool-dir; reused or attached and mounted "
+            "again at every start, grown when SIZE grows, never shrunk (empty: a plain directory)",
+            type=_managed_pool, metavar="KIND:SIZE[,sparse]")
     _option(serve, "--max-volumes", "0", "volumes this node may hold, reported to Kubernetes (0: no limit)")
     serve.add_argument("--device-pool", action="append", type=_device_pool, metavar="NAME=PATH|nvme://PCI[/NS][,force]",
                        default=_env_list(serve, "--device-pool", _device_pool),
@@ -419,6 +434,7 @@ def config_from(args: argparse.Namespace) -> Config:
     return Config(
         state_dir=Path(args.state_dir),
         pool_dir=Path(args.pool_dir) if args.pool_dir else None,
+        managed_pool=getattr(args, "managed_pool", None),
         endpoint=getattr(args, "endpoint", ""),
         node_id=getattr(args, "node_id", "") or os.uname().nodename,
         driver_name=getattr(args, "driver_name", DEFAULT_DRIVER_NAME),

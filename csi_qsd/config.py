@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
+from csi_qsd.pools.managed_spec import ManagedPoolSpec
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.features import FuseThreads, LoopIO
 from csi_qsd.qsd.file_aio import FileIO
@@ -69,6 +70,8 @@ class Config:
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
     driver_name: str = DEFAULT_DRIVER_NAME
     pool_dir: Path | None = None
+    # The pool directory on a filesystem the driver makes in a file of the state dir (`csi_qsd.pools.managed_xfs`).
+    managed_pool: ManagedPoolSpec | None = None
     target_root: Path = DEFAULT_TARGET_ROOT
     log_level: str = "info"
     metrics_address: str = ""
@@ -164,6 +167,17 @@ class Config:
         if self.copy_calls_per_node < 1:
             raise ValueError(f"--copy-calls-per-node {self.copy_calls_per_node}: must be at least 1")
         self._check_runtime_dir()
+        self._check_managed_pool()
+
+    def _check_managed_pool(self) -> None:
+        """--managed-pool mounts over the pool directory: it must hide none of the driver's other directories."""
+        if self.managed_pool is None:
+            return
+        for flag, other in (("--state-dir", self.state_dir), ("--target-root", self.target_root),
+                            ("--runtime-dir", self.runtime_dir)):
+            if other.is_relative_to(self.pool):
+                raise ValueError(f"--managed-pool mounts a filesystem at --pool-dir {self.pool}, which would hide "
+                                 f"{flag} {other}: give the pool a directory of its own (default <state-dir>/pool)")
 
     def _check_runtime_dir(self) -> None:
         """--runtime-dir: absolute, and apart from every persistent directory (a key written there stays)."""

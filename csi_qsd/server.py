@@ -48,6 +48,7 @@ from csi_qsd.node.staging import NodeVolumes
 from csi_qsd.pools.base import Pool
 from csi_qsd.pools.device_pools import open_device_pools
 from csi_qsd.pools.files import FilePool
+from csi_qsd.pools.managed import pool_directory
 from csi_qsd.qsd import features
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.daemon import Rebuild
@@ -126,11 +127,14 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
     for directory in (config.state_dir, config.qsd_dir, config.exports_dir):
         directory.mkdir(parents=True, exist_ok=True)
     os.chmod(config.state_dir, 0o700)
+    failpoints = Failpoints.parse(config.failpoints)
+    pool_dir = pool_directory(config.managed_pool, config.pool, config.state_dir, failpoints)
+    await pool_dir.ready()  # before anything reads or writes the pool: a managed one is mounted here
+    log.info("event=pool_directory pool_dir=%s", pool_dir.describe())
     pool = FilePool(config.pool, config.qemu_img, aio_probe=config.qsd_dir / "aio-probe", file_io=config.file_io)
     pool.prepare()
     async with Catalog(config.catalog_path) as catalog:
         locks = KeyedLocks("volume")
-        failpoints = Failpoints.parse(config.failpoints)
         device_pools = {
             p.id: p for p in await open_device_pools(config.device_pools, catalog, config.state_dir, failpoints,
                                                      remote=config.remote_pools)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import mmap
 import os
 import struct
@@ -150,3 +151,41 @@ async def grow(mount_point: Path, fs_type: str, device: Path) -> None:
         await run("resize2fs", str(device))
     elif fs_type == "xfs":
         await run("xfs_growfs", str(mount_point))
+
+
+XFS_MAGIC = b"XFSB"  # the first bytes of an XFS filesystem: its primary superblock's magic number
+
+
+def holds_xfs(path: Path) -> bool:
+    """True if the file or device `path` starts with an XFS superblock. Raises OSError if it cannot be read."""
+    with open(path, "rb") as file:
+        return file.read(len(XFS_MAGIC)) == XFS_MAGIC
+
+
+# XFS_IOC_FSGEOMETRY_V1, _IOR('X', 100, struct xfs_fsop_geom_v1): the mounted filesystem's geometry (112 bytes),
+# its block size a u32 at 0 and its data blocks a u64 at 32 (the kernel's xfs_fs.h).
+XFS_IOC_FSGEOMETRY_V1 = 0x80705864
+_XFS_GEOMETRY = struct.Struct("=I28xQ72x")
+
+
+async def xfs_size(mount_point: Path) -> int:
+    """Bytes the XFS filesystem mounted at `mount_point` spans (its data section), asked of the kernel.
+
+    Exact where the superblock on the device may lag the mounted filesystem
+    (a grow sits in its log until written back). Raises HostCommandError if
+    no XFS is mounted there.
+    """
+    return await asyncio.to_thread(_xfs_size, mount_point)
+
+
+def _xfs_size(mount_point: Path) -> int:
+    try:
+        fd = os.open(mount_point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            raw = fcntl.ioctl(fd, XFS_IOC_FSGEOMETRY_V1, bytes(_XFS_GEOMETRY.size))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise HostCommandError(f"cannot read the XFS geometry at {mount_point}: {exc.strerror}") from exc
+    block_size, data_blocks = _XFS_GEOMETRY.unpack(raw)
+    return int(block_size) * int(data_blocks)

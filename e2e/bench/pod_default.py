@@ -8,8 +8,10 @@ serve` with its defaults, over its UNIX socket as the external-provisioner
 and kubelet drive it). It makes N filesystem volumes (CreateVolume with the
 configuration's StorageClass parameters, NodeStage and NodePublish: ext4 on
 the driver's loop device over QSD's FUSE export) and, as the baseline, N raw
-files in the pool's own directory, each under a direct-I/O loop device with
-ext4 made as the driver makes it. fio (O_DIRECT, libaio, 4k random, QD32
+files on the pool's filesystem (for ``host``, the node's: beside the pool
+directory, which ``--serve=--managed-pool=xfs:SIZE`` makes the driver's own
+XFS), each under a direct-I/O loop device with ext4 made as the driver
+makes it. fio (O_DIRECT, libaio, 4k random, QD32
 each) runs on a file in each filesystem, laid out once beforehand, on 1 and
 then N at once; volumes and baselines alternate which goes first (ABBA) over
 ``--rounds``, and a figure is the mean.
@@ -118,6 +120,9 @@ class Bench(ServedBench):
                  rounds: int, shards: int, region: int = REGION, serve: tuple[str, ...] = ()) -> None:
         super().__init__(box, "--pool-dir", str(pool), "--qsd-shards", str(shards), *serve)
         self.config, self.pool, self.counts, self.params = config, pool, counts, CLASSES[config.klass]
+        # Where the anchors live: the node's filesystem for `host` (beside the pool, never in it: with
+        # `--serve=--managed-pool=…` the driver mounts its own XFS at the pool directory), else the pool's.
+        self.anchors = box.root / "anchors" if config.pool == "host" else pool
         self.seconds, self.rounds, self.shards, self.region = seconds, rounds, shards, region
         self.rows: list[scaling.Row] = []
         self.directory: dict[tuple[str, int], list[float]] = {}  # (job, N): IOPS in plain directories, each round
@@ -139,14 +144,15 @@ class Bench(ServedBench):
             namespace = {scaling.NAMESPACE_KEY: scaling.namespace_for(index, self.shards)}
             targets.append((await self.stage(csi, f"pod-{index}", VOLUME_SIZE, {**self.params, **namespace})).target)
         async with contextlib.AsyncExitStack() as stack:
+            self.anchors.mkdir(exist_ok=True)
             baselines = []
             for index in range(count):
-                raw = await stack.enter_async_context(raw_file(self.pool / f"baseline-{index}.raw", VOLUME_SIZE))
+                raw = await stack.enter_async_context(raw_file(self.anchors / f"baseline-{index}.raw", VOLUME_SIZE))
                 device = await stack.enter_async_context(loop_device(raw))
                 baselines.append(await stack.enter_async_context(ext4_on(device, self.box.root / f"base-{index}")))
             volume_files = [t / "fio.dat" for t in targets]
             baseline_files = [b / "fio.dat" for b in baselines]
-            directory_files = [stack.enter_context(plain_directory(self.pool / f"directory-{index}")) / "fio.dat"
+            directory_files = [stack.enter_context(plain_directory(self.anchors / f"directory-{index}")) / "fio.dat"
                                for index in range(count)]
             progress(f"{self.config.name}: laying out {self.region // MIB} MiB in each of {3 * count} files")
             for path in volume_files + baseline_files + directory_files:
@@ -190,7 +196,8 @@ class Bench(ServedBench):
         params = ", ".join(f"{k}={v}" for k, v in self.params.items()) or \
             "no parameters (thin qcow2, 64 KiB granularity, persistent dirty bitmap)"
         head = (f"{self.config.name}: pool on {mounts.filesystem_of(self.pool) or '?'} ({self.config.pool}); class: "
-                f"{params}; ext4 in each volume vs ext4 on a direct-I/O loop device on a raw file in the pool; "
+                f"{params}; ext4 in each volume vs ext4 on a direct-I/O loop device on a raw file on "
+                f"{mounts.filesystem_of(self.anchors) or '?'} ({self.anchors}); "
                 f"{self.setting}; {self.shards} shard(s); {os.cpu_count()} cores; {self.rounds} x {self.seconds:g} s, "
                 f"mean; load average {os.getloadavg()[0]:.2f}")
         rows = []
