@@ -435,7 +435,7 @@ class Catalog:
             db.execute("PRAGMA wal_autocheckpoint=0")  # durable commits checkpoint, off the event loop (`_run`)
             db.execute("PRAGMA foreign_keys=ON")
             schema.prepare(db, self._path)
-            _lay_out_wal(db)
+            _lay_out_wal(db, self._path.with_name(self._path.name + "-wal"))
         except BaseException:
             db.close()
             raise
@@ -511,7 +511,7 @@ class Catalog:
         return await asyncio.to_thread(self._call, fn)
 
 
-def _lay_out_wal(db: sqlite3.Connection) -> None:
+def _lay_out_wal(db: sqlite3.Connection, wal: Path) -> None:
     """Lengthen the WAL to WAL_ROOM bytes with frames of a transaction that is rolled back.
 
     A commit's fdatasync of a WAL that grows must write the file's new
@@ -523,8 +523,15 @@ def _lay_out_wal(db: sqlite3.Connection) -> None:
     (only frames up to a commit frame count), and the next commits overwrite
     them. SQLite removes the WAL when the catalog closes; after a checkpoint
     it starts again from the file's beginning and keeps its length, so every
-    open lays it out once. Nothing is committed here.
+    open lays it out once. Nothing is committed here, and a WAL already laid
+    out (another process has the catalog open) or one another writer holds
+    (busy) is left as it is: only a commit's cost depends on it.
     """
+    try:
+        if wal.stat().st_size >= WAL_ROOM:
+            return
+    except FileNotFoundError:
+        pass
     cache_size = db.execute("PRAGMA cache_size").fetchone()[0]
     db.execute("PRAGMA cache_size=10")  # a few pages: the blob's spill to the WAL
     try:
@@ -534,6 +541,8 @@ def _lay_out_wal(db: sqlite3.Connection) -> None:
             db.execute("INSERT INTO wal_room VALUES (zeroblob(?))", (WAL_ROOM,))
         finally:
             db.execute("ROLLBACK")
+    except sqlite3.OperationalError:  # another writer holds the database: its commits keep the WAL as it is
+        pass
     finally:
         db.execute(f"PRAGMA cache_size={cache_size}")
 
