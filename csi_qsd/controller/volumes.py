@@ -7,6 +7,7 @@ so a crash leaves a row the start-up reconcile can finish or undo.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # How long after a CreateVolume its image is made durable, with every other created meanwhile (`_settle_later`).
 SETTLE_DELAY = 0.1
+# How long after a DeleteVolume its storage is freed, with every other deleted meanwhile (`_free_later`).
+FREE_DELAY = 0.1
+
 def _room_for_filesystem(wanted: int, limit: int, caps: list[Capability]) -> int:
     """`wanted` bytes (0: the default size), raised to the least a filesystem the capabilities name can be
     made on, so that the volume can be staged (CSI lets a volume be larger than required, within the limit).
@@ -78,7 +82,10 @@ class Volumes:
         self._settling: dict[str, VolumeRecord] = {}  # the batch being written and synced now
         self._batch_done = asyncio.Event()
         self._settler: asyncio.Task[None] | None = None
-        self._deleting: dict[str, asyncio.Task[None]] = {}
+        self._deleting: dict[str, asyncio.Task[None]] = {}  # marked DELETING: the batch that frees its storage
+        # The batch still waiting for FREE_DELAY, and its task.
+        self._to_free: tuple[dict[str, VolumeRecord], asyncio.Task[None]] | None = None
+        self._free_now = asyncio.Event()  # someone waits for storage: the waiting batch goes at once
 
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
@@ -227,8 +234,9 @@ class Volumes:
         """Delete a volume; a missing one is success. FailedPrecondition while it is staged.
 
         Answered once the deletion is durable in the catalog: the volume is
-        gone for the CO from then on. Its storage is freed right after, in
-        the background (a crash leaves that to the start-up reconcile).
+        gone for the CO from then on. Its storage is freed shortly after, in
+        the background, with that of the other deletions meanwhile (a crash
+        leaves that to the start-up reconcile).
         """
         async with self._volume_locks.hold(volume_id):
             record = await self._catalog.volume(volume_id)
@@ -243,15 +251,66 @@ class Volumes:
             self._unsettled.pop(volume_id, None)  # gone with the volume: never written
             await self._catalog.set_volume_state(volume_id, VolumeState.DELETING)
             self._failpoints.hit("delete.after_intent")
-            self._deleting[volume_id] = asyncio.create_task(self._free_later(record))
+            self._free_later(record)
 
-    async def _free_later(self, record: VolumeRecord) -> None:
+    def _free_later(self, record: VolumeRecord) -> None:
+        """Queue `record`'s storage for the next batch, freed FREE_DELAY seconds after the first of it.
+
+        A burst of deletes then pays one fsync of the pool directory and one
+        catalog commit for all of it, and none of that runs beside the calls
+        of the burst (each would stall the next call's commit).
+        """
+        if self._to_free is None:
+            batch: dict[str, VolumeRecord] = {}
+            self._to_free = (batch, asyncio.create_task(self._free_batch(batch)))
+        batch, task = self._to_free
+        batch[record.id] = record
+        self._deleting[record.id] = task
+
+    async def _free_batch(self, batch: dict[str, VolumeRecord]) -> None:
         try:
-            await self._free(record)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._free_now.wait(), FREE_DELAY)
+            self._free_now.clear()
+            self._to_free = None  # deletes from now on go to the next batch
+            await self._free_all(list(batch.values()))
         except Exception:
-            log.exception("event=delete_failed volume_id=%s (the start-up reconcile finishes it)", record.id)
+            log.exception("event=delete_failed volumes=%d (the start-up reconcile finishes them)", len(batch))
         finally:
-            self._deleting.pop(record.id, None)
+            for volume_id in batch:
+                if self._deleting.get(volume_id) is asyncio.current_task():
+                    del self._deleting[volume_id]
+
+    async def _free_all(self, records: list[VolumeRecord]) -> None:
+        """Free volumes marked DELETING, together: their storage (one durable step per pool), then their rows (one
+        commit); a pool that fails frees its volumes one by one, and what still fails is left to the reconcile."""
+        by_pool: dict[str, list[VolumeRecord]] = {}
+        for record in records:
+            await self._out_of_batches(record.id)
+            by_pool.setdefault(record.pool, []).append(record)
+        freed: list[VolumeRecord] = []
+        for group in by_pool.values():
+            try:
+                await self._pool_of(group[0]).delete_all([record.image for record in group])
+                freed += group
+            except Exception:
+                for record in group:  # one at a time: one that fails keeps its row for the reconcile
+                    try:
+                        await self._free(record)
+                    except Exception:
+                        log.exception("event=delete_failed volume_id=%s (the start-up reconcile finishes it)",
+                                      record.id)
+        if not freed:
+            return
+        self._failpoints.hit("delete.after_image")
+        await self._catalog.delete_volumes([record.id for record in freed])
+        for record in freed:
+            log.info("event=volume_deleted volume_id=%s", record.id)
+            try:
+                await chains.reclaim(self._catalog, self._pool_of(record), record.backing)
+            except Exception:
+                log.exception("event=reclaim_failed volume_id=%s image=%s (the start-up reconcile finishes it)",
+                              record.id, record.backing)
 
     async def _free(self, record: VolumeRecord) -> None:
         """Remove a volume marked DELETING: its storage, then its row, then what only it kept alive."""
@@ -267,6 +326,7 @@ class Volumes:
         """Wait for the background deletion of `volume_id`; Aborted if it is not under way or did not finish."""
         task = self._deleting.get(volume_id)
         if task is not None:
+            self._free_now.set()
             await asyncio.shield(task)
         if task is None or await self._catalog.volume(volume_id) is not None:
             raise Aborted(f"volume named {name!r} ({volume_id}) is being deleted; retry later")
@@ -284,14 +344,16 @@ class Volumes:
     async def freed(self) -> None:
         """Wait for every background deletion under way: their storage is free once this returns."""
         while self._deleting:
-            await asyncio.gather(*map(asyncio.shield, list(self._deleting.values())))
+            self._free_now.set()
+            await asyncio.gather(*map(asyncio.shield, set(self._deleting.values())))
 
     async def close(self, timeout: float = 10.0) -> None:
         """Let background settling and deletions finish (each is redone at start-up if cut off)."""
         if self._unsettled:
             batch, self._unsettled = list(self._unsettled.values()), {}
             await self._settle_all(batch)
-        pending = [*self._deleting.values(), *([self._settler] if self._settler is not None else [])]
+        self._free_now.set()
+        pending = [*set(self._deleting.values()), *([self._settler] if self._settler is not None else [])]
         if not pending:
             return
         _done, unfinished = await asyncio.wait(pending, timeout=timeout)

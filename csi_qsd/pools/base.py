@@ -172,6 +172,12 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     async def delete(self, image: Path) -> None: ...
 
+    async def delete_all(self, images: list[Path]) -> None:
+        """Delete every one of `images`, durably once this returns, as `delete` does; in order, stopping at the
+        first failure (what was deleted stays deleted). A pool may share the cost of making them durable."""
+        for image in images:
+            await self.delete(image)
+
     @abc.abstractmethod
     def leftovers(self) -> list[Path]:
         """What a crash left half-made (never user data): the start-up reconcile removes it."""

@@ -247,6 +247,10 @@ class FilePool(Pool):
     async def delete(self, image: Path) -> None:
         await asyncio.to_thread(durable.unlink, image)
 
+    async def delete_all(self, images: list[Path]) -> None:
+        """Unlink every image, then fsync the pool's directory once for all of them."""
+        await asyncio.to_thread(durable.unlink_all, self.directory, images)
+
     def leftovers(self) -> list[Path]:
         """Temporary files a crash left during creation: never user data."""
         return sorted(self.directory.glob(f"vol-*{TMP_SUFFIX}"))

@@ -34,7 +34,7 @@ async def ensure_staged(loop: Path, staging: Path, fs_type: str, flags: list[str
     made = not existing
     if made:
         filesystems.check_fits(fs_type, device_size(loop))
-        await filesystems.make(loop, fs_type)
+        await filesystems.make(loop, fs_type, zeroed=blank)
         existing = fs_type
     elif existing != fs_type:
         raise FailedPrecondition(

@@ -37,6 +37,15 @@ def unlink(path: Path) -> None:
     fsync_path(path.parent)
 
 
+def unlink_all(directory: Path, paths: list[Path]) -> None:
+    """Remove `paths`, all in `directory` (missing ones are fine), durably: one fsync of the directory for all."""
+    for path in paths:
+        if path.parent != directory:
+            raise ValueError(f"{path} is not in {directory}")
+        path.unlink(missing_ok=True)
+    fsync_path(directory)
+
+
 def exclusive(path: Path, mode: int = 0o600) -> int:
     """A descriptor of a new, empty regular file at `path`, which this call made: never what was there.
 

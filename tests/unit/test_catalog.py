@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -244,3 +246,47 @@ async def test_durability_settings_and_schema_version(tmp_path: Path) -> None:
     newer = Catalog(path)
     with pytest.raises(StartupError, match="newer than this driver"):
         await newer.open()
+
+
+# What a driver killed without closing the catalog does: commits over the laid-out WAL, then no close at all.
+_KILLED_WRITER = """
+import asyncio, os, sys
+from pathlib import Path
+from csi_qsd.catalog import Catalog
+from tests.fakes.records import volume
+
+async def main() -> None:
+    catalog = Catalog(Path(sys.argv[1]))
+    await catalog.open()
+    for n in range(1, 41):
+        await catalog.add_volume(volume(n))
+    await catalog.delete_volumes([volume(n).id for n in range(1, 11)])
+    print(os.path.getsize(sys.argv[1] + "-wal"), flush=True)
+    os._exit(0)  # no checkpoint, no close: the WAL holds the commits and, past them, the rolled-back frames
+
+asyncio.run(main())
+"""
+
+
+async def test_commits_overwrite_a_laid_out_wal_and_survive_a_kill(tmp_path: Path) -> None:
+    path = tmp_path / "catalog.db"
+    async with Catalog(path) as catalog:
+        wal = path.with_name(path.name + "-wal")
+        laid_out = wal.stat().st_size
+        assert laid_out >= catalog_store.WAL_ROOM  # laid out when the catalog opens
+        for n in range(1, 21):
+            await catalog.add_volume(volume(n))
+        assert wal.stat().st_size == laid_out  # commits write over it: the file never grows
+        await catalog.delete_volumes([volume(n).id for n in range(1, 21)])
+    path.unlink()
+    written = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(path)], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).parents[2])
+    assert int(written.stdout) >= catalog_store.WAL_ROOM
+    async with Catalog(path) as catalog:  # recovery reads the commits and nothing past them
+        assert [r.id for r in await catalog.volumes()] == [volume(n).id for n in range(11, 41)]
+    db = sqlite3.connect(path)
+    try:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert "wal_room" not in tables and db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        db.close()

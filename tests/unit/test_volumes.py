@@ -8,13 +8,18 @@ DeleteVolume's storage freed after it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
+
+import pytest
 
 from csi_qsd import validate
 from csi_qsd.catalog import Catalog, VolumeState
-from csi_qsd.controller.volumes import SETTLE_DELAY, Volumes
+from csi_qsd.controller import volumes as volumes_module
+from csi_qsd.controller.volumes import FREE_DELAY, SETTLE_DELAY, Volumes
 from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.pools.base import NewImage
 from csi_qsd.pools.files import FilePool
@@ -154,3 +159,79 @@ async def test_delete_answers_before_the_storage_goes_and_a_repeat_is_ok(tmp_pat
         again = await volumes.create("pvc-gone", 64 << 20, 0, VolumeParameters(), [])  # the name is free again
         assert again.id != record.id
         await volumes.close()
+
+
+@contextlib.asynccontextmanager
+async def file_volumes(tmp_path: Path, pool: FilePool) -> AsyncIterator[tuple[Catalog, Volumes]]:
+    """A catalog and `Volumes` over `pool` (prepared here), closed after."""
+    pool.prepare()
+    async with Catalog(tmp_path / "catalog.db") as catalog:
+        volumes = Volumes(catalog, pool, KeyedLocks("volume"))
+        yield catalog, volumes
+        await volumes.close()
+
+
+async def test_a_burst_of_deletes_frees_its_storage_together_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = FilePool(tmp_path / "pool")
+    batches: list[list[Path]] = []
+    delete_all = pool.delete_all
+
+    async def counted(images: list[Path]) -> None:
+        batches.append(list(images))
+        await delete_all(images)
+
+    pool.delete_all = counted  # type: ignore[method-assign]
+    async with file_volumes(tmp_path, pool) as (catalog, volumes):
+        created = [await volumes.create(f"pvc-{n}", 64 << 20, 0, VolumeParameters(), []) for n in range(4)]
+        for record in created:
+            await volumes.settled(record)
+        for record in created:
+            await volumes.delete(record.id)
+        assert batches == []  # nothing freed beside the calls of the burst
+        assert all(r.image.exists() for r in created)
+        for _ in range(200):
+            if not any(r.id in volumes._deleting for r in created):
+                break
+            await asyncio.sleep(FREE_DELAY / 4)
+        assert batches == [[r.image for r in created]]  # one batch: one fsync of the pool directory
+        assert [await catalog.volume(r.id) for r in created] == [None] * 4
+        assert list(pool.images()) == []
+
+        # Someone waiting for room does not wait out the delay.
+        monkeypatch.setattr(volumes_module, "FREE_DELAY", 3600.0)
+        record = await volumes.create("pvc-next", 64 << 20, 0, VolumeParameters(), [])
+        await volumes.settled(record)
+        await volumes.delete(record.id)
+        await asyncio.wait_for(volumes.freed(), 30)
+        assert not record.image.exists() and await catalog.volume(record.id) is None
+
+
+async def test_a_batch_whose_pool_fails_frees_what_it_can_and_leaves_the_rest_marked(tmp_path: Path) -> None:
+    pool = FilePool(tmp_path / "pool")
+    async with file_volumes(tmp_path, pool) as (catalog, volumes):
+        good, bad = [await volumes.create(f"pvc-{n}", 64 << 20, 0, VolumeParameters(), []) for n in range(2)]
+        for record in (good, bad):
+            await volumes.settled(record)
+        delete = pool.delete
+
+        async def refusing(image: Path) -> None:
+            if image == bad.image:
+                raise OSError(5, "Input/output error")
+            await delete(image)
+
+        async def failing_batch(images: list[Path]) -> None:
+            raise OSError(5, "Input/output error")
+
+        pool.delete = refusing  # type: ignore[method-assign]
+        pool.delete_all = failing_batch  # type: ignore[method-assign]
+        await volumes.delete(good.id)
+        await volumes.delete(bad.id)
+        await volumes.freed()
+        assert await catalog.volume(good.id) is None and not good.image.exists()
+        left = await catalog.volume(bad.id)
+        assert left is not None and left.state is VolumeState.DELETING and bad.image.exists()  # the reconcile's
+        pool.delete = delete  # type: ignore[method-assign]
+        await Volumes(catalog, pool, KeyedLocks("volume")).reconcile()
+        assert await catalog.volume(bad.id) is None and not bad.image.exists()
