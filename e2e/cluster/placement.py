@@ -93,12 +93,19 @@ def vm_pod(name: str, claim: str, *, kvm: bool) -> dict[str, Any]:
 
 def vm_capacity(cluster: Cluster, node: str) -> dict[str, Any]:
     """The CSIStorageCapacity `node`'s provisioner publishes for the `csi-qsd-vm` class (waited for)."""
+    seen: list[dict[str, Any]] = []
+
     def published() -> dict[str, Any] | None:
-        items = get_json(cluster, "-n", DRIVER_NAMESPACE, "csistoragecapacities")["items"]
-        found = [c for c in items if c["storageClassName"] == VM_CLASS and c.get("capacity")
-                 and (c.get("nodeTopology") or {}).get("matchLabels") == {TOPOLOGY_KEY_NODE: node}]
+        seen[:] = get_json(cluster, "-n", DRIVER_NAMESPACE, "csistoragecapacities")["items"]
+        # The segment holds every key the node reports (its export kinds too); the node's name is one.
+        found = [c for c in seen if c["storageClassName"] == VM_CLASS and c.get("capacity")
+                 and ((c.get("nodeTopology") or {}).get("matchLabels") or {}).get(TOPOLOGY_KEY_NODE) == node]
         return found[0] if len(found) == 1 else None
-    return wait_until(published, 120, f"{node}'s CSIStorageCapacity for {VM_CLASS}")  # type: ignore[no-any-return]
+    try:
+        return wait_until(published, 120, f"{node}'s CSIStorageCapacity for {VM_CLASS}")  # type: ignore[no-any-return]
+    except TimeoutError as error:
+        summary = [(c["storageClassName"], c.get("nodeTopology"), c.get("capacity")) for c in seen]
+        raise TimeoutError(f"{error}; published: {summary}") from None
 
 
 def volume_limit(capacity: dict[str, Any]) -> int:
