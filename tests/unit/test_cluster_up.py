@@ -7,6 +7,8 @@ the same start and teardown steps (e2e/cluster/session.py) every session.
 from __future__ import annotations
 
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 from e2e.cluster import examples, up
@@ -38,8 +40,13 @@ def test_other_examples_are_printed_as_shipped() -> None:
 
 def test_a_process_naming_the_state_dir_is_found_until_it_is_gone(tmp_path: Path) -> None:
     base = tmp_path / "try"
-    process = subprocess.Popen(["sh", "-c", "sleep 60; true", f"{base}/node"])
+    # One process that forks nothing (a shell's children carry its command line until they exec).
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"{base}/node"])
     try:
+        # Popen can return before the child's exec has set its command line.
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{process.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert process.pid in up.processes_naming(base)
     finally:
         process.kill()
