@@ -192,15 +192,15 @@ async def test_a_volume_whose_copy_source_is_down_at_a_qsd_restart_is_retried_un
         with pytest.raises(Unavailable, match="node node-a"):
             await f.node.publish(publish_of(copy, "/pod/second"))
         asked = source.asked
-        await until(lambda: source.asked >= asked + 3, "the source asked again, with back-off", 5, interval=0.01)
+        await until(lambda: source.asked >= asked + 3, "the source asked again, with back-off", 30, interval=0.01)
         assert f.client().volume_nodes(copy.id) == set()
 
         source.up = True
-        await until(lambda: f.node.stalled(copy.id) is None, "the stalled volume served again", 5, interval=0.01)
+        await until(lambda: f.node.stalled(copy.id) is None, "the stalled volume served again", 30, interval=0.01)
         assert f.client().reads(copy.id) == graph.nodes_for(copy.id).format
         assert host.binds.get(Path("/pod/copy")) == copy.id
         assert (await f.catalog.stage(copy.id)) is not None
-        await until(lambda: not _retries(), "the retry task ended", 5, interval=0.01)
+        await until(lambda: not _retries(), "the retry task ended", 30, interval=0.01)
         asked = source.asked
         await asyncio.sleep(0.2)  # long past the back-off's cap: nothing more is asked once served
         assert source.asked == asked
