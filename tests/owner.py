@@ -49,6 +49,12 @@ def make_base(prefix: str, parent: Path = Path("/tmp")) -> Path:
     return base
 
 
+def remove_base(base: Path) -> None:
+    """Remove a base `make_base` made, once everything else in it is gone (OSError if something is left)."""
+    (base / OWNER_FILE).unlink(missing_ok=True)
+    base.rmdir()
+
+
 def cgroup_name() -> str:
     """A name for a cgroup of this run's, its owner in it: `csi-qsd-test-PID-START-RANDOM`."""
     return f"{CGROUP_PREFIX}{owner_token()}-{secrets.token_hex(4)}"

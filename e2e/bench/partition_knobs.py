@@ -144,7 +144,7 @@ async def bench(runtime: float, rounds: int) -> str:
     finally:
         backing.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
-            work.rmdir()
+            owner.remove_base(work)
     return render(samples, runtime, rounds)
 
 

@@ -53,7 +53,7 @@ class FakeNVMe:
         subprocess.run(["losetup", "-d", str(self.node)], check=False, capture_output=True)
         self.link.unlink(missing_ok=True)
         self.backing.unlink(missing_ok=True)
-        self.dir.rmdir()
+        owner.remove_base(self.dir)
 
 
 def spec(device: FakeNVMe, name: str = "fast", force: bool = False) -> tuple[DevicePoolSpec, ...]:

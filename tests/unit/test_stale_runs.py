@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests import owner
 from tests.stale_runs import fuse_devices, inside
 
@@ -61,3 +63,13 @@ def test_a_base_is_marked_with_its_owner(tmp_path: Path) -> None:
     assert base.parent == tmp_path and base.name.startswith("cq")
     assert (base / owner.OWNER_FILE).read_text().strip() == owner.owner_token()
     assert owner.cgroup_name().startswith(f"{owner.CGROUP_PREFIX}{owner.owner_token()}-")
+
+
+def test_a_base_is_removed_with_its_owner_file_once_empty(tmp_path: Path) -> None:
+    base = owner.make_base("cq", tmp_path)
+    (base / "left").write_text("x")
+    with pytest.raises(OSError):
+        owner.remove_base(base)  # something of the test's is still there: kept, and said
+    (base / "left").unlink()
+    owner.remove_base(base)
+    assert not base.exists()
