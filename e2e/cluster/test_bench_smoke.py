@@ -40,5 +40,5 @@ def test_storage_e2e_bench_runs_one_test(cluster: Cluster, built: Built) -> None
     keep = cluster.logs / "storage-e2e" / "bench-smoke"
     result = storage_e2e.run_suite(cluster, built.kubernetes / "e2e.test", keep, focus=focus, timeout_minutes=10)
     out = storage_bench.summary([("", result)], "not asked in the smoke test", focus, storage_e2e.ALWAYS_SKIP, keep)
-    assert re.search(r"csi-qsd\s+1\s+0\s+0\s+\d+", out), f"{out}\n(log: {result.output})"
+    assert re.search(r"csi-qsd\s+1\s+0\s+\d+\s+\d+", out), f"{out}\n(log: {result.output})"
     assert "csi-driver-host-path  not run" in out, out
