@@ -36,6 +36,7 @@ from csi_qsd.config import (
 from csi_qsd.csi import present
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import DriverError, FailedPrecondition
+from csi_qsd.params import parse_size
 from csi_qsd.pools.managed_spec import ManagedPoolSpec
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import iothreads, shards
@@ -420,14 +421,6 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--format", default="qcow2", choices=["qcow2", "raw"])
     _option(restore, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
     return parser
-
-
-def parse_size(text: str) -> int:
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            return int(text[: -len(suffix)]) * factor
-    return int(text)
 
 
 def config_from(args: argparse.Namespace) -> Config:

@@ -457,3 +457,16 @@ def choose_size(required: int, limit: int) -> int:
                 f"no size in [{required}, {limit}] is a multiple of the {SIZE_GRANULARITY}-byte granularity"
             )
     return size
+
+
+SIZE_UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+_SIZE_RE = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?\Z")
+
+
+def parse_size(text: str) -> int:
+    """Bytes, or a whole number with Ki, Mi, Gi or Ti (as the command line and `--managed-pool` spell sizes);
+    ValueError otherwise."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r}: expected bytes, or a number with Ki, Mi, Gi or Ti")
+    return int(match.group(1)) * SIZE_UNITS[match.group(2) or ""]

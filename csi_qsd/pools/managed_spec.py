@@ -8,15 +8,14 @@ the pool so the configuration can validate it without importing the pool.
 from __future__ import annotations
 
 import dataclasses
-import re
+
+from csi_qsd.params import parse_size
 
 KINDS = ("xfs",)
-UNITS = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 # The file grows in whole MiB: a size the loop device and the filesystem's allocation groups divide evenly.
 ALIGNMENT = 1 << 20
 # mkfs.xfs (xfsprogs >= 5.19) refuses filesystems smaller than 300 MiB.
 MINIMUM = 300 << 20
-_SIZE_RE = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti)?\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +44,12 @@ class ManagedPoolSpec:
         if not colon or kind not in KINDS:
             raise ValueError(f"--managed-pool {text!r}: expected KIND:SIZE[,sparse] with KIND one of "
                              f"{', '.join(KINDS)}, e.g. xfs:200Gi")
-        match = _SIZE_RE.match(size_text)
-        if match is None:
-            raise ValueError(f"--managed-pool {text!r}: SIZE must be bytes or a number with Ki, Mi, Gi or Ti")
+        try:
+            size = parse_size(size_text)
+        except ValueError:
+            raise ValueError(f"--managed-pool {text!r}: SIZE must be bytes or a number with Ki, Mi, Gi or Ti") from None
         if option not in ("", "sparse"):
             raise ValueError(f"--managed-pool {text!r}: unknown option {option!r} (only 'sparse')")
-        size = int(match.group(1)) * UNITS[match.group(2) or ""]
         if size < MINIMUM or size % ALIGNMENT:
             raise ValueError(f"--managed-pool {text!r}: SIZE must be a whole number of MiB, at least "
                              f"{MINIMUM >> 20}Mi (the smallest {kind} filesystem)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from csi_qsd.errors import FailedPrecondition, HostCommandError, InvalidArgument, Unavailable
 from csi_qsd.sys.loop import device_size
-from csi_qsd.sys.run import run, tool_env
+from csi_qsd.sys.run import run
 
 SUPPORTED = ("ext4", "xfs")
 DEFAULT = "ext4"
@@ -84,18 +84,10 @@ async def mke2fs_version() -> tuple[int, ...]:
     global _mke2fs_version
     if _mke2fs_version is None:
         try:
-            proc = await asyncio.create_subprocess_exec(
-                "mke2fs", "-V", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=tool_env())  # it prints its version on stderr
-        except OSError:
+            _, out = await run("mke2fs", "-V", timeout=30, check=False, merge_stderr=True)  # its version: stderr
+        except (OSError, HostCommandError):
             return ()  # asked again next time
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), 30)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            return ()
-        match = re.match(rb"mke2fs (\d+)\.(\d+)(?:\.(\d+))?", out.strip())
+        match = re.match(r"mke2fs (\d+)\.(\d+)(?:\.(\d+))?", out.strip())
         _mke2fs_version = tuple(int(part or 0) for part in match.groups()) if match else ()
     return _mke2fs_version
 

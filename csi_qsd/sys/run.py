@@ -51,15 +51,18 @@ def secret_pipes(*secrets: bytes) -> Iterator[list[int]]:
 
 
 async def run(*argv: str, timeout: float = 120.0, check: bool = True, stdin: bytes | None = None,
-              pass_fds: Sequence[int] = ()) -> tuple[int, str]:
+              pass_fds: Sequence[int] = (), merge_stderr: bool = False) -> tuple[int, str]:
     """Run `argv`, return (exit code, stdout); raise HostCommandError with stderr on failure.
 
     `stdin` is fed to the tool through a pipe: how a secret reaches it (QEMU's `file=/dev/stdin`), never argv.
     `pass_fds` stay open in the tool under their numbers (more secrets, each a pipe: `secret_pipes`).
+    `merge_stderr`: stderr comes back with stdout (a tool that prints what we read there, e.g. a version).
     """
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=tool_env(), pass_fds=pass_fds,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE,
+        env=tool_env(), pass_fds=pass_fds,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)

@@ -130,16 +130,15 @@ def _driver_calls(cluster: Cluster) -> dict[str, tuple[float, int]]:
     pod = deploy.driver_pod(cluster)["metadata"]["name"]
     text = cluster.kubectl("get", "--raw",
                            f"/api/v1/namespaces/{deploy.DRIVER_NAMESPACE}/pods/{pod}:9810/proxy/metrics").stdout
-    calls: dict[str, tuple[float, int]] = {}
+    seconds: dict[str, float] = {}
+    counts: dict[str, float] = {}
     for line in text.splitlines():
-        for suffix, index in (("_sum{", 0), ("_count{", 1)):
+        for suffix, into in (("_sum{", seconds), ("_count{", counts)):
             if line.startswith("csi_qsd_rpc_duration_seconds" + suffix):
                 labels, value = line.rsplit(" ", 1)
                 method = labels.split('method="', 1)[1].split('"', 1)[0]
-                pair = list(calls.get(method, (0.0, 0)))
-                pair[index] += float(value) if index == 0 else int(float(value))
-                calls[method] = (pair[0], int(pair[1]))
-    return calls
+                into[method] = into.get(method, 0.0) + float(value)
+    return {method: (seconds[method], int(counts.get(method, 0.0))) for method in seconds}
 
 
 def _per_call(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]) -> dict[str, float]:

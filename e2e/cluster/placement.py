@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from csi_qsd.cli import parse_size
 from csi_qsd.config import TOPOLOGY_KEY_NODE
+from csi_qsd.params import parse_size
 from e2e.cluster import examples as ex
 from e2e.cluster.cluster import Cluster
 from e2e.cluster.deploy import DRIVER_NAMESPACE, get_json, wait_until

@@ -8,6 +8,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_DIR = REPO_ROOT / "deploy"
 EXAMPLES_DIR = DEPLOY_DIR / "examples"
@@ -173,3 +175,15 @@ def properties(value: str) -> tuple[str, dict[str, str]]:
         key, _, val = item.partition("=")
         props[key] = val
     return head, props
+
+
+def readme_overlay(readme: Path, name: str, overlay: Path, into: Path) -> Path:
+    """`into`, holding the example overlay `name`/kustomization.yaml that `readme` gives, with its one resource
+    (which must be `../deploy/overlays/<overlay's name>`) pointed at `overlay` itself."""
+    block = re.search(rf"```yaml\n# {re.escape(name)}/kustomization.yaml\n(.*?)```", readme.read_text(), re.S)
+    assert block is not None, f"{readme}'s example overlay {name}"
+    kustomization = yaml.safe_load(block.group(1))
+    assert kustomization["resources"] == [f"../deploy/overlays/{overlay.name}"]
+    kustomization["resources"] = [str(overlay)]
+    (into / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return into

@@ -3,14 +3,13 @@ both the plugin and QSD, served as the device pool its StorageClass names; the R
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from csi_qsd.cli import build_parser
-from tests.deploy.helpers import DEPLOY_DIR, Obj, container, one
+from tests.deploy.helpers import DEPLOY_DIR, Obj, container, one, readme_overlay
 from tests.deploy.kustomize import UnsupportedKustomization, render
 
 CASCADE_DIR = DEPLOY_DIR / "overlays" / "cascade"
@@ -64,14 +63,8 @@ def test_the_overlay_changes_nothing_else(cascade: list[Obj], base: list[Obj]) -
 
 
 def test_the_readme_overlay_chooses_the_backing_class(tmp_path: Path) -> None:
-    text = (CASCADE_DIR / "README.md").read_text()
-    block = re.search(r"```yaml\n# my-cascade/kustomization.yaml\n(.*?)```", text, re.S)
-    assert block is not None, "the README's example overlay"
-    kustomization = yaml.safe_load(block.group(1))
-    assert kustomization["resources"] == ["../deploy/overlays/cascade"]
-    kustomization["resources"] = [str(CASCADE_DIR)]
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    claim = claim_of(pod_of(render(tmp_path)))
+    overlay = readme_overlay(CASCADE_DIR / "README.md", "my-cascade", CASCADE_DIR, tmp_path)
+    claim = claim_of(pod_of(render(overlay)))
     assert claim["storageClassName"] == "ceph-rbd"
     assert claim["resources"]["requests"]["storage"] == "500Gi"
 

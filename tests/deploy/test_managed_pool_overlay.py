@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import posixpath
-import re
 from pathlib import Path
-
-import yaml
 
 from csi_qsd.cli import build_parser
 from csi_qsd.pools.managed_spec import ManagedPoolSpec
-from tests.deploy.helpers import DEPLOY_DIR, Obj, container, one, resolve_mount
+from tests.deploy.helpers import DEPLOY_DIR, Obj, container, one, readme_overlay, resolve_mount
 from tests.deploy.kustomize import render
 
 OVERLAY = DEPLOY_DIR / "overlays" / "managed-xfs-pool"
@@ -45,12 +42,6 @@ def test_the_base_keeps_a_plain_pool() -> None:
 
 
 def test_the_readme_overlay_sets_a_size_of_its_own(tmp_path: Path) -> None:
-    text = (DEPLOY_DIR / "README.md").read_text()
-    block = re.search(r"```yaml\n# my-pool/kustomization.yaml\n(.*?)```", text, re.S)
-    assert block is not None, "deploy/README.md's example overlay"
-    kustomization = yaml.safe_load(block.group(1))
-    assert kustomization["resources"] == ["../deploy/overlays/managed-xfs-pool"]
-    kustomization["resources"] = [str(OVERLAY)]
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    args = build_parser().parse_args(container(pod_of(render(tmp_path)), "csi-qsd")["args"])
+    overlay = readme_overlay(DEPLOY_DIR / "README.md", "my-pool", OVERLAY, tmp_path)
+    args = build_parser().parse_args(container(pod_of(render(overlay)), "csi-qsd")["args"])
     assert args.managed_pool == ManagedPoolSpec("xfs", 500 << 30, sparse=True)
