@@ -294,8 +294,9 @@ def _served_port(pid: int) -> int:
     return int(argv[argv.index(b"--port") + 1])
 
 
-async def _as_the_co_until_up(call: Callable[[], Awaitable[None]], timeout: float) -> None:
-    """Retry a call answered ABORTED or UNAVAILABLE, as kubelet does, for up to `timeout` seconds."""
+async def _as_the_co_until_up(call: Callable[[], Awaitable[None]], timeout: float, *nodes: Node) -> None:
+    """Retry a call answered ABORTED or UNAVAILABLE, as kubelet does, for up to `timeout` seconds; a failure shows
+    the end of each of `nodes`' logs."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -304,7 +305,8 @@ async def _as_the_co_until_up(call: Callable[[], Awaitable[None]], timeout: floa
             return
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE) or loop.time() > deadline:
-                raise
+                logs = "".join(f"\n{node.name} log:\n{node.process.log()[-4000:]}" for node in nodes)
+                raise AssertionError(f"{exc.code().name} for {timeout:.0f}s: {exc.details()}{logs}") from exc
         await asyncio.sleep(0.5)
 
 
@@ -342,7 +344,9 @@ async def test_a_stage_while_the_source_is_down_answers_at_once_and_the_source_m
 
         # A comes back, its port still taken: it serves the lease on another port, and B follows.
         await a.process.start(timeout=60)
-        await _as_the_co_until_up(lambda: b.csi.stage(vid, str(staging), block=True), 60)
+        # The copy finds the new port on its next retry (its back-off tops out at 8 s, a refused probe takes 3 s,
+        # and A starts a new copy server when asked): slower while the machine is busy, as under CI's builds.
+        await _as_the_co_until_up(lambda: b.csi.stage(vid, str(staging), block=True), 120, a, b)
         await _as_the_co(lambda: b.csi.publish(vid, str(staging), str(target), block=True))
         assert "event=copy_lease_moved" in a.process.log()
         assert "event=copy_source_moved" in b.process.log()
