@@ -7,6 +7,7 @@ daemons and host state; a QSD restart is a fake QSD with an empty graph.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -162,6 +163,10 @@ def _retries() -> set[str]:
     return {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("rebuild-retry-") and not t.done()}
 
 
+def _without_count(message: str) -> str:
+    return re.sub(r"retried \d+ times", "retried N times", message)
+
+
 async def test_a_volume_whose_copy_source_is_down_at_a_qsd_restart_is_retried_until_it_is_served(
     tmp_path: Path,
 ) -> None:
@@ -188,7 +193,8 @@ async def test_a_volume_whose_copy_source_is_down_at_a_qsd_restart_is_retried_un
         assert message is not None and "node node-a" in message and SOURCE in message and "retries" in message
         assert f.node.stalled(other.id) is None
         stats = await f.node.stats(copy.id, Path("/pod/copy"))
-        assert stats.abnormal and stats.message == message
+        # The same words; only the count of retries so far may have moved on (one every 10-50 ms here).
+        assert stats.abnormal and _without_count(stats.message) == _without_count(message)
         with pytest.raises(Unavailable, match="node node-a"):
             await f.node.publish(publish_of(copy, "/pod/second"))
         asked = source.asked
