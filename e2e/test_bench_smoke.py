@@ -3,7 +3,7 @@
 Sizes and times are tiny (seconds each, about four minutes in all on two
 cores); the figures are not judged, only that the bench ran to the end, that
 each table it prints has its columns, and that no check of its own printed
-FAIL. The benches that need the cluster are `e2e/cluster/test_bench_smoke.py`.
+FAIL. The benches that need the cluster are `e2e/cluster/test_cluster_bench_smoke.py`.
 Left out here: `scaling`'s VM rows, whose libblkio client is built with
 mmdebstrap on first use (`e2e.bench.blkio_client`).
 """
@@ -21,12 +21,11 @@ from typing import TypeVar
 import pytest
 
 from e2e.bench import vs_hostpath
-from e2e.bench.common import verdict
 from e2e.bench.load import Load, report
+from e2e.bench.report_tables import verdict
 from e2e.conftest import e2e_marks
-from e2e.helpers import shared_bin
-from tests import tiers
-from tests.harness import Sandbox
+from testing import shared_bin, tiers
+from testing.harness import Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T", bound=Callable[..., None])
@@ -87,7 +86,7 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
 def test_every_bench_has_a_smoke_run() -> None:
     benches = {p.stem for p in (REPO / "e2e" / "bench").glob("*.py")}
     helpers = {"__init__", "common", "blkio_client", "device_pool"}
-    in_the_cluster_tier = {"pvc_to_running", "storage_e2e"}  # e2e/cluster/test_bench_smoke.py
+    in_the_cluster_tier = {"pvc_to_running", "storage_e2e"}  # e2e/cluster/test_cluster_bench_smoke.py
     assert benches - helpers - in_the_cluster_tier == {name for name, _, _ in BENCHES} | {"dataplane", "vs_hostpath"}
 
 
@@ -100,7 +99,7 @@ def run_bench(module: str, args: list[str], timeout: float = 120) -> str:
 
 
 def smoke(test: T) -> T:
-    """Marked e2e; without root or a tool the benches run, failed in CI and skipped elsewhere (tests.tiers)."""
+    """Marked e2e; without root or a tool the benches run, failed in CI and skipped elsewhere (testing.tiers)."""
     marks = [tiers.needs("e2e", "root (the benches stage volumes: FUSE, loop devices)" if os.geteuid() != 0 else ""),
              *e2e_marks(TOOLS)]
     for mark in marks:

@@ -1,10 +1,10 @@
-"""How the storage e2e suite's JUnit report is counted (e2e/cluster/storage_e2e.py)."""
+"""How the storage e2e suite's JUnit report is counted (testing/cluster/storage_suite.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from e2e.cluster.storage_e2e import EXPECTED, SuiteResult, read_junit, verdict
+from testing.cluster.storage_suite import EXPECTED, SuiteResult, read_junit, verdict
 
 REPORT = """<?xml version="1.0" encoding="UTF-8"?>
 <testsuites>
