@@ -51,16 +51,16 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
                      "--region-mib", "64"],
      ["host:default: pool on", "volumes", "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)",
       "4k randread QD32", "4k randwrite QD32"]),
-    ("encrypted", ["--kinds", "pod", "--runtime", "0.3", "--rounds", "1", "--region-mib", "64"],
+    ("encryption_cost", ["--kinds", "pod", "--runtime", "0.3", "--rounds", "1", "--region-mib", "64"],
      ["encrypted (qcow2 + LUKS aes-256-xts) vs plain", "/proc/cpuinfo flags", "4k randread QD32", "4k randwrite QD32",
       "busy cores enc / plain"]),
-    ("snapshots", ["--sizes", "1"],
+    ("snapshot_latency", ["--sizes", "1"],
      ["latency, ms (ratio = driver p50 / baseline p50)", "CreateSnapshot, 1 GiB (published, live cut)",
       "baseline: full copy, qemu-img convert + fsync", "target: p50 < 50 ms", "1 GiB p50", "worst max"]),
     ("cbt", ["--size-gib", "0.0625", "--fio-seconds", "0.3"],
      ["delta reports (ranges)", "GetMetadataDelta (3 runs)", "block by block", "incremental backup read",
       "4 KiB: GetMetadataDelta < 1 s", "fresh volume", "after a snapshot"]),
-    ("moves", ["--gib", "1"],
+    ("grow_by_move", ["--gib", "1"],
      ["figure", "baseline", "measured", "move and grow (NodeExpandVolume) vs dd of the volume's bytes",
       "writer p99 latency, during vs before"]),
     ("partitions", ["--runtime", "0.3", "--rounds", "1"],
@@ -85,7 +85,8 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
 
 def test_every_bench_has_a_smoke_run() -> None:
     benches = {p.stem for p in (REPO / "e2e" / "bench").glob("*.py")}
-    helpers = {"__init__", "common", "blkio_client", "device_pool"}
+    helpers = {"__init__", "sizes", "latencies", "process_usage", "report_tables", "shell", "fio", "loop_devices",
+               "staged_volumes", "served_bench", "blkio_client", "device_pool"}
     in_the_cluster_tier = {"pvc_to_running", "storage_e2e"}  # e2e/cluster/test_cluster_bench_smoke.py
     assert benches - helpers - in_the_cluster_tier == {name for name, _, _ in BENCHES} | {"dataplane", "vs_hostpath"}
 

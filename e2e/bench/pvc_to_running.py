@@ -1,6 +1,6 @@
 """PersistentVolumeClaim created to pod Running, in a real cluster: p50 and p99, split by step.
 
-Starts the cluster tier's cluster (`e2e/cluster/`, built or taken from the
+Starts the cluster tier's cluster (`testing/cluster/`, built or taken from the
 cache), deploys csi-qsd with `kubectl apply -k`, and then creates claims of
 the shipped filesystem and block classes with a pod each, one at a time and
 then all at once, and times each pod from its claim's creation to Running. The baseline, measured

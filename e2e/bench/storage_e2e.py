@@ -1,6 +1,6 @@
 """The Kubernetes storage e2e suite's full External Storage set against csi-qsd, beside csi-driver-host-path.
 
-Starts the cluster tier's cluster (`e2e/cluster/`), deploys csi-qsd with
+Starts the cluster tier's cluster (`testing/cluster/`), deploys csi-qsd with
 `kubectl apply -k` and csi-driver-host-path beside it (`testing/cluster/hostpath/`,
 its release build from ../shared/bin), and runs every External Storage test of
 `e2e.test` each driver's test-driver file enables (`testing/cluster/storage_suite.py`)
