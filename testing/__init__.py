@@ -1,7 +1,7 @@
 """Test support: what `tests/` and `e2e/` both run on, and nothing that is a test.
 
 The two test trees import from here and never from each other; this package
-imports neither of them (`tests/unit/test_layering.py` holds all three to
+imports neither of them (`tests/unit/test_tree_layout.py` holds all three to
 that). It is not part of the driver: the wheel ships `csi_qsd` only.
 
 * `harness`: the driver under test in a sandbox (`Sandbox`, `DriverProcess`,

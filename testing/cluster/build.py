@@ -181,7 +181,7 @@ def _source_digest() -> str:
     digest = hashlib.sha256()
     for name in sorted(n for n in names if n):
         path = REPO / name
-        if path.is_file() and not name.startswith(("e2e/", "tests/", "docs/", "charts/")) and not name.endswith(".md"):
+        if path.is_file() and not name.startswith(("e2e/", "tests/", "testing/", "docs/", "charts/")) and not name.endswith(".md"):
             digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
