@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import stale_runs, tiers, timeouts
+from testing import stale_runs, tiers, timeouts
 
 if os.environ.get("CSI_QSD_HOST_QEMU") == "1":
     os.environ.setdefault("CSI_QSD_QSD_BINARY", "/usr/bin/qemu-storage-daemon")
@@ -51,7 +51,7 @@ def _orphaned_loop_devices() -> set[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test gets its tier's time limit (tests/timeouts.py), or its own `timeout` mark's seconds."""
+    """Every test gets its tier's time limit (testing/timeouts.py), or its own `timeout` mark's seconds."""
     for item in items:
         mark = item.get_closest_marker("timeout")
         explicit = (mark.args[0] if mark.args else mark.kwargs.get("timeout")) if mark else None
@@ -75,7 +75,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Sweep what a killed run left (tests/stale_runs.py: only what it provably made), then count orphans."""
+    """Sweep what a killed run left (testing/stale_runs.py: only what it provably made), then count orphans."""
     if os.geteuid() == 0 and not hasattr(session.config, "workerinput"):
         _SWEPT.extend(stale_runs.sweep_all())
     _ORPHANS_AT_START.update(_orphaned_loop_devices())

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from e2e.guest import GuestImage, build_guest_image
-from tests import tiers
+from testing import tiers
+from testing.guest import GuestImage, build_guest_image
 
 GUEST_TOOLS = ("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "apt-get", "dpkg-deb")
 

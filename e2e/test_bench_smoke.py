@@ -3,7 +3,7 @@
 Sizes and times are tiny (seconds each, about four minutes in all on two
 cores); the figures are not judged, only that the bench ran to the end, that
 each table it prints has its columns, and that no check of its own printed
-FAIL. The benches that need the cluster are `e2e/cluster/test_bench_smoke.py`.
+FAIL. The benches that need the cluster are `e2e/cluster/test_cluster_bench_smoke.py`.
 Left out here: `scaling`'s VM rows, whose libblkio client is built with
 mmdebstrap on first use (`e2e.bench.blkio_client`).
 """
@@ -21,12 +21,11 @@ from typing import TypeVar
 import pytest
 
 from e2e.bench import vs_hostpath
-from e2e.bench.common import verdict
 from e2e.bench.load import Load, report
+from e2e.bench.report_tables import verdict
 from e2e.conftest import e2e_marks
-from e2e.helpers import shared_bin
-from tests import tiers
-from tests.harness import Sandbox
+from testing import shared_bin, tiers
+from testing.harness import Sandbox
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T", bound=Callable[..., None])
@@ -52,16 +51,16 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
                      "--region-mib", "64"],
      ["host:default: pool on", "volumes", "FUSE in flight/vol", "QSD CPU per thread (volumes' last run)",
       "4k randread QD32", "4k randwrite QD32"]),
-    ("encrypted", ["--kinds", "pod", "--runtime", "0.3", "--rounds", "1", "--region-mib", "64"],
+    ("encryption_cost", ["--kinds", "pod", "--runtime", "0.3", "--rounds", "1", "--region-mib", "64"],
      ["encrypted (qcow2 + LUKS aes-256-xts) vs plain", "/proc/cpuinfo flags", "4k randread QD32", "4k randwrite QD32",
       "busy cores enc / plain"]),
-    ("snapshots", ["--sizes", "1"],
+    ("snapshot_latency", ["--sizes", "1"],
      ["latency, ms (ratio = driver p50 / baseline p50)", "CreateSnapshot, 1 GiB (published, live cut)",
       "baseline: full copy, qemu-img convert + fsync", "target: p50 < 50 ms", "1 GiB p50", "worst max"]),
     ("cbt", ["--size-gib", "0.0625", "--fio-seconds", "0.3"],
      ["delta reports (ranges)", "GetMetadataDelta (3 runs)", "block by block", "incremental backup read",
       "4 KiB: GetMetadataDelta < 1 s", "fresh volume", "after a snapshot"]),
-    ("moves", ["--gib", "1"],
+    ("grow_by_move", ["--gib", "1"],
      ["figure", "baseline", "measured", "move and grow (NodeExpandVolume) vs dd of the volume's bytes",
       "writer p99 latency, during vs before"]),
     ("partitions", ["--runtime", "0.3", "--rounds", "1"],
@@ -86,8 +85,9 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
 
 def test_every_bench_has_a_smoke_run() -> None:
     benches = {p.stem for p in (REPO / "e2e" / "bench").glob("*.py")}
-    helpers = {"__init__", "common", "blkio_client", "device_pool"}
-    in_the_cluster_tier = {"pvc_to_running", "storage_e2e"}  # e2e/cluster/test_bench_smoke.py
+    helpers = {"__init__", "sizes", "latencies", "process_usage", "report_tables", "shell", "fio", "loop_devices",
+               "staged_volumes", "served_bench", "blkio_client", "device_pool"}
+    in_the_cluster_tier = {"pvc_to_running", "storage_e2e"}  # e2e/cluster/test_cluster_bench_smoke.py
     assert benches - helpers - in_the_cluster_tier == {name for name, _, _ in BENCHES} | {"dataplane", "vs_hostpath"}
 
 
@@ -100,7 +100,7 @@ def run_bench(module: str, args: list[str], timeout: float = 120) -> str:
 
 
 def smoke(test: T) -> T:
-    """Marked e2e; without root or a tool the benches run, failed in CI and skipped elsewhere (tests.tiers)."""
+    """Marked e2e; without root or a tool the benches run, failed in CI and skipped elsewhere (testing.tiers)."""
     marks = [tiers.needs("e2e", "root (the benches stage volumes: FUSE, loop devices)" if os.geteuid() != 0 else ""),
              *e2e_marks(TOOLS)]
     for mark in marks:

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing.guest import (
     BLOCK_SIZE,
     FileDisk,
     GuestError,

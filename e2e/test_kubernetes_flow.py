@@ -55,7 +55,7 @@ import pytest
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing.guest import (
     GuestImage,
     VhostUserDisk,
     count_kernel_io_errors,
@@ -66,8 +66,10 @@ from e2e.guest import (
     verify_summaries,
     write_pattern,
 )
-from e2e.helpers.served import Served, run, serving
-from tests.deploy.helpers import (
+from testing.harness import DriverProcess, free_port, until
+from testing.helpers.metrics_scrape import scrape
+from testing.manifests.kustomize import load_yaml_documents, render
+from testing.manifests.objects import (
     DEPLOY_DIR,
     EXAMPLES_DIR,
     Obj,
@@ -81,9 +83,7 @@ from tests.deploy.helpers import (
     resolve_mount,
     select,
 )
-from tests.deploy.kustomize import load_yaml_documents, render
-from tests.harness import DriverProcess, free_port, until
-from tests.helpers.metrics import scrape
+from testing.served import Served, run, serving
 
 pytestmark = e2e_marks(("qemu-system-x86_64", "qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount"))
 

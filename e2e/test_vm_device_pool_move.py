@@ -16,7 +16,7 @@ from __future__ import annotations
 from csi_qsd.catalog import Catalog
 from csi_qsd.node import moves
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing.guest import (
     BLOCK_SIZE,
     GuestImage,
     VhostUserDisk,
@@ -26,9 +26,9 @@ from e2e.guest import (
     start_vm,
     verify_pattern,
 )
-from e2e.helpers.writes import DEVICE, VM_TIMEOUT_S, assert_clean_run, paced_writes, wait_for_block
-from tests.harness import in_process_driver, sandbox
-from tests.helpers.device_pools import FakeNVMe, pool_of, spec
+from testing.guest.writes import DEVICE, VM_TIMEOUT_S, assert_clean_run, paced_writes, wait_for_block
+from testing.harness import in_process_driver, sandbox
+from testing.helpers.nvme_pools import FakeNVMe, pool_of, spec
 
 pytestmark = e2e_marks()
 

@@ -46,7 +46,8 @@ from qemu.qmp import EventListener, QMPClient
 
 from csi_qsd.sys import mounts, unix_peers
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing import owner
+from testing.guest import (
     BLOCK_SIZE,
     GuestImage,
     RunningVM,
@@ -60,10 +61,9 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
-from e2e.helpers.served import SIZE, SOCKET, Served, read_image, run, serving
-from e2e.helpers.writes import RESTART_TIMEOUT_S, assert_blocks
-from tests import owner
-from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
+from testing.guest.writes import RESTART_TIMEOUT_S, assert_blocks
+from testing.harness import DriverProcess, qsd_pid, wait_new_qsd
+from testing.served import SIZE, SOCKET, Served, read_image, run, serving
 
 pytestmark = e2e_marks()
 

@@ -54,9 +54,9 @@ from csi_qsd.publish.vhost_user import SOCKET_NAME
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
 from e2e.conftest import e2e_marks
-from e2e.guest import GuestImage, RunningVM, VhostUserDisk, count_kernel_io_errors, guest_script, start_vm
-from e2e.helpers.served import Served, serving_in_process
-from tests.harness import qsd_pid
+from testing.guest import GuestImage, RunningVM, VhostUserDisk, count_kernel_io_errors, guest_script, start_vm
+from testing.harness import qsd_pid
+from testing.served import Served, serving_in_process
 
 pytestmark = e2e_marks()
 

@@ -59,7 +59,8 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import features
 from csi_qsd.sys.tools import bundled
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing import owner, tiers
+from testing.guest import (
     BLOCK_SIZE,
     GuestImage,
     RunningVM,
@@ -75,9 +76,8 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
-from e2e.helpers.served import Served, provision, serving
-from tests import owner, tiers
-from tests.harness import DriverProcess, qemu_io_session, qsd_pid
+from testing.harness import DriverProcess, qemu_io_session, qsd_pid
+from testing.served import Served, provision, serving
 
 pytestmark = e2e_marks()
 
@@ -110,7 +110,7 @@ def driver_qsd_binary() -> str:
 
 
 DRIVER_QSD_VERSION = qsd_version(driver_qsd_binary())
-# A QSD that does not run is a missing tool (tests.tiers); an older one lacks the feature, a skip by design.
+# A QSD that does not run is a missing tool (testing.tiers); an older one lacks the feature, a skip by design.
 pytestmark.append(tiers.needs("e2e", "" if DRIVER_QSD_VERSION else f"a QSD that runs at {driver_qsd_binary()}"))
 needs_live_resize = pytest.mark.skipif(
     DRIVER_QSD_VERSION is not None and not features.live_resize_reaches_guest(DRIVER_QSD_VERSION),

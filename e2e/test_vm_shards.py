@@ -19,7 +19,7 @@ import pytest
 from csi_qsd.params import NAMESPACE_KEY
 from csi_qsd.qsd import vhost_greeting
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing.guest import (
     GuestImage,
     VhostUserDisk,
     acknowledged_blocks,
@@ -28,8 +28,7 @@ from e2e.guest import (
     start_vm,
     verify_pattern,
 )
-from e2e.helpers.served import Served, host_bytes, provision, release, serving
-from e2e.helpers.writes import (
+from testing.guest.writes import (
     DEVICE,
     RESTART_TIMEOUT_S,
     VM_TIMEOUT_S,
@@ -38,8 +37,9 @@ from e2e.helpers.writes import (
     paced_writes,
     wait_for_block,
 )
-from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
-from tests.helpers.shards import namespace_on
+from testing.harness import DriverProcess, qsd_pid, wait_new_qsd
+from testing.helpers.shard_placement import namespace_on
+from testing.served import Served, host_bytes, provision, release, serving
 
 pytestmark = e2e_marks()
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing.guest import (
     BLOCK_SIZE,
     GuestImage,
     RunningVM,
@@ -42,9 +42,9 @@ from e2e.guest import (
     verify_summaries,
     write_summaries,
 )
-from e2e.helpers.served import Served, read_image, serving
-from e2e.helpers.writes import paced_writes
-from tests.harness import DriverProcess, qsd_pid, until
+from testing.guest.writes import paced_writes
+from testing.harness import DriverProcess, qsd_pid, until
+from testing.served import Served, read_image, serving
 
 pytestmark = e2e_marks()
 

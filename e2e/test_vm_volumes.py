@@ -43,7 +43,7 @@ import grpc
 import pytest
 
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing.guest import (
     BLOCK_SIZE,
     GuestImage,
     VhostUserDisk,
@@ -57,8 +57,7 @@ from e2e.guest import (
     write_pattern,
     write_summaries,
 )
-from e2e.helpers.served import SIZE, SOCKET, Served, Volume, host_bytes, provision, release, serving
-from e2e.helpers.writes import (
+from testing.guest.writes import (
     DEVICE,
     RESTART_TIMEOUT_S,
     VM_TIMEOUT_S,
@@ -67,7 +66,8 @@ from e2e.helpers.writes import (
     paced_writes,
     wait_for_block,
 )
-from tests.harness import DriverProcess, qsd_pid, until, wait_new_qsd
+from testing.harness import DriverProcess, qsd_pid, until, wait_new_qsd
+from testing.served import SIZE, SOCKET, Served, Volume, host_bytes, provision, release, serving
 
 pytestmark = e2e_marks()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from e2e.conftest import e2e_marks
-from e2e.guest import (
+from testing.guest import (
     GuestImage,
     VhostUserDisk,
     acknowledged_blocks,
@@ -29,8 +29,7 @@ from e2e.guest import (
     start_vm,
     verify_pattern,
 )
-from e2e.helpers.served import Served, host_bytes, provision, release, serving
-from e2e.helpers.writes import (
+from testing.guest.writes import (
     DEVICE,
     RESTART_TIMEOUT_S,
     VM_TIMEOUT_S,
@@ -39,7 +38,8 @@ from e2e.helpers.writes import (
     paced_writes,
     wait_for_block,
 )
-from tests.harness import DriverProcess, qsd_pid, wait_new_qsd
+from testing.harness import DriverProcess, qsd_pid, wait_new_qsd
+from testing.served import Served, host_bytes, provision, release, serving
 
 pytestmark = e2e_marks()
 

@@ -16,4 +16,4 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = up ] && [ -z "${CSI_QSD_SKIP_INSTALL:-}" ]; then
   bash scripts/install.sh
 fi
-exec .venv/bin/python -m e2e.cluster.up "$@"
+exec .venv/bin/python -m testing.cluster.up "$@"

@@ -11,7 +11,7 @@ bash scripts/install.sh
 # built in the background while the tests that mostly wait run; the tier waits for it (a lock on the
 # cache). Its podman images come after: a RUN step's mount namespace would hold the tests' mounts.
 mkdir -p .runtime
-# Every pass appends the tiers it skipped (tests/tiers.py); outside CI they are said again, one line each, at the
+# Every pass appends the tiers it skipped (testing/tiers.py); outside CI they are said again, one line each, at the
 # very end (in CI a missing tool fails its tier; CI's last line stays pytest's own).
 export CSI_QSD_SKIPPED_TIERS="$PWD/.runtime/skipped-tiers"
 : > "$CSI_QSD_SKIPPED_TIERS"
@@ -22,12 +22,12 @@ finish() {
 }
 trap finish EXIT
 if [ "$#" -eq 0 ] && command -v go >/dev/null 2>&1; then
-  setsid nice -n 10 .venv/bin/python -m e2e.cluster.build --from-modules > .runtime/cluster-build.log 2>&1 &
+  setsid nice -n 10 .venv/bin/python -m testing.cluster.build --from-modules > .runtime/cluster-build.log 2>&1 &
   BUILD=$!
   echo "cluster tier: building in the background (.runtime/cluster-build.log)"
 fi
 .venv/bin/python -m mypy
-.venv/bin/python -m ruff check csi_qsd tests e2e scripts
+.venv/bin/python -m ruff check csi_qsd testing tests e2e scripts
 .venv/bin/python -m pytest -p no:cacheprovider -ra "$@"
 if [ "$#" -eq 0 ] && [ -x .venv/bin/qemu-storage-daemon-10 ] && \
     [ "$(readlink .venv/bin/qemu-storage-daemon)" != qemu-storage-daemon-10 ]; then

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from e2e.bench.common import output
+from e2e.bench.shell import output
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = Path(__file__).with_name("blkio_bench.c")

@@ -46,8 +46,13 @@ from csi_qsd.config import Config
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import GIB, KIB, MIB, Job, ServedBench, bench_main, fio, release, table, verdict, write_direct
-from tests.harness import Sandbox
+from e2e.bench.fio import Job, fio
+from e2e.bench.loop_devices import write_direct
+from e2e.bench.report_tables import table, verdict
+from e2e.bench.served_bench import ServedBench, bench_main
+from e2e.bench.sizes import GIB, KIB, MIB
+from e2e.bench.staged_volumes import release
+from testing.harness import Sandbox
 
 BLOCK = 4 * KIB
 DELTA_TARGET_SECONDS = 1.0

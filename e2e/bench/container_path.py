@@ -43,27 +43,14 @@ from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import (
-    GIB,
-    MIB,
-    Job,
-    ServedBench,
-    bench_main,
-    ext4_on,
-    figure,
-    fio,
-    lay_out,
-    logged,
-    loop_device,
-    loop_mode_of,
-    progress,
-    ratio,
-    raw_file,
-    sh,
-    table,
-)
+from e2e.bench.fio import Job, fio, lay_out
+from e2e.bench.loop_devices import ext4_on, loop_device, loop_mode_of, raw_file
+from e2e.bench.report_tables import figure, progress, ratio, table
 from e2e.bench.scaling import Row, compare, qsd_pids_of
-from tests.harness import Sandbox
+from e2e.bench.served_bench import ServedBench, bench_main, logged
+from e2e.bench.shell import sh
+from e2e.bench.sizes import GIB, MIB
+from testing.harness import Sandbox
 
 VOLUME_SIZE = 1 * GIB
 REGION = 512 * MIB  # what the jobs touch: half the volume, leaving ext4 its metadata

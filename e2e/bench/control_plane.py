@@ -35,26 +35,14 @@ from pathlib import Path
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys import loop, mounts
 from csi_qsd.sys.durable import fsync_path
-from e2e.bench.common import (
-    GIB,
-    KIB,
-    ServedBench,
-    Staged,
-    Summary,
-    bench_main,
-    log_problems,
-    measured,
-    ms,
-    open_fds,
-    ratio,
-    release,
-    sh,
-    status_field_kib,
-    table,
-    timed,
-    verdict,
-)
-from tests.harness import Sandbox, qsd_pid
+from e2e.bench.latencies import Summary, measured, timed
+from e2e.bench.process_usage import open_fds, status_field_kib
+from e2e.bench.report_tables import ms, ratio, table, verdict
+from e2e.bench.served_bench import ServedBench, bench_main, log_problems
+from e2e.bench.shell import sh
+from e2e.bench.sizes import GIB, KIB
+from e2e.bench.staged_volumes import Staged, release
+from testing.harness import Sandbox, qsd_pid
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mount", "umount", "fallocate")
 SIZE = GIB

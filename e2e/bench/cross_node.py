@@ -31,10 +31,13 @@ import time
 from pathlib import Path
 
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import GIB, MIB, Staged, release, stage, table, write_direct
-from tests.certs import mint
-from tests.harness import free_port
-from tests.router_cluster import Node, node_plugin
+from e2e.bench.loop_devices import write_direct
+from e2e.bench.report_tables import table
+from e2e.bench.sizes import GIB, MIB
+from e2e.bench.staged_volumes import Staged, release, stage
+from testing.certs import mint
+from testing.harness import free_port
+from testing.router_cluster import Node, node_plugin
 
 
 def _receive(server: socket.socket, out: Path, done: list[int]) -> None:

@@ -42,24 +42,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
-from e2e.bench.common import (
-    MIB,
-    Job,
-    ServedBench,
-    bench_main,
-    ext4_on,
-    figure,
-    fio,
-    loop_device,
-    loop_mode_of,
-    progress,
-    ratio,
-    raw_file,
-    release,
-    table,
-)
-from e2e.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
-from tests.harness import Sandbox
+from e2e.bench.fio import Job, fio
+from e2e.bench.loop_devices import ext4_on, loop_device, loop_mode_of, raw_file
+from e2e.bench.report_tables import figure, progress, ratio, table
+from e2e.bench.served_bench import ServedBench, bench_main
+from e2e.bench.sizes import MIB
+from e2e.bench.staged_volumes import release
+from testing.guest import Disk, FileDisk, GuestImage, VhostUserDisk, build_guest_image, default_accel, run_guest
+from testing.harness import Sandbox
 
 VOLUME_SIZE = 512 * MIB
 REGION = 256 * MIB

@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
-from e2e.bench.common import MIB, loop_device, sh
-from tests import owner
-from tests.harness import DriverProcess, Sandbox, sandbox
+from e2e.bench.loop_devices import loop_device
+from e2e.bench.shell import sh
+from e2e.bench.sizes import MIB
+from testing import owner
+from testing.harness import DriverProcess, Sandbox, sandbox
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ Checked, and printed as PASS or FAIL (the exit status is 1 on any FAIL; a
 check that could not be made, such as the leak check cut short, is a FAIL):
 
     every call answered a code the spec allows for its RPC (the fuzz test's
-        table, `tests.helpers.fuzz_codes`, plus UNAVAILABLE while QSD or
+        table, `testing.helpers.fuzz_codes`, plus UNAVAILABLE while QSD or
         the driver is down)
     every step succeeded within the bound, retries included
     no synced data was lost, across the QSD kills too
@@ -71,12 +71,15 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.publish.vhost_user import SOCKET_NAME
 from csi_qsd.qsd.vhost_greeting import greet
 from csi_qsd.sys import loop, mounts
-from e2e.bench.common import MIB, ServedBench, Summary, bench_main, ms, retrying, table, verdict
 from e2e.bench.control_plane import REQUIRED_TOOLS
+from e2e.bench.latencies import Summary
+from e2e.bench.report_tables import ms, table, verdict
 from e2e.bench.restart import KINDS, SIZE, Kind
-from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd, wait_restored, write_synced
-from tests.helpers.fuzz_codes import ALLOWED
-from tests.leftovers import qsd_leftovers
+from e2e.bench.served_bench import ServedBench, bench_main, retrying
+from e2e.bench.sizes import MIB
+from testing.harness import Sandbox, qsd_pid, until, wait_new_qsd, wait_restored, write_synced
+from testing.helpers.fuzz_codes import ALLOWED
+from testing.leftovers import qsd_leftovers
 
 T = TypeVar("T")
 Code = grpc.StatusCode

@@ -36,10 +36,14 @@ from qemu.qmp import QMPClient
 
 from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import MIB, cpu_share, fio, lay_out, loop_device, ratio, table
+from e2e.bench.fio import fio, lay_out
+from e2e.bench.loop_devices import loop_device
 from e2e.bench.partitions import JOBS, run_cli
-from tests import owner
-from tests.harness import terminate, until
+from e2e.bench.process_usage import cpu_share
+from e2e.bench.report_tables import ratio, table
+from e2e.bench.sizes import MIB
+from testing import owner
+from testing.harness import terminate, until
 
 REGION = 256 * MIB
 OFFSET = 64 * MIB

@@ -31,9 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import MIB, Job, ThreadCPU, fio, lay_out, ratio, sh, stage, table
 from e2e.bench.device_pool import served_pool
-from tests.harness import qsd_pid
+from e2e.bench.fio import Job, fio, lay_out
+from e2e.bench.process_usage import ThreadCPU
+from e2e.bench.report_tables import ratio, table
+from e2e.bench.shell import sh
+from e2e.bench.sizes import MIB
+from e2e.bench.staged_volumes import stage
+from testing.harness import qsd_pid
 
 REGION = 256 * MIB
 JOBS = [

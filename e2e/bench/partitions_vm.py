@@ -28,9 +28,13 @@ import statistics
 from pathlib import Path
 
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import MIB, ThreadCPU, output, ratio, sh, stage, table
 from e2e.bench.device_pool import served_pool
-from tests.harness import qsd_pid
+from e2e.bench.process_usage import ThreadCPU
+from e2e.bench.report_tables import ratio, table
+from e2e.bench.shell import output, sh
+from e2e.bench.sizes import MIB
+from e2e.bench.staged_volumes import stage
+from testing.harness import qsd_pid
 
 REGION = 256 * MIB
 

@@ -69,26 +69,13 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.sys import mounts
 from e2e.bench import scaling
-from e2e.bench.common import (
-    GIB,
-    MIB,
-    Job,
-    ServedBench,
-    ext4_on,
-    fio,
-    lay_out,
-    logged,
-    loop_device,
-    missing,
-    output,
-    progress,
-    ratio,
-    raw_file,
-    rerun_unshared,
-    run_to_end,
-    table,
-)
-from tests.harness import Sandbox, sandbox
+from e2e.bench.fio import Job, fio, lay_out
+from e2e.bench.loop_devices import ext4_on, loop_device, raw_file
+from e2e.bench.report_tables import progress, ratio, table
+from e2e.bench.served_bench import ServedBench, logged, missing, rerun_unshared, run_to_end
+from e2e.bench.shell import output
+from e2e.bench.sizes import GIB, MIB
+from testing.harness import Sandbox, sandbox
 
 VOLUME_SIZE = 1 * GIB
 REGION = 512 * MIB  # the fio file in each filesystem: half the volume, leaving ext4 its metadata

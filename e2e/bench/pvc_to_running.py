@@ -1,13 +1,13 @@
 """PersistentVolumeClaim created to pod Running, in a real cluster: p50 and p99, split by step.
 
-Starts the cluster tier's cluster (`e2e/cluster/`, built or taken from the
+Starts the cluster tier's cluster (`testing/cluster/`, built or taken from the
 cache), deploys csi-qsd with `kubectl apply -k`, and then creates claims of
 the shipped filesystem and block classes with a pod each, one at a time and
 then all at once, and times each pod from its claim's creation to Running. The baseline, measured
 in the same cluster and the same run, is the same pod with an `emptyDir`
 volume instead: what scheduling and starting the container cost without a
 CSI volume. The reference, csi-driver-host-path, is deployed beside it
-(`e2e/cluster/hostpath/`, its release build from `../shared/bin`) and its
+(`testing/cluster/hostpath/`, its release build from `../shared/bin`) and its
 claims of class `csi-hostpath` are timed the same way after ours; without
 the binary its row says so.
 
@@ -44,13 +44,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from e2e.bench.common import verdict
-from e2e.cluster import deploy
-from e2e.cluster.build import build_all
-from e2e.cluster.cluster import Cluster
-from e2e.cluster.session import deployed_cluster
-from e2e.cluster.versions import BUSYBOX_IMAGE
-from e2e.helpers import shared_bin
+from e2e.bench.report_tables import verdict
+from testing import shared_bin
+from testing.cluster import deploy
+from testing.cluster.build import build_all
+from testing.cluster.cluster import Cluster
+from testing.cluster.session import deployed_cluster
+from testing.cluster.versions import BUSYBOX_IMAGE
 
 TARGET = 1.2  # csi-qsd's p50 against host-path's (the issue's)
 DRIVER_CALLS = ("CreateVolume", "NodeStageVolume", "NodePublishVolume")

@@ -29,8 +29,11 @@ import time
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import KIB, MIB, ServedBench, bench_main, ms, ratio, status_field_kib, table, verdict
-from tests.harness import DriverProcess, Sandbox, qsd_pid, until
+from e2e.bench.process_usage import status_field_kib
+from e2e.bench.report_tables import ms, ratio, table, verdict
+from e2e.bench.served_bench import ServedBench, bench_main
+from e2e.bench.sizes import KIB, MIB
+from testing.harness import DriverProcess, Sandbox, qsd_pid, until
 
 SIZE = 64 * MIB
 Kind = tuple[str, dict[str, str], bool]

@@ -69,25 +69,14 @@ from csi_qsd.qsd.shards import place
 from csi_qsd.sys import filesystems, fusectl, mounts
 from csi_qsd.sys.tools import bundled
 from e2e.bench import blkio_client
-from e2e.bench.common import (
-    MIB,
-    Job,
-    MachineCPU,
-    ServedBench,
-    ThreadCPU,
-    fio,
-    logged,
-    loop_device,
-    missing,
-    output,
-    progress,
-    ratio,
-    raw_file,
-    run_to_end,
-    sh,
-    table,
-)
-from tests.harness import Sandbox, qsd_pid, sandbox
+from e2e.bench.fio import Job, fio
+from e2e.bench.loop_devices import loop_device, raw_file
+from e2e.bench.process_usage import MachineCPU, ThreadCPU
+from e2e.bench.report_tables import progress, ratio, table
+from e2e.bench.served_bench import ServedBench, logged, missing, run_to_end
+from e2e.bench.shell import output, sh
+from e2e.bench.sizes import MIB
+from testing.harness import Sandbox, qsd_pid, sandbox
 
 SIZE = 256 * MIB
 POOL_FS_BYTES = 8 * 4 * SIZE  # --pool-fs: 4 volumes and 4 baseline files of each kind, with room to spare

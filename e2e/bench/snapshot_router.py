@@ -36,9 +36,14 @@ from typing import Any
 import grpc
 
 from csi_qsd.csi_pb import csi_pb2 as pb
-from e2e.bench.common import GIB, KIB, Summary, ms, stage, status_field_kib, table, timed, write_direct
-from tests.certs import mint
-from tests.router_cluster import Node, Router, node_plugin
+from e2e.bench.latencies import Summary, timed
+from e2e.bench.loop_devices import write_direct
+from e2e.bench.process_usage import status_field_kib
+from e2e.bench.report_tables import ms, table
+from e2e.bench.sizes import GIB, KIB
+from e2e.bench.staged_volumes import stage
+from testing.certs import mint
+from testing.router_cluster import Node, Router, node_plugin
 
 CLUSTER = 64 * KIB
 

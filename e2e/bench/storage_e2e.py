@@ -1,9 +1,9 @@
 """The Kubernetes storage e2e suite's full External Storage set against csi-qsd, beside csi-driver-host-path.
 
-Starts the cluster tier's cluster (`e2e/cluster/`), deploys csi-qsd with
-`kubectl apply -k` and csi-driver-host-path beside it (`e2e/cluster/hostpath/`,
+Starts the cluster tier's cluster (`testing/cluster/`), deploys csi-qsd with
+`kubectl apply -k` and csi-driver-host-path beside it (`testing/cluster/hostpath/`,
 its release build from ../shared/bin), and runs every External Storage test of
-`e2e.test` each driver's test-driver file enables (`e2e/cluster/storage_e2e.py`)
+`e2e.test` each driver's test-driver file enables (`testing/cluster/storage_suite.py`)
 in several `e2e.test` processes under the Ginkgo CLI (``--procs``), except
 those that stop the node or kubelet (`[Disruptive]`), need Windows or are
 marked flaky upstream. It prints one table, passed / failed / skipped per
@@ -24,12 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from e2e.cluster import deploy, storage_e2e
-from e2e.cluster.build import build_all
-from e2e.cluster.session import deployed_cluster
-from e2e.helpers import shared_bin
+from testing import shared_bin
+from testing.cluster import deploy, storage_suite
+from testing.cluster.build import build_all
+from testing.cluster.session import deployed_cluster
 
-Runs = list[tuple[str, storage_e2e.SuiteResult]]
+Runs = list[tuple[str, storage_suite.SuiteResult]]
 _DRIVER = re.compile(r"\[Driver: [^]]+\] ")
 
 
@@ -72,34 +72,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-minutes", type=int, default=150)
     parser.add_argument("--no-hostpath", action="store_true", help="csi-qsd's column only")
     parser.add_argument("--write-expected", action="store_true",
-                        help=f"write the tests csi-qsd passed to {storage_e2e.EXPECTED.name}, CI's list (whole set)")
+                        help=f"write the tests csi-qsd passed to {storage_suite.EXPECTED.name}, CI's list (whole set)")
     parser.add_argument("--procs", type=int, default=3,
                         help="e2e.test processes run side by side under the Ginkgo CLI (default 3; 1: one at a time)")
     args = parser.parse_args(argv)
     built = build_all()
     keep = Path(tempfile.mkdtemp(prefix="csi-qsd-storage-e2e-", dir="/var/tmp"))
-    skip = storage_e2e.full_set_skip(args.fs_type)
+    skip = storage_suite.full_set_skip(args.fs_type)
     hostpath: Runs | str = "--no-hostpath" if args.no_hostpath else ""
     if not hostpath and shared_bin.find("hostpathplugin") is None:
         hostpath = f"no hostpathplugin in {shared_bin.directory()}"
     with deployed_cluster(built) as cluster:
         e2e_test = built.kubernetes / "e2e.test"
         if args.focus == ".":  # the whole set, with the expansion tests apart where they must be
-            qsd = storage_e2e.run_full_set(cluster, e2e_test, keep / "csi-qsd", procs=args.procs,
+            qsd = storage_suite.run_full_set(cluster, e2e_test, keep / "csi-qsd", procs=args.procs,
                                            fs_type=args.fs_type, timeout_minutes=args.timeout_minutes)
         else:
-            qsd = [("", storage_e2e.run_suite(cluster, e2e_test, keep / "csi-qsd", focus=args.focus, skip=skip,
+            qsd = [("", storage_suite.run_suite(cluster, e2e_test, keep / "csi-qsd", focus=args.focus, skip=skip,
                                               fs_type=args.fs_type, timeout_minutes=args.timeout_minutes,
                                               procs=args.procs))]
         if not hostpath:
             deploy.deploy_hostpath(cluster)
-            hostpath = [("", storage_e2e.run_suite(cluster, e2e_test, keep / "host-path", focus=args.focus,
+            hostpath = [("", storage_suite.run_suite(cluster, e2e_test, keep / "host-path", focus=args.focus,
                                                    timeout_minutes=args.timeout_minutes, procs=args.procs,
-                                                   definition=storage_e2e.hostpath_definition()))]
+                                                   definition=storage_suite.hostpath_definition()))]
     print(summary(qsd, hostpath, args.focus, skip, keep))
     if args.write_expected and args.focus == "." and not args.fs_type:
-        storage_e2e.write_expected([run for _, run in qsd])
-        print(f"  wrote {storage_e2e.EXPECTED}")
+        storage_suite.write_expected([run for _, run in qsd])
+        print(f"  wrote {storage_suite.EXPECTED}")
     return 0
 
 

@@ -4,7 +4,7 @@ Run as ``.venv/bin/python -m e2e.bench.vhost_churn [--qsd 11] [--runs 10]``
 (root). It prints counts, never pass/fail.
 
 The churn of tests/integration/test_vhost_churn.py, from
-tests/helpers/vhost_churn.py (a client connects to a published VM
+testing/helpers/vhost_clients.py (a client connects to a published VM
 volume's socket and leaves, again and again, while other VM volumes are
 created, staged, snapshotted, unstaged and deleted, until 500
 connections), run ``--runs`` times for each placement of the exports:
@@ -36,9 +36,12 @@ import grpc
 
 from csi_qsd.qsd import features
 from csi_qsd.sys.tools import bundled
-from e2e.bench.common import MIB, missing, stage, table
-from tests.harness import in_process_driver, qsd_pid, sandbox
-from tests.helpers.vhost_churn import CONNECTIONS, VM, come_and_go, graph_round
+from e2e.bench.report_tables import table
+from e2e.bench.served_bench import missing
+from e2e.bench.sizes import MIB
+from e2e.bench.staged_volumes import stage
+from testing.harness import in_process_driver, qsd_pid, sandbox
+from testing.helpers.vhost_clients import CONNECTIONS, VM, come_and_go, graph_round
 
 PLACEMENTS = ("main", "one", "pool", "shards")
 ALWAYS = (0, 0, 0)

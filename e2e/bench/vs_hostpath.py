@@ -40,9 +40,13 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from csi_qsd.csi.client import CSIClient
-from e2e.bench.common import MIB, ServedBench, bench_main, ms, ratio, rerun_unshared, sh, table, timed, verdict
-from e2e.helpers import shared_bin
-from tests.harness import Sandbox, terminate, until
+from e2e.bench.latencies import timed
+from e2e.bench.report_tables import ms, ratio, table, verdict
+from e2e.bench.served_bench import ServedBench, bench_main, rerun_unshared
+from e2e.bench.shell import sh
+from e2e.bench.sizes import MIB
+from testing import shared_bin
+from testing.harness import Sandbox, terminate, until
 
 MODES = ("filesystem", "block")
 CALLS = ("CreateVolume", "NodeStageVolume", "NodePublishVolume", "NodeUnpublishVolume", "NodeUnstageVolume",

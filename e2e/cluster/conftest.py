@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from csi_qsd.csi.client import CSIClient
-from e2e.cluster import deploy, examples, prebuilt, session
-from e2e.cluster.build import Built, build_all, cache_root
-from e2e.cluster.cluster import Binaries, Cluster
-from e2e.cluster.versions import KUBERNETES
-from tests import owner, tiers
+from testing import owner, tiers
+from testing.cluster import deploy, examples, outcomes, prebuilt, session
+from testing.cluster.build import Built, build_all, cache_root
+from testing.cluster.cluster import Binaries, Cluster
+from testing.cluster.versions import KUBERNETES
 
 TOOLS = ("go", "gcc", "containerd", "runc", "podman", "mmdebstrap", "iptables", "nsenter", "unshare")
 _MISSING = [tool for tool in TOOLS if shutil.which(tool) is None] + prebuilt.missing()
@@ -177,40 +177,17 @@ def test_namespace(cluster: Cluster) -> Iterator[str]:
     examples.delete_owned(cluster, name)  # what the test applied outside it: StorageClasses, RBAC, VolumeAttributesClasses
 
 
-LAST = "cluster_tier_last"
-_OUTCOMES: dict[str, list[tuple[str, str]]] = {}
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{LAST}: runs after every other cluster test (it checks what they did)")
+    config.addinivalue_line("markers", f"{outcomes.LAST}: runs after every other cluster test (it checks what they did)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked `cluster_tier_last` move behind the tier's last test (still inside the package: same cluster)."""
-    last = [item for item in items if item.get_closest_marker(LAST)]
-    for item in last:
-        items.remove(item)
-    tier = [i for i, item in enumerate(items) if Path(__file__).parent in Path(item.path).parents]
-    at = tier[-1] + 1 if tier else len(items)
-    items[at:at] = last
+    outcomes.move_last(items, Path(__file__).parent)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _OUTCOMES.setdefault(report.nodeid, []).append((report.when, report.outcome))
-
-
-def outcome(test: str) -> str:
-    """How `test` (a node ID without its parameters) did in this run: "passed" (every parameter's setup, call and
-    teardown), or what happened instead."""
-    runs = {nodeid: phases for nodeid, phases in _OUTCOMES.items() if nodeid == test or nodeid.startswith(f"{test}[")}
-    if not runs:
-        return "did not run in this run"
-    bad = {nodeid: [f"{when} {result}" for when, result in phases if result != "passed"]
-           for nodeid, phases in runs.items()}
-    bad = {nodeid: phases for nodeid, phases in bad.items() if phases}
-    if bad:
-        return "; ".join(f"{nodeid}: {', '.join(phases)}" for nodeid, phases in bad.items())
-    return "passed" if all(any(when == "call" for when, _ in phases) for phases in runs.values()) else "never called"
+    outcomes.record(report.nodeid, report.when, report.outcome)
 
 
 def report(line: str) -> None:

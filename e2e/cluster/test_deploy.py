@@ -3,10 +3,10 @@ published, and the registrar and livenessprobe are the upstream programs."""
 
 from __future__ import annotations
 
-from e2e.cluster import deploy
-from e2e.cluster.build import Built
-from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks
+from testing.cluster import deploy
+from testing.cluster.build import Built
+from testing.cluster.cluster import Cluster
 
 pytestmark = cluster_marks()
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from csi_qsd.sys import caps
-from e2e.cluster import conftest
-from e2e.cluster import examples as ex
-from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks
-from e2e.cluster.deploy import get_json, wait_until
+from testing.cluster import examples as ex
+from testing.cluster.cluster import Cluster
+from testing.cluster.deploy import get_json, wait_until
+from testing.cluster.outcomes import outcome
 
 pytestmark = cluster_marks()
 
@@ -168,7 +168,7 @@ RUN_HERE = {
 }
 NOT_HERE = {
     "kubevirt-vm.yaml": "needs KubeVirt (its Sidecar feature gate) and KVM; its disk is the vhost-user-blk socket the "
-                        "QEMU example opens here, and tests/deploy/test_examples.py runs its hook script on a sample domain",
+                        "QEMU example opens here, and tests/deploy/test_example_manifests.py runs its hook script on a sample domain",
     "device-pool.yaml": "needs an NVMe device (and vfio for its second class); device pools run against real "
                         "devices in tests/integration/test_device_pool*.py",
     "changed-blocks.yaml": "its reader is the snapshot-metadata router, which needs cert-manager; changed blocks are "
@@ -191,6 +191,6 @@ def test_every_example_runs_here_or_says_why_not() -> None:
     files = {p.name for p in ex.EXAMPLES.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(RUN_HERE) | set(NOT_HERE) == files, "an example is neither run in the cluster nor explained"
     assert not set(RUN_HERE) & set(NOT_HERE)
-    outcomes = {example: conftest.outcome(_node_id(test)) for example, test in RUN_HERE.items()}
-    failed = {example: f"{RUN_HERE[example]}: {how}" for example, how in outcomes.items() if how != "passed"}
+    results = {example: outcome(_node_id(test)) for example, test in RUN_HERE.items()}
+    failed = {example: f"{RUN_HERE[example]}: {how}" for example, how in results.items() if how != "passed"}
     assert not failed, f"examples whose test did not pass in this run: {failed}"

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster import examples as ex
-from e2e.cluster import writer
-from e2e.cluster.build import UPGRADE_IMAGE
-from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks, report
-from e2e.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_daemonset_ready, wait_until
+from testing.cluster import examples as ex
+from testing.cluster import writer
+from testing.cluster.build import UPGRADE_IMAGE
+from testing.cluster.cluster import Cluster
+from testing.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_daemonset_ready, wait_until
 
 pytestmark = cluster_marks()
 

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.cluster import deploy, session, writer
-from e2e.cluster.build import REPO, UPGRADE_IMAGE, Built, cache_root
-from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks, report
+from testing.cluster import deploy, session, writer
+from testing.cluster.build import REPO, UPGRADE_IMAGE, Built, cache_root
+from testing.cluster.cluster import Cluster
 
 pytestmark = cluster_marks()
 

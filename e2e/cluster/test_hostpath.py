@@ -1,6 +1,6 @@
 """csi-driver-host-path beside csi-qsd in the same cluster: both drivers serve a filesystem and a block claim.
 
-host-path is deployed from e2e/cluster/hostpath/ (its own namespace, the
+host-path is deployed from testing/cluster/hostpath/ (its own namespace, the
 same sidecars, a WaitForFirstConsumer class) with its release build from
 ../shared/bin. Each test runs the same pod on both drivers' classes, checks
 the bytes, and reports each claim's time from creation to a running pod.
@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster import conftest, deploy
-from e2e.cluster import examples as ex
-from e2e.cluster.build import HOSTPATH_IMAGE
-from e2e.cluster.cluster import Cluster
-from e2e.helpers import shared_bin
-from tests import tiers
+from e2e.cluster import conftest
+from testing import shared_bin, tiers
+from testing.cluster import deploy
+from testing.cluster import examples as ex
+from testing.cluster.build import HOSTPATH_IMAGE
+from testing.cluster.cluster import Cluster
 
 pytestmark = [*conftest.cluster_marks(),
               tiers.needs("cluster", [] if shared_bin.find("hostpathplugin") else

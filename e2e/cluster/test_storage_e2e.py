@@ -10,9 +10,10 @@ not pass or a passing one missing from the list fails the run.
 
 from __future__ import annotations
 
-from e2e.cluster import conftest, storage_e2e
-from e2e.cluster.build import Built
-from e2e.cluster.cluster import Cluster
+from e2e.cluster import conftest
+from testing.cluster import storage_suite
+from testing.cluster.build import Built
+from testing.cluster.cluster import Cluster
 
 pytestmark = conftest.cluster_marks()
 
@@ -23,10 +24,10 @@ PROCS = 3
 def test_whole_storage_e2e_set_passes_as_expected(cluster: Cluster, built: Built) -> None:
     # Under the cluster's logs, which are kept after the run.
     work = cluster.logs / "storage-e2e" / "whole-set"
-    runs = storage_e2e.run_full_set(cluster, built.kubernetes / "e2e.test", work, procs=PROCS, timeout_minutes=40)
+    runs = storage_suite.run_full_set(cluster, built.kubernetes / "e2e.test", work, procs=PROCS, timeout_minutes=40)
     for label, run in runs:
         conftest.report(f"Kubernetes storage e2e, External Storage, {label}: {run.counts()}")
-    expected = storage_e2e.expected_passes()
-    problems = storage_e2e.verdict([run for _, run in runs], expected)
+    expected = storage_suite.expected_passes()
+    problems = storage_suite.verdict([run for _, run in runs], expected)
     conftest.report(f"Kubernetes storage e2e: {len(expected)} expected to pass, {len(problems)} problems")
     assert not problems, "\n".join(problems) + f"\n(logs: {work})"

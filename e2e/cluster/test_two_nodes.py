@@ -11,7 +11,7 @@ mutual TLS, and the new volume on node B reads through to it while it
 fills. Each plugin proves its node with a certificate of its own
 (`two_nodes` says how this cluster gives it one).
 
-The same two nodes show the scheduler placing VM pods (`placement`): with
+The same two nodes show the scheduler placing VM pods (`testing.cluster.vm_scheduling`): with
 node A offering `devices.kubevirt.io/kvm` and node B not, a VM pod asking
 for it lands on A and its WaitForFirstConsumer claim is provisioned there;
 with a claim larger than A's CSIStorageCapacity it stays Pending, the
@@ -28,13 +28,14 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster import conftest, placement, two_nodes
-from e2e.cluster import examples as ex
-from e2e.cluster.build import Built
-from e2e.cluster.cluster import Cluster
-from e2e.cluster.deploy import get_json, wait_until
-from e2e.cluster.node import KubeletNode
-from e2e.cluster.pki import ClusterPKI
+from e2e.cluster import conftest
+from testing.cluster import examples as ex
+from testing.cluster import two_nodes, vm_scheduling
+from testing.cluster.build import Built
+from testing.cluster.cluster import Cluster
+from testing.cluster.deploy import get_json, wait_until
+from testing.cluster.kubelet_node import KubeletNode
+from testing.cluster.pki import ClusterPKI
 
 pytestmark = conftest.cluster_marks()
 
@@ -109,18 +110,18 @@ def test_pod_on_node_b_reads_a_snapshot_taken_on_node_a(cluster: Cluster, node_b
 @pytest.fixture
 def kvm_node(cluster: Cluster, node_b: KubeletNode) -> Iterator[str]:
     """Node A offers `devices.kubevirt.io/kvm` for the test (and not after), node B does not."""
-    assert placement.node_kvm(cluster, node_b.name) == (None, None)
-    with placement.advertise_kvm(cluster, cluster.node_name):
+    assert vm_scheduling.node_kvm(cluster, node_b.name) == (None, None)
+    with vm_scheduling.advertise_kvm(cluster, cluster.node_name):
         yield cluster.node_name
 
 
 def _provisioned_on(cluster: Cluster, namespace: str, claim: str, node: str) -> None:
     """The claim's volume was made on `node`: the scheduler chose it, the PV's topology names it, its plugin holds it."""
     pvc = ex.wait_pvc_bound(cluster, namespace, claim)
-    assert pvc["metadata"]["annotations"].get(placement.SELECTED_NODE) == node, pvc["metadata"]["annotations"]
+    assert pvc["metadata"]["annotations"].get(vm_scheduling.SELECTED_NODE) == node, pvc["metadata"]["annotations"]
     pv = get_json(cluster, "pv", pvc["spec"]["volumeName"])
-    assert placement.pv_nodes(pv) == [node], pv["spec"]["nodeAffinity"]
-    held = {name: placement.node_volumes(cluster, pod["metadata"]["name"])
+    assert vm_scheduling.pv_nodes(pv) == [node], pv["spec"]["nodeAffinity"]
+    held = {name: vm_scheduling.node_volumes(cluster, pod["metadata"]["name"])
             for name, pod in two_nodes.driver_pods(cluster).items()}
     handle = pv["spec"]["csi"]["volumeHandle"]
     assert [name for name, volumes in held.items() if handle in volumes] == [node], (handle, held)
@@ -129,9 +130,9 @@ def _provisioned_on(cluster: Cluster, namespace: str, claim: str, node: str) -> 
 def test_vm_pod_asking_for_kvm_is_placed_and_provisioned_on_the_node_offering_it(
         cluster: Cluster, node_b: KubeletNode, kvm_node: str, test_namespace: str) -> None:
     # Node B could take the claim: only the device keeps the pod off it.
-    assert placement.volume_limit(placement.vm_capacity(cluster, node_b.name)) >= placement.GIB
-    ex.apply(cluster, test_namespace, [placement.vm_claim("vm-kvm", "1Gi"),
-                                       placement.vm_pod("vm-kvm", "vm-kvm", kvm=True)])
+    assert vm_scheduling.volume_limit(vm_scheduling.vm_capacity(cluster, node_b.name)) >= vm_scheduling.GIB
+    ex.apply(cluster, test_namespace, [vm_scheduling.vm_claim("vm-kvm", "1Gi"),
+                                       vm_scheduling.vm_pod("vm-kvm", "vm-kvm", kvm=True)])
     pod = ex.wait_pod_running(cluster, test_namespace, "vm-kvm")
     assert pod["spec"]["nodeName"] == kvm_node
     _provisioned_on(cluster, test_namespace, "vm-kvm", kvm_node)
@@ -139,37 +140,37 @@ def test_vm_pod_asking_for_kvm_is_placed_and_provisioned_on_the_node_offering_it
 
 def test_vm_claim_larger_than_the_kvm_nodes_free_storage_stays_pending(
         cluster: Cluster, node_b: KubeletNode, kvm_node: str, test_namespace: str) -> None:
-    free = placement.volume_limit(placement.vm_capacity(cluster, kvm_node))
-    size = (2 * free // placement.GIB + 1) * placement.GIB
-    ex.apply(cluster, test_namespace, [placement.vm_claim("vm-big", f"{size // placement.GIB}Gi"),
-                                       placement.vm_pod("vm-big", "vm-big", kvm=True)])
+    free = vm_scheduling.volume_limit(vm_scheduling.vm_capacity(cluster, kvm_node))
+    size = (2 * free // vm_scheduling.GIB + 1) * vm_scheduling.GIB
+    ex.apply(cluster, test_namespace, [vm_scheduling.vm_claim("vm-big", f"{size // vm_scheduling.GIB}Gi"),
+                                       vm_scheduling.vm_pod("vm-big", "vm-big", kvm=True)])
     # Node B lacks the device, node A the storage (the scheduler sorts its reasons).
-    expected = f"0/2 nodes are available: 1 Insufficient {placement.KVM}, 1 node(s) did not have enough free storage."
+    expected = f"0/2 nodes are available: 1 Insufficient {vm_scheduling.KVM}, 1 node(s) did not have enough free storage."
     try:
-        wait_until(lambda: [m for m in placement.scheduling_failures(cluster, test_namespace, "vm-big")
+        wait_until(lambda: [m for m in vm_scheduling.scheduling_failures(cluster, test_namespace, "vm-big")
                             if m.startswith(expected)], 60, "the scheduler's FailedScheduling event naming storage")
     except TimeoutError as error:
         raise AssertionError(f"{error}; FailedScheduling: "
-                             f"{placement.scheduling_failures(cluster, test_namespace, 'vm-big')}") from None
+                             f"{vm_scheduling.scheduling_failures(cluster, test_namespace, 'vm-big')}") from None
     pod = get_json(cluster, "-n", test_namespace, "pod", "vm-big")
     assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName"), pod["status"]
     [scheduled] = [c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled"]
     assert (scheduled["status"], scheduled["reason"]) == ("False", "Unschedulable"), scheduled
     pvc = get_json(cluster, "-n", test_namespace, "pvc", "vm-big")
     assert pvc["status"]["phase"] == "Pending", pvc["status"]
-    assert placement.SELECTED_NODE not in pvc["metadata"].get("annotations", {}), pvc["metadata"]
-    assert placement.claim_pvs(cluster, test_namespace, "vm-big") == []
+    assert vm_scheduling.SELECTED_NODE not in pvc["metadata"].get("annotations", {}), pvc["metadata"]
+    assert vm_scheduling.claim_pvs(cluster, test_namespace, "vm-big") == []
 
 
 def test_vm_pod_without_kvm_lands_on_either_node_and_its_volume_follows(
         cluster: Cluster, node_b: KubeletNode, test_namespace: str) -> None:
     nodes = {cluster.node_name, node_b.name}
     for node in nodes:
-        assert placement.node_kvm(cluster, node) == (None, None)
-        assert placement.volume_limit(placement.vm_capacity(cluster, node)) >= placement.GIB
-    ex.apply(cluster, test_namespace, [placement.vm_claim("vm-any", "1Gi"),
-                                       placement.vm_pod("vm-any", "vm-any", kvm=False)])
+        assert vm_scheduling.node_kvm(cluster, node) == (None, None)
+        assert vm_scheduling.volume_limit(vm_scheduling.vm_capacity(cluster, node)) >= vm_scheduling.GIB
+    ex.apply(cluster, test_namespace, [vm_scheduling.vm_claim("vm-any", "1Gi"),
+                                       vm_scheduling.vm_pod("vm-any", "vm-any", kvm=False)])
     node = ex.wait_pod_running(cluster, test_namespace, "vm-any")["spec"]["nodeName"]
     assert node in nodes
     _provisioned_on(cluster, test_namespace, "vm-any", node)
-    conftest.report(f"placement: the VM pod asking for no {placement.KVM} was scheduled on {node}")
+    conftest.report(f"placement: the VM pod asking for no {vm_scheduling.KVM} was scheduled on {node}")

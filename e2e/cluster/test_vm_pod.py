@@ -47,15 +47,15 @@ from typing import Any
 
 import pytest
 
-from e2e.cluster import examples as ex
-from e2e.cluster import up
-from e2e.cluster.build import QEMU_IMAGE, cache_root
-from e2e.cluster.cluster import Cluster
 from e2e.cluster.conftest import cluster_marks
-from e2e.cluster.deploy import driver_pod, get_json, wait_daemonset_ready, wait_until
-from e2e.guest import build_guest_image, guest_disk_path
-from e2e.guest.initramfs import EXIT_MARKER, write_run_initrd
-from e2e.guest.scripts import (
+from testing.cluster import examples as ex
+from testing.cluster import up
+from testing.cluster.build import QEMU_IMAGE, cache_root
+from testing.cluster.cluster import Cluster
+from testing.cluster.deploy import driver_pod, get_json, wait_daemonset_ready, wait_until
+from testing.guest import build_guest_image, guest_disk_path
+from testing.guest.initramfs import EXIT_MARKER, write_run_initrd
+from testing.guest.scripts import (
     acknowledged_blocks,
     count_kernel_io_errors,
     guest_script,

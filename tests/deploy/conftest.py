@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from tests.deploy.helpers import CERT_MANAGER_DIR, DEPLOY_DIR, EXAMPLES_DIR, SNAPSHOT_METADATA_DIR, Obj
-from tests.deploy.kustomize import render
+from testing.manifests.kustomize import render
+from testing.manifests.objects import CERT_MANAGER_DIR, DEPLOY_DIR, EXAMPLES_DIR, SNAPSHOT_METADATA_DIR, Obj
 
 _CACHE: dict[str, list[Obj]] = {}
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from csi_qsd.cli import build_parser
-from tests.deploy.helpers import DEPLOY_DIR, Obj, container, one, readme_overlay
-from tests.deploy.kustomize import UnsupportedKustomization, render
+from testing.manifests.kustomize import UnsupportedKustomization, render
+from testing.manifests.objects import DEPLOY_DIR, Obj, container, one, readme_overlay
 
 CASCADE_DIR = DEPLOY_DIR / "overlays" / "cascade"
 

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from tests.deploy.helpers import DEPLOY_DIR, Obj
+from testing.manifests.objects import DEPLOY_DIR, Obj
 
 REPO = DEPLOY_DIR.parent
 CHART = REPO / "charts" / "csi-qsd"

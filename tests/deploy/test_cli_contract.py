@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.deploy.helpers import VAR_REF, Obj, container, one
+from testing.manifests.objects import VAR_REF, Obj, container, one
 
 SERVE_FLAGS = (
     "--endpoint",

@@ -6,7 +6,7 @@ import json
 import re
 import tomllib
 
-from tests.deploy.helpers import REPO_ROOT
+from testing.manifests.objects import REPO_ROOT
 
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"

@@ -8,7 +8,7 @@ import tomllib
 import pytest
 import yaml
 
-from tests.deploy.helpers import (
+from testing.manifests.objects import (
     DEPLOY_DIR,
     DRIVER_IMAGE,
     DRIVER_NAME,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.deploy.helpers import Obj, one, pvc_claims, select
+from testing.manifests.objects import Obj, one, pvc_claims, select
 
 
 def test_attachment_pod_lands_beside_its_vm_with_the_vmm_group(base: list[Obj], examples: list[Obj]) -> None:

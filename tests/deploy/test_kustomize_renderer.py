@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.kustomize import UnsupportedKustomization, render, split_image
+from testing.manifests.kustomize import UnsupportedKustomization, render, split_image
 
 
 def _write(path: Path, text: str) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from csi_qsd.cli import build_parser
 from csi_qsd.pools.managed_spec import ManagedPoolSpec
-from tests.deploy.helpers import DEPLOY_DIR, Obj, container, one, readme_overlay, resolve_mount
-from tests.deploy.kustomize import render
+from testing.manifests.kustomize import render
+from testing.manifests.objects import DEPLOY_DIR, Obj, container, one, readme_overlay, resolve_mount
 
 OVERLAY = DEPLOY_DIR / "overlays" / "managed-xfs-pool"
 

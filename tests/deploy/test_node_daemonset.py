@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.deploy.helpers import (
+from testing.manifests.objects import (
     DRIVER_NAME,
     VAR_REF,
     Obj,

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.deploy.helpers import DEPLOY_DIR, DRIVER_VERSION, EXAMPLES_DIR, PARAMETERS, Obj, one, select
+from testing.manifests.objects import DEPLOY_DIR, DRIVER_VERSION, EXAMPLES_DIR, PARAMETERS, Obj, one, select
 
 README = (DEPLOY_DIR / "README.md").read_text(encoding="utf-8")
 

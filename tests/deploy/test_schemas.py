@@ -10,8 +10,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tests.deploy.crd_schemas import SCHEMAS
-from tests.deploy.helpers import (
+from testing.manifests.kustomize import CLUSTER_SCOPED_KINDS, load_yaml_documents, render
+from testing.manifests.objects import (
     CERT_MANAGER_DIR,
     DEPLOY_DIR,
     EXAMPLES_DIR,
@@ -19,7 +19,7 @@ from tests.deploy.helpers import (
     SNAPSHOT_METADATA_SERVICE,
     Obj,
 )
-from tests.deploy.kustomize import CLUSTER_SCOPED_KINDS, load_yaml_documents, render
+from tests.deploy.crd_schemas import SCHEMAS
 
 K8S_VERSION = kubernetes_validate.latest_version()
 CLUSTER_SCOPED = CLUSTER_SCOPED_KINDS | {"VolumeSnapshotClass", "SnapshotMetadataService"}

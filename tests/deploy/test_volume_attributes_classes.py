@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from csi_qsd.params import QoS, parse_mutable_parameters
-from tests.deploy.helpers import DRIVER_NAME, Obj, select
+from testing.manifests.objects import DRIVER_NAME, Obj, select
 
 
 def classes(examples: list[Obj]) -> dict[str, Obj]:

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 from tests.fakes.context import FakeContext
 from tests.fakes.crash import Crash, CrashAt
+from tests.fakes.daemons import FakeDaemon, FakeQSDClient, fake_shards
 from tests.fakes.exports import Call, FakeExport, FakeExportPaths, FakeHostState
-from tests.fakes.node import FakeNode, fake_node
+from tests.fakes.node_domain import FakeNode, fake_node
 from tests.fakes.pools import FakeMovingPool, FakePool
-from tests.fakes.qsd import FakeDaemon, FakeQSDClient, fake_shards
 
 __all__ = [
     "Call", "Crash", "CrashAt", "FakeContext", "FakeDaemon", "FakeExport", "FakeExportPaths", "FakeHostState",

@@ -10,8 +10,8 @@ import pytest
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
-from tests.harness import DriverProcess, Sandbox, in_process_driver, running_driver, sandbox
-from tests.helpers.device_pools import FakeNVMe
+from testing.harness import DriverProcess, Sandbox, in_process_driver, running_driver, sandbox
+from testing.helpers.nvme_pools import FakeNVMe
 
 REQUIRED_TOOLS = ("qemu-storage-daemon", "qemu-img", "losetup", "mkfs.ext4", "mkfs.xfs", "blkid")
 

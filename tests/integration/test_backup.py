@@ -20,8 +20,8 @@ import pytest
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
-from tests.harness import Sandbox
-from tests.helpers.changed_blocks import BlockDevice
+from testing.harness import Sandbox
+from testing.helpers.written_blocks import BlockDevice
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZE = 64 * MIB

@@ -38,8 +38,8 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import features
 from csi_qsd.sys.tools import bundled
-from tests.harness import Sandbox, in_process_driver, qsd_pid, terminate, until
-from tests.helpers.device_pools import pool_of
+from testing.harness import Sandbox, in_process_driver, qsd_pid, terminate, until
+from testing.helpers.nvme_pools import pool_of
 
 MIB = 1 << 20
 CLAIM_BYTES = 128 * MIB

@@ -18,7 +18,7 @@ from pathlib import Path
 from csi_qsd import validate
 from csi_qsd.catalog import SCHEMA_VERSION
 from csi_qsd.params import VolumeParameters
-from tests.harness import Sandbox, in_process_driver, sandbox
+from testing.harness import Sandbox, in_process_driver, sandbox
 
 MIB = 1 << 20
 V1_SCHEMA = Path(__file__).parent.parent / "data" / "catalog_v1.sql"

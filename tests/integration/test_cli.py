@@ -12,8 +12,8 @@ import signal
 import socket
 import sys
 
-from tests.harness import DriverProcess, Sandbox, qsd_pid, until
-from tests.helpers.cli import csi_qsd, start_qsd_container
+from testing.harness import DriverProcess, Sandbox, qsd_pid, until
+from testing.helpers.cli_process import csi_qsd, start_qsd_container
 
 
 async def cli(box: Sandbox, *args: str, expect: int = 0) -> str:

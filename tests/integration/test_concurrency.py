@@ -19,7 +19,7 @@ import grpc
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox, qsd_pid, running_driver, until, wait_new_qsd, write_synced
+from testing.harness import Sandbox, qsd_pid, running_driver, until, wait_new_qsd, write_synced
 
 MIB = 1 << 20
 WORKERS = 12

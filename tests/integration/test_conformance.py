@@ -28,7 +28,7 @@ from google.protobuf.message import Message
 
 from csi_qsd.csi.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
-from tests.harness import Sandbox
+from testing.harness import Sandbox
 
 MIB = 1 << 20
 Code = grpc.StatusCode

@@ -22,9 +22,9 @@ from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import nbd_tcp, x509_name
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
-from tests.certs import Pki, crafted_intruder, mint
-from tests.harness import free_port
-from tests.helpers.nbd_tls import nbd_info
+from testing.certs import Pki, crafted_intruder, mint
+from testing.harness import free_port
+from testing.helpers.nbd_tls import nbd_info
 
 EXPORT = "vol-0123456789abcdef01234567"
 

@@ -30,8 +30,8 @@ from csi_qsd.server import Driver
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.sys.tools import bundled
-from tests.certs import Authority, mint
-from tests.harness import free_port
+from testing.certs import Authority, mint
+from testing.harness import free_port
 
 MIB = 1 << 20
 

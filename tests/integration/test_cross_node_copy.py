@@ -32,11 +32,11 @@ from csi_qsd.csi.tls import ROUTER_NAME, PemFiles
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
-from tests.certs import Pki, crafted_intruder, mint
-from tests.harness import Sandbox, free_port, qsd_pids, until
-from tests.helpers.cli import csi_qsd
-from tests.helpers.nbd_tls import nbd_info
-from tests.router_cluster import Node, copies_call, node_plugin
+from testing.certs import Pki, crafted_intruder, mint
+from testing.harness import Sandbox, free_port, qsd_pids, until
+from testing.helpers.cli_process import csi_qsd
+from testing.helpers.nbd_tls import nbd_info
+from testing.router_cluster import Node, copies_call, node_plugin
 
 MIB = 1 << 20
 SIZE = 64 * MIB

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from csi_qsd.sys import caps
-from tests.harness import Sandbox, running_driver
-from tests.leftovers import host_leftovers, qsd_leftovers
+from testing.harness import Sandbox, running_driver
+from testing.leftovers import host_leftovers, qsd_leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 SANITY_MODULE, SANITY_VERSION = "github.com/kubernetes-csi/csi-test/v5", "v5.6.0"

@@ -23,8 +23,9 @@ from csi_qsd.errors import StartupError
 from csi_qsd.params import ImageFormat
 from csi_qsd.pools.regions import Region
 from csi_qsd.qsd import attach, graph
-from tests.harness import Sandbox, free_port, in_process_driver, qsd_pid, running_driver, until
-from tests.helpers.device_pools import (
+from testing.harness import Sandbox, free_port, in_process_driver, qsd_pid, running_driver, until
+from testing.helpers.metrics_scrape import Scrape, scrape
+from testing.helpers.nvme_pools import (
     DEVICE_BYTES,
     PATTERN,
     FakeNVMe,
@@ -37,8 +38,7 @@ from tests.helpers.device_pools import (
     window_bytes,
     write_block,
 )
-from tests.helpers.metrics import Scrape, scrape
-from tests.helpers.writers import fs_bytes
+from testing.helpers.writers import fs_bytes
 
 MIB = 1 << 20
 

@@ -18,8 +18,8 @@ import pytest
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
-from tests.harness import DriverProcess, Sandbox, until
-from tests.helpers.device_pools import PATTERN, FakeNVMe, extent_rows, free, write_block
+from testing.harness import DriverProcess, Sandbox, until
+from testing.helpers.nvme_pools import PATTERN, FakeNVMe, extent_rows, free, write_block
 
 MIB = 1 << 20
 

@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from csi_qsd.csi.client import CSIClient
-from tests.harness import DriverProcess, Sandbox, until
-from tests.helpers.device_pools import PATTERN, FakeNVMe, extent_rows, free
-from tests.helpers.writers import Writer, fs_bytes
+from testing.harness import DriverProcess, Sandbox, until
+from testing.helpers.nvme_pools import PATTERN, FakeNVMe, extent_rows, free
+from testing.helpers.writers import Writer, fs_bytes
 
 MIB = 1 << 20
 

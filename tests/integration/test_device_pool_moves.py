@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from csi_qsd.qsd import attach, graph
-from tests.harness import Sandbox, in_process_driver, qsd_pid
-from tests.helpers.device_pools import (
+from testing.harness import Sandbox, in_process_driver, qsd_pid
+from testing.helpers.nvme_pools import (
     MIB,
     PATTERN,
     FakeNVMe,
@@ -28,7 +28,7 @@ from tests.helpers.device_pools import (
     window_bytes,
     write_block,
 )
-from tests.helpers.writers import fs_bytes
+from testing.helpers.writers import fs_bytes
 
 
 async def test_a_filesystem_in_use_moves_to_grow(box: Sandbox) -> None:

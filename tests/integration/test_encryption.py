@@ -22,8 +22,8 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.publish import vhost_user
 from csi_qsd.sys import mounts
 from csi_qsd.sys.tools import bundled
-from tests import tiers
-from tests.harness import DriverProcess, Sandbox, crash_qsd, refused, write_synced
+from testing import tiers
+from testing.harness import DriverProcess, Sandbox, crash_qsd, refused, write_synced
 
 MIB = 1 << 20
 ENCRYPTED = {"encrypted": "true"}

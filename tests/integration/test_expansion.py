@@ -12,8 +12,8 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import features
 from csi_qsd.server import Driver
 from csi_qsd.sys import caps
-from tests.harness import Sandbox, crash_qsd, qsd_pid, until
-from tests.helpers.writers import Writer, fs_bytes
+from testing.harness import Sandbox, crash_qsd, qsd_pid, until
+from testing.helpers.writers import Writer, fs_bytes
 
 MIB = 1 << 20
 

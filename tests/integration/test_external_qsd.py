@@ -13,8 +13,8 @@ import signal
 
 from csi_qsd.catalog import Catalog
 from csi_qsd.csi.client import CSIClient
-from tests.harness import DriverProcess, Sandbox, qsd_pid, until, wait_restored, write_synced
-from tests.helpers.cli import start_qsd_container
+from testing.harness import DriverProcess, Sandbox, qsd_pid, until, wait_restored, write_synced
+from testing.helpers.cli_process import start_qsd_container
 
 MIB = 1 << 20
 

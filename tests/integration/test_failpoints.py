@@ -17,7 +17,7 @@ import pytest
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys import loop, mounts
-from tests.harness import DriverProcess, Sandbox, until
+from testing.harness import DriverProcess, Sandbox, until
 
 MIB = 1 << 20
 PAYLOAD = b"user data that must survive every crash\n" * 1000

@@ -15,7 +15,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.server import Driver
 from csi_qsd.sys import fusectl
-from tests.harness import Sandbox, qsd_pid, until, wait_new_qsd
+from testing.harness import Sandbox, qsd_pid, until, wait_new_qsd
 
 MIB = 1 << 20
 

@@ -45,9 +45,9 @@ from csi_qsd.csi.client import capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox
-from tests.helpers.fuzz_codes import ALLOWED
-from tests.leftovers import host_leftovers, qsd_leftovers
+from testing.harness import Sandbox
+from testing.helpers.fuzz_codes import ALLOWED
+from testing.leftovers import host_leftovers, qsd_leftovers
 
 MIB = 1 << 20
 INT64_MAX = (1 << 63) - 1  # 2**63 itself does not fit the int64 fields; the largest value that does

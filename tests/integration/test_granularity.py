@@ -21,8 +21,8 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
-from tests.harness import Sandbox
-from tests.helpers.changed_blocks import SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
+from testing.harness import Sandbox
+from testing.helpers.written_blocks import SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
 
 KIB, MIB = 1 << 10, 1 << 20
 GRANULE = 4 * KIB

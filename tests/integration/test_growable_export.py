@@ -19,8 +19,8 @@ import pytest
 from csi_qsd.exports import fuse_loop
 from csi_qsd.qsd import graph
 from csi_qsd.sys.tools import bundled
-from tests import tiers
-from tests.harness import Sandbox, crash_qsd, in_process_driver
+from testing import tiers
+from testing.harness import Sandbox, crash_qsd, in_process_driver
 
 MIB = 1 << 20
 QSD11 = bundled("qemu-storage-daemon-11")

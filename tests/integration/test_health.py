@@ -17,7 +17,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
 from csi_qsd.sys import loop
-from tests.harness import Sandbox, until
+from testing.harness import Sandbox, until
 
 MIB = 1 << 20
 RPC = pb.ControllerServiceCapability.RPC

@@ -35,7 +35,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.pools.base import Pool
 from csi_qsd.server import Driver
 from csi_qsd.sys import loop, mounts
-from tests.harness import Sandbox, in_process_driver, until
+from testing.harness import Sandbox, in_process_driver, until
 
 MIB = 1 << 20
 Code = grpc.StatusCode

@@ -44,9 +44,9 @@ import pytest
 from csi_qsd.qsd import features
 from csi_qsd.qsd.features import LoopIO
 from csi_qsd.server import Driver
-from tests import tiers
-from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored
-from tests.helpers.parallel_io import GROUPS, THREADS, Published, cgroups, in_cgroup, loop_dio, published, run_fio
+from testing import tiers
+from testing.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored
+from testing.helpers.parallel_io import GROUPS, THREADS, Published, cgroups, in_cgroup, loop_dio, published, run_fio
 
 MIB = 1 << 20
 KIB = 1 << 10

@@ -10,7 +10,7 @@ import pytest
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox, until, write_synced
+from testing.harness import Sandbox, until, write_synced
 
 MIB = 1 << 20
 

@@ -19,7 +19,7 @@ import pytest
 
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys import filesystems, loop, mounts
-from tests.harness import (
+from testing.harness import (
     DriverProcess,
     Sandbox,
     qsd_pids,

@@ -35,8 +35,8 @@ from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import attach, graph
 from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.server import Driver
-from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_new_qsd
-from tests.helpers.device_pools import DEVICE_BYTES, MIB, PATTERN, FakeNVMe, capacity
+from testing.harness import Sandbox, in_process_driver, qsd_pid, until, wait_new_qsd
+from testing.helpers.nvme_pools import DEVICE_BYTES, MIB, PATTERN, FakeNVMe, capacity
 
 VM = VolumeParameters(format=ImageFormat.RAW, export=ExportKind.VHOST_USER_BLK)
 

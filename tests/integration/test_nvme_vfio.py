@@ -22,8 +22,8 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.pools.nvme import NvmeDevicePool, vfio_problem
 from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd import device_io
-from tests import tiers
-from tests.harness import Sandbox, in_process_driver
+from testing import tiers
+from testing.harness import Sandbox, in_process_driver
 
 MIB = 1 << 20
 ADDRESS = os.environ.get("CSI_QSD_TEST_NVME_PCI", "")

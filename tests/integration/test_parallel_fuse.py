@@ -18,9 +18,9 @@ from csi_qsd.exports import fuse_loop
 from csi_qsd.qsd import features
 from csi_qsd.sys import fusectl
 from csi_qsd.sys.tools import bundled
-from tests import tiers
-from tests.harness import Sandbox, in_process_driver, qsd_pid
-from tests.helpers.parallel_io import GROUPS, MIB, THREADS, cgroups, loop_dio, published, run_fio
+from testing import tiers
+from testing.harness import Sandbox, in_process_driver, qsd_pid
+from testing.helpers.parallel_io import GROUPS, MIB, THREADS, cgroups, loop_dio, published, run_fio
 
 pytestmark = tiers.needs("integration", "" if shutil.which("fio") else "fio")
 

@@ -15,7 +15,7 @@ import pytest
 
 from csi_qsd.errors import Unavailable
 from csi_qsd.sys import filesystems, loop
-from tests.harness import Sandbox, until
+from testing.harness import Sandbox, until
 
 MIB = 1 << 20
 

@@ -20,7 +20,7 @@ import pytest
 
 from csi_qsd.qcow2 import blank
 from csi_qsd.sys.tools import bundled
-from tests import tiers
+from testing import tiers
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 GRANULARITIES = [4 * KIB, 32 * KIB, 64 * KIB, 1 * MIB, 2 * MIB]

@@ -27,8 +27,8 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.params import QoS
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver
-from tests import tiers
-from tests.harness import Sandbox, qsd_pid, wait_restored
+from testing import tiers
+from testing.harness import Sandbox, qsd_pid, wait_restored
 
 pytestmark = tiers.needs("integration", "" if shutil.which("fio") else "fio")
 

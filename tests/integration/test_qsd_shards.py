@@ -23,8 +23,8 @@ from csi_qsd.metrics import Metrics
 from csi_qsd.params import NAMESPACE_KEY
 from csi_qsd.qsd import vhost_greeting
 from csi_qsd.server import Driver, serving
-from tests.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored, write_synced
-from tests.helpers.shards import namespace_on
+from testing.harness import Sandbox, in_process_driver, qsd_pid, until, wait_restored, write_synced
+from testing.helpers.shard_placement import namespace_on
 
 MIB = 1 << 20
 

@@ -1,6 +1,6 @@
 """Remote pools through QEMU's own drivers: an iSCSI LUN served by tgtd (CHAP), NBD exports of a second QSD (x509).
 
-Real targets on this machine (`tests/remote_targets.py`), read back from
+Real targets on this machine (`testing/remote_targets.py`), read back from
 their backing files. Checks: a block volume lands at its extent on the
 target, the pool's label at its start; the CHAP password reaches neither
 the log nor QMP; a target that goes away makes the volume report
@@ -38,8 +38,8 @@ from csi_qsd.qsd import features
 from csi_qsd.qsd.storage import FAIL_AFTER_SECONDS
 from csi_qsd.server import Driver
 from csi_qsd.sys.tools import bundled
-from tests.harness import Sandbox, free_port, in_process_driver, qsd_pid, until
-from tests.remote_targets import CHAP_PASSWORD, NbdServer, Tgt, read_at
+from testing.harness import Sandbox, free_port, in_process_driver, qsd_pid, until
+from testing.remote_targets import CHAP_PASSWORD, NbdServer, Tgt, read_at
 
 MIB = 1 << 20
 TARGET_BYTES = 64 * MIB

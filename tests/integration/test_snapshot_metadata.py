@@ -25,8 +25,8 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
-from tests.harness import Sandbox, qsd_pid, wait_restored
-from tests.helpers.changed_blocks import CLUSTER, SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
+from testing.harness import Sandbox, qsd_pid, wait_restored
+from testing.helpers.written_blocks import CLUSTER, SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
 
 KIB, MIB = 1 << 10, 1 << 20
 

@@ -26,9 +26,9 @@ from csi_qsd.csi.tls import PemFiles, channel_credentials
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.router.config import DEFAULT_SERVER_NAME
-from tests.certs import Pki, mint
-from tests.harness import until
-from tests.router_cluster import Node, Router, node_plugin
+from testing.certs import Pki, mint
+from testing.harness import until
+from testing.router_cluster import Node, Router, node_plugin
 
 MIB = 1 << 20
 SIZE = 64 * MIB

@@ -16,7 +16,7 @@ from csi_qsd.controller.snapshots import MAX_CHAIN_DEPTH
 from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
-from tests.harness import DriverProcess, Sandbox, until, write_synced
+from testing.harness import DriverProcess, Sandbox, until, write_synced
 
 MIB = 1 << 20
 

@@ -26,7 +26,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.exports import fuse_loop
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox, until
+from testing.harness import Sandbox, until
 
 MIB = 1 << 20
 

@@ -29,7 +29,7 @@ from csi_qsd.csi.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
-from tests.harness import Sandbox, in_process_driver
+from testing.harness import Sandbox, in_process_driver
 
 MIB = 1 << 20
 Code = grpc.StatusCode

@@ -22,8 +22,8 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.qsd import features
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys.tools import bundled
-from tests.harness import Sandbox, in_process_driver, qsd_pid
-from tests.helpers.vhost_churn import CONNECTIONS, VM, come_and_go, graph_round
+from testing.harness import Sandbox, in_process_driver, qsd_pid
+from testing.helpers.vhost_clients import CONNECTIONS, VM, come_and_go, graph_round
 
 MIB = 1 << 20
 ROUNDS_MIN = 10

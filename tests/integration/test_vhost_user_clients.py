@@ -44,8 +44,8 @@ from csi_qsd.qsd import attach
 from csi_qsd.server import Driver
 from csi_qsd.sys import unix_peers
 from csi_qsd.sys.tools import bundled
-from tests import tiers
-from tests.harness import Sandbox, qemu_io_session, qsd_pid, until, wait_new_qsd
+from testing import tiers
+from testing.harness import Sandbox, qemu_io_session, qsd_pid, until, wait_new_qsd
 
 MIB = 1 << 20
 SIZE = 64 * MIB

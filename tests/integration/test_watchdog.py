@@ -25,7 +25,7 @@ from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import QSDError
 from csi_qsd.qsd.daemon import QSDState, ping_interval, process_state, running_pid
 from csi_qsd.server import Driver
-from tests.harness import Sandbox, in_process_driver, qsd_pid, wait_restored, write_synced
+from testing.harness import Sandbox, in_process_driver, qsd_pid, wait_restored, write_synced
 
 MIB = 1 << 20
 QMP_TIMEOUT = 1.0

@@ -30,7 +30,7 @@ from csi_qsd.catalog import (
 from csi_qsd.catalog import store as catalog_store
 from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
-from tests.fakes.records import volume
+from tests.fakes.sample_records import volume
 
 MIB = 1 << 20
 
@@ -253,7 +253,7 @@ _KILLED_WRITER = """
 import asyncio, os, sys
 from pathlib import Path
 from csi_qsd.catalog import Catalog
-from tests.fakes.records import volume
+from tests.fakes.sample_records import volume
 
 async def main() -> None:
     catalog = Catalog(Path(sys.argv[1]))

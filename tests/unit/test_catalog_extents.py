@@ -11,7 +11,7 @@ from csi_qsd.catalog import SCHEMA_VERSION, Catalog, ExtentChoice, ExtentRecord,
 from csi_qsd.catalog.schema import MIGRATIONS
 from csi_qsd.pools import regions
 from csi_qsd.pools.regions import Layout, Region
-from tests.fakes.records import volume
+from tests.fakes.sample_records import volume
 
 V1_SCHEMA = Path(__file__).parent.parent / "data" / "catalog_v1.sql"
 MIB = 1 << 20

@@ -1,7 +1,7 @@
-"""scripts/cluster.sh (e2e/cluster/up.py): what it prints of the examples, and how it finds what a cluster left.
+"""scripts/cluster.sh (testing/cluster/up.py): what it prints of the examples, and how it finds what a cluster left.
 
 The whole up and down runs against a real cluster by hand (README.md, "Try it"); the cluster tier runs
-the same start and teardown steps (e2e/cluster/session.py) every session.
+the same start and teardown steps (testing/cluster/session.py) every session.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from e2e.cluster import examples, up
-from e2e.cluster.build import QEMU_IMAGE
+from testing.cluster import examples, up
+from testing.cluster.build import QEMU_IMAGE
 
 
 def test_vm_example_runs_the_local_qemu_on_tcg_and_keeps_the_rest() -> None:

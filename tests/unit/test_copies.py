@@ -40,9 +40,9 @@ from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.locks import KeyedLocks
-from tests.certs import Pki, mint
+from testing.certs import Pki, mint
+from testing.router_cluster import copies_call
 from tests.fakes import FakeNode, fake_node
-from tests.router_cluster import copies_call
 
 
 def test_the_backing_names_the_export_over_tls_with_bounded_waits() -> None:

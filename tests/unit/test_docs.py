@@ -350,7 +350,7 @@ def test_an_unknown_flag_is_found(tmp_path: Path) -> None:
         "fio --not-ours   # another tool\n"
         "VOL=$(csi-qsd volume list --endpoint unix:///x | python3 -c 'x --y')\n"
         "./scripts/run.sh --loop-io direct --nope\n"
-        ".venv/bin/python -m e2e.bench.moves --gib 1 --wrong\n"
+        ".venv/bin/python -m e2e.bench.grow_by_move --gib 1 --wrong\n"
         "```\n\n```text\ncsi-qsd 0.1.0 listening on … (output)\n```\n\n```yaml\nargs: [csi-qsd, --yaml]\n```\n\n"
         "Run `csi-qsd volume backup S -o f --since T` or `csi-qsd volume nbd-export S --sockets P`;\n"
         "`csi-qsd serve` takes `--iothreads N` and `--fuse-thread pool`;\nfio's `--direct` is not ours,\n"

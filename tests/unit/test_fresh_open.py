@@ -7,7 +7,7 @@ from pathlib import Path
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd import attach, graph
 from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice, ImageFile, Storage
-from tests.fakes.qsd import FakeQSDClient
+from tests.fakes.daemons import FakeQSDClient
 
 VID = "vol-" + "ab" * 12
 IMAGE = Path("/pool") / f"{VID}.qcow2"

@@ -15,7 +15,7 @@ from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.sys.volume_keys import KeyStore, VolumeKey
 from tests.fakes.pools import FakePool
-from tests.fakes.records import volume
+from tests.fakes.sample_records import volume
 
 OLD, NEW = VolumeKey("old"), VolumeKey("new")
 ROTATED = {"key": "new", "keyVersion": "2", "previousKey": "old"}

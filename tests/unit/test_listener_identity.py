@@ -1,6 +1,6 @@
 """Who a caller of the mutual-TLS listener is, and what it may read there.
 
-Certificates are crafted per test (`tests.certs`), all of the one cluster CA:
+Certificates are crafted per test (`testing.certs`), all of the one cluster CA:
 plain per-node certificates (known by their common name) and SPIFFE ones
 (known by their SPIFFE ID, with a common name that must agree). The
 listener is the node plugin's own (`serving_metadata_listener`), over real
@@ -24,8 +24,8 @@ from csi_qsd.csi.peers import StaticPeers
 from csi_qsd.csi.tls import ROUTER_NAME, PemFiles, channel_credentials, identity
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
-from tests.certs import Pki, mint
-from tests.harness import free_port
+from testing.certs import Pki, mint
+from testing.harness import free_port
 
 SNAP = "snap-" + "a" * 24
 TD = "spiffe://cluster.local/ns/csi-qsd"

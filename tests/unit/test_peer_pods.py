@@ -14,7 +14,7 @@ import pytest
 
 from csi_qsd.csi.peer_pods import InCluster, PodPeers, peers_of
 from csi_qsd.errors import Unavailable
-from tests.certs import mint
+from testing.certs import mint
 
 
 def _pod(node: str, ip: str, phase: str = "Running", deleting: bool = False) -> dict[str, Any]:

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import prebuilt
-from e2e.helpers import shared_bin
-from tests import tiers
+from testing import shared_bin, tiers
+from testing.cluster import prebuilt
 
 README = """| binary | repository, tag (commit) | what it is |
 |---|---|---|

@@ -21,8 +21,8 @@ from csi_qsd.node.staging import PublishSpec, StageSpec
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.storage import ImageFile
+from testing.harness import until
 from tests.fakes import Crash, CrashAt, FakeDaemon, FakeHostState, FakeNode, fake_node
-from tests.harness import until
 
 STRAY = "vol-0000000000000000000000ff"  # a volume the catalog does not know
 

@@ -25,8 +25,8 @@ from csi_qsd.errors import NotFound, Unavailable
 from csi_qsd.router.config import NodeAddress, RouterConfig
 from csi_qsd.router.nodes import Node, NodeDirectory
 from csi_qsd.router.owners import Owners
-from tests.certs import Authority, mint
-from tests.harness import free_port, until
+from testing.certs import Authority, mint
+from testing.harness import free_port, until
 
 HELD = "snap-" + "a" * 24
 

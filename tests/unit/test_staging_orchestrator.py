@@ -25,8 +25,8 @@ from csi_qsd.errors import (
 )
 from csi_qsd.node.staging import PublishSpec, StageSpec
 from csi_qsd.qsd import graph
+from testing.helpers.shard_placement import namespace_on
 from tests.fakes import FakeNode, fake_node
-from tests.helpers.shards import namespace_on
 
 
 @pytest.fixture

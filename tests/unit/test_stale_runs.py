@@ -1,4 +1,4 @@
-"""Which FUSE mounts belong to a killed run's base directory, and who owns what (pure logic of tests.stale_runs)."""
+"""Which FUSE mounts belong to a killed run's base directory, and who owns what (pure logic of testing.stale_runs)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import owner
-from tests.stale_runs import fuse_devices, inside
+from testing import owner
+from testing.stale_runs import fuse_devices, inside
 
 BASE = Path("/var/tmp/csi-qsd-cluster-ab12cd34")
 # A host mount table as a cluster node sees it: the host's root, a live sandbox's FUSE export inherited

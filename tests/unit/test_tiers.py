@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import tiers
+from testing import tiers
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.timeouts import DEFAULT, Limit, limit_for
+from testing.timeouts import DEFAULT, Limit, limit_for
 
 
 @pytest.mark.parametrize(("path", "expected"), [
     ("tests/unit/test_tiers.py", Limit(120, False)),
-    ("tests/deploy/test_examples.py", Limit(120, False)),
+    ("tests/deploy/test_example_manifests.py", Limit(120, False)),
     ("tests/integration/test_lifecycle.py", Limit(600, False)),
     ("tests/image/test_image.py", Limit(900, True)),
     ("e2e/test_vm_volumes.py", Limit(900, True)),

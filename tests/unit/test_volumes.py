@@ -24,7 +24,7 @@ from csi_qsd.params import ImageFormat, VolumeParameters
 from csi_qsd.pools.base import NewImage
 from csi_qsd.pools.files import FilePool
 from csi_qsd.sys.locks import KeyedLocks
-from tests.fakes.records import volume
+from tests.fakes.sample_records import volume
 
 # the start-up reconcile of transitional volume rows -----------------------
 

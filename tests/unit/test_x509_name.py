@@ -13,7 +13,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID, ObjectIdentifier
 
 from csi_qsd.sys import x509_name
-from tests.certs import crafted_intruder, mint
+from testing.certs import crafted_intruder, mint
 
 A = x509.NameAttribute
 
