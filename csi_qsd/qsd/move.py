@@ -45,7 +45,7 @@ STILL_ENOUGH = 64 * 1024 * 1024  # dirty bytes left that are copied with the wri
 POLL = 0.05
 # Copies in flight per backup. QEMU's default (64) fills the device's queue: a pod's synced 64 KiB writes
 # then waited up to 1.6-2.9 s during a 1 GiB move; with 2, at most 0.18 s (the frozen last copy), the move
-# taking 1.9-2.3x a dd of the same bytes instead of 1.1-2.0x (`e2e.bench.moves`, three runs each).
+# taking 1.9-2.3x a dd of the same bytes instead of 1.1-2.0x (`e2e.bench.grow_by_move`, three runs each).
 COPY_WORKERS = 2
 
 
