@@ -65,7 +65,7 @@ class Snapshots:
         # A restore reads through the snapshot's image from before its row exists until after: a delete must wait.
         self._snapshot_locks = KeyedLocks("snapshot")
         # Asked under the snapshot's lock before a delete: raises while something outside this catalog's
-        # chains reads the snapshot (a copy on another node: `csi_qsd.controller.copy_leases.SourceLeases`).
+        # chains reads the snapshot (a copy on another node: `csi_qsd.controller.copy_sources.CopySources`).
         self.before_delete: Callable[[str], Awaitable[None]] | None = None
         self._flattening: dict[str, asyncio.Task[None]] = {}
 

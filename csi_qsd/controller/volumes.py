@@ -73,10 +73,10 @@ class Volumes:
         self._pools: dict[str, Pool] = {**(pools or {}), pool.id: pool}
         self._volume_locks = volume_locks
         # One lock per volume name for every CreateVolume, also of volumes copied from another node
-        # (`csi_qsd.controller.copy_leases.RemoteCopies` holds these too): a second call for a name is ABORTED.
+        # (`csi_qsd.controller.copy_targets.CopyTargets` holds these too): a second call for a name is ABORTED.
         self.name_locks = KeyedLocks("volume name")
         # Asked under the volume's lock before a delete: raises while something outside this catalog's
-        # chains reads the volume (a clone on another node: `csi_qsd.controller.copy_leases.SourceLeases`).
+        # chains reads the volume (a clone on another node: `csi_qsd.controller.copy_sources.CopySources`).
         self.before_delete: Callable[[str], Awaitable[None]] | None = None
         self._unsettled: dict[str, VolumeRecord] = {}  # created, image not yet written or not known durable
         self._settling: dict[str, VolumeRecord] = {}  # the batch being written and synced now

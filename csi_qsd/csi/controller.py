@@ -16,17 +16,18 @@ from google.protobuf import timestamp_pb2, wrappers_pb2
 from csi_qsd import validate
 from csi_qsd.catalog import SnapshotRecord, VolumeRecord
 from csi_qsd.config import TOPOLOGY_KEY_NODE, Config
-from csi_qsd.controller.condition import HealthView, VolumeHealth
-from csi_qsd.controller.copy_leases import RemoteCopies, SourceLeases
-from csi_qsd.controller.qos import VolumeLimits
+from csi_qsd.controller.copy_sources import CopySources
+from csi_qsd.controller.copy_targets import CopyTargets
+from csi_qsd.controller.health import HealthView, VolumeHealth
 from csi_qsd.controller.snapshots import Snapshots
+from csi_qsd.controller.volume_limits import VolumeLimits
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.csi import convert
 from csi_qsd.csi.errors import RpcObservers, not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
-from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.params import (
     KEY_VERSION,
     MIB,
@@ -79,9 +80,9 @@ class CrossNodeCopies:
     neither side imports the other.
     """
 
-    remote: RemoteCopies
-    leases: SourceLeases
-    streams: CopyStreams
+    remote: CopyTargets
+    leases: CopySources
+    streams: CopyFill
 
     def lost(self, volume_id: str) -> bool:
         """True if the volume's copy can never be finished (its source dropped the lease)."""

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from csi_qsd.csi.heal_plan import EVENT_REASON, Action, Decision, claims_of, decide, pod_target
-from csi_qsd.csi.peer_pods import InCluster
 from csi_qsd.node.cut_off import CutOff
+from csi_qsd.transport.kube_api import InCluster
 
 log = logging.getLogger(__name__)
 

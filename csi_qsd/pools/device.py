@@ -65,10 +65,10 @@ import pyudev
 from csi_qsd.catalog import Catalog, ExtentChoice, ExtentRecord, ExtentState
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, StartupError
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
+from csi_qsd.pool_specs.device import DevicePoolSpec
 from csi_qsd.pools import regions
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.pools.regions import Layout, Region
-from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice, WholeDevice
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
 from csi_qsd.sys.failpoints import Failpoints

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from csi_qsd.catalog import Catalog
 from csi_qsd.errors import StartupError
+from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.remote import RemotePoolSpec
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.nvme import NvmeDevicePool
 from csi_qsd.pools.remote import RemotePool
-from csi_qsd.pools.spec import DevicePoolSpec
-from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
 from csi_qsd.sys.failpoints import Failpoints
 

@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from csi_qsd.errors import StartupError
+from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.remote import RemotePoolSpec, Scheme
 from csi_qsd.pools.device import DevicePool
-from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.pools.through_qsd import DevicePoolThroughQSD
 from csi_qsd.qsd.client import QSDClient
-from csi_qsd.qsd.remote_spec import RemotePoolSpec, Scheme
 from csi_qsd.qsd.storage import RemoteDevice
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
 from csi_qsd.sys.failpoints import Failpoints

@@ -29,7 +29,7 @@ from csi_qsd.sys.failpoints import Failpoints
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
-    from csi_qsd.pools.spec import DevicePoolSpec
+    from csi_qsd.pool_specs.device import DevicePoolSpec
 
 
 class DevicePoolThroughQSD(DevicePool):

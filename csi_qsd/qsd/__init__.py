@@ -6,5 +6,5 @@ under its own supervisor); `client` is a QSD's QMP session; `attach` and
 `graph` build each volume's nodes and exports idempotently; `features`
 says what a QSD release can safely do.
 
-May import: errors, validate, sys, qcow2, params.
+May import: errors, validate, sys, qcow2, params, pool_specs.
 """

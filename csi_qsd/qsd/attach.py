@@ -40,7 +40,7 @@ class TopImage:
     params: VolumeParameters
     qos: QoS = QoS()
     # Awaited before QSD opens the image with its backing chain from disk; raises if that open could hold
-    # QSD's monitor (a chain that reads through another node that does not answer: `csi_qsd.controller.copy_leases`).
+    # QSD's monitor (a chain that reads through another node that does not answer: `csi_qsd.controller.copy_targets`).
     before_open: Callable[[], Awaitable[None]] | None = dataclasses.field(default=None, compare=False)
     # An encrypted volume's passphrase, if this node holds it: QSD gets it only while it opens layers.
     key: VolumeKey | None = dataclasses.field(default=None, compare=False, repr=False)

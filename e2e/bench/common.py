@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.sys import filesystems
 from csi_qsd.sys.run import run
 from tests.harness import DriverProcess, Sandbox, qsd_pids, sandbox

@@ -41,7 +41,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.sys.tools import bundled
 from e2e.bench.common import (
     GIB,

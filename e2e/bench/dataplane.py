@@ -41,7 +41,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.bench.common import (
     MIB,
     Job,

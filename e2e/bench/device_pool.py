@@ -14,7 +14,7 @@ import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.bench.common import MIB, loop_device, sh
 from tests import owner
 from tests.harness import DriverProcess, Sandbox, sandbox

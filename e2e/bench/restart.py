@@ -27,7 +27,7 @@ import re
 import sys
 import time
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.bench.common import KIB, MIB, ServedBench, bench_main, ms, ratio, status_field_kib, table, verdict
 from tests.harness import DriverProcess, Sandbox, qsd_pid, until

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.bench.common import MIB, ServedBench, bench_main, ms, ratio, rerun_unshared, sh, table, timed, verdict
 from e2e.helpers import shared_bin
 from tests.harness import Sandbox, terminate, until

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.cluster import deploy, examples, prebuilt, session
 from e2e.cluster.build import Built, build_all, cache_root
 from e2e.cluster.cluster import Binaries, Cluster

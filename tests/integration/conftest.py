@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.server import Driver
 from tests.harness import DriverProcess, Sandbox, in_process_driver, running_driver, sandbox
 from tests.helpers.device_pools import FakeNVMe

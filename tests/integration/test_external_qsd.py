@@ -12,7 +12,7 @@ import os
 import signal
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from tests.harness import DriverProcess, Sandbox, qsd_pid, until, wait_restored, write_synced
 from tests.helpers.cli import start_qsd_container
 

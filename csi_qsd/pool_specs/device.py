@@ -6,8 +6,8 @@ import dataclasses
 from pathlib import Path
 
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
-from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME
-from csi_qsd.pools.nvme_address import NvmeAddress
+from csi_qsd.pool_specs.nvme_address import SCHEME as NVME_SCHEME
+from csi_qsd.pool_specs.nvme_address import NvmeAddress
 
 
 @dataclasses.dataclass(frozen=True)
