@@ -28,7 +28,7 @@ from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.controller.volume_limits import VolumeLimits
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.copy_terms import CopySettings
-from csi_qsd.csi.controller import ControllerService, CrossNodeCopies
+from csi_qsd.csi.controller import ControllerService, CopyEnds
 from csi_qsd.csi.copy_service import copy_handler, copy_leases_handler
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi.group_controller import GroupControllerService
@@ -64,12 +64,13 @@ from csi_qsd.transport.kube_api import InCluster
 
 log = logging.getLogger(__name__)
 
+
 class Driver:
     """A running driver's parts, for the server and for tests that look inside."""
 
     def __init__(
         self, config: Config, catalog: Catalog, qsd: QSDShards, volumes: Volumes, node: Staging,
-        snapshots: Snapshots, health: HealthView, limits: VolumeLimits, copies: CrossNodeCopies, peers: CopyPeerList,
+        snapshots: Snapshots, health: HealthView, limits: VolumeLimits, copies: CopyEnds, peers: CopyPeerList,
     ) -> None:
         self.copies = copies
         self.peers = peers
@@ -156,39 +157,44 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         if healer is not None:  # before QSD starts: its first rebuild may cut pods off already
             node.cut_off.listen(healer.heal_later)
         await snapshots.reconcile()
-        tls = config.metadata_tls
-        settings = CopySettings(
-            state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
-            tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
-            qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl,
-            leases_per_node=config.copy_leases_per_node, runtime_dir=config.runtime_dir)
-        if tls is not None:
+        if config.metadata_tls is not None:
             await prepare_runtime_dir(config.runtime_dir)
         peer_list = known_peers(config)
-        peers = CopyPeerNodes(peer_list, tls, config.node_id)
-        streams = CopyFill(catalog, exports, locks, peers, settings)
-        copies = CrossNodeCopies(CopyTargets(catalog, pool, peers, settings, volumes.name_locks,
-                                              on_copy=streams.start),
-                                 CopySources(catalog, snapshots, settings, locks), streams)
-        snapshots.before_delete = copies.leases.refuse_snapshot_delete
-        volumes.before_delete = copies.leases.refuse_volume_delete
-        await copies.remote.reconcile()
-        await copies.leases.reconcile()
-        await qsd.start(attaching([pool, *device_pools.values()], node.rebuild, streams.prepare))
+        peers = CopyPeerNodes(peer_list, config.metadata_tls, config.node_id)
+        copies = copy_ends(config, catalog, pool, exports, locks, snapshots, volumes, peers)
+        snapshots.before_delete = copies.sources.refuse_snapshot_delete
+        volumes.before_delete = copies.sources.refuse_volume_delete
+        await copies.targets.reconcile()
+        await copies.sources.reconcile()
+        await qsd.start(attaching([pool, *device_pools.values()], node.rebuild, copies.fill.prepare))
         try:
-            copies.leases.start_expiry()
+            copies.sources.start_expiry()
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports, node.stalled),
                          VolumeLimits(catalog, qsd, locks, KeyRotation(catalog, pool, qsd, keys)), copies, peer_list)
         finally:
             if healer is not None:
                 await healer.close()
             await node.close()
-            await streams.close()
-            await copies.leases.close()
+            await copies.fill.close()
+            await copies.sources.close()
             await peers.close()
             await snapshots.close()
             await volumes.close()
             await qsd.close()
+
+
+def copy_ends(config: Config, catalog: Catalog, pool: FilePool, exports: ExportPaths, locks: KeyedLocks,
+              snapshots: Snapshots, volumes: Volumes, peers: CopyPeerNodes) -> CopyEnds:
+    """Both ends of copies across nodes, on this node's --copy-* settings and TLS files."""
+    tls = config.metadata_tls
+    settings = CopySettings(
+        state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
+        tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
+        qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl,
+        leases_per_node=config.copy_leases_per_node, runtime_dir=config.runtime_dir)
+    fill = CopyFill(catalog, exports, locks, peers, settings)
+    targets = CopyTargets(catalog, pool, peers, settings, volumes.name_locks, on_copy=fill.start)
+    return CopyEnds(targets, CopySources(catalog, snapshots, settings, locks), fill)
 
 
 async def prepare_runtime_dir(runtime_dir: Path) -> None:
@@ -238,11 +244,11 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots, observers), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features(), observers), server)
         pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
-        server.add_generic_rpc_handlers((copy_leases_handler(driver.copies.leases),))  # the operator's, here only
+        server.add_generic_rpc_handlers((copy_leases_handler(driver.copies.sources),))  # the operator's, here only
         async with unix_socket.serving(server, config.endpoint):
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata,
-                                                 handlers=(copy_handler(driver.copies.leases, driver.peers,
+                                                 handlers=(copy_handler(driver.copies.sources, driver.peers,
                                                                           config.copy_calls_per_node),),
                                                  peers=driver.peers):
                 async with claiming_snapshot_contents(config, driver):

@@ -402,7 +402,7 @@ class Snapshots:
                 return
             if volume.params.encrypted:
                 # qemu-img would need the key of every layer, and QSD names an encrypted layer by a json: filename
-                # that `attach.stream_into_backing` does not look for: the chain stays as it is.
+                # that `block_jobs.stream_into_backing` does not look for: the chain stays as it is.
                 raise FailedPrecondition(f"volume {volume_id} is encrypted: its chain is not flattened")
             log.info("event=flatten_start volume_id=%s", volume_id)
             base = await self._catalog.snapshot_by_image(volume.backing)

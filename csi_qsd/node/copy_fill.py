@@ -42,7 +42,7 @@ from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost,
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import placement
 from csi_qsd.qcow2.backing import names_backing
-from csi_qsd.qsd import attach
+from csi_qsd.qsd import attach, block_jobs
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.locks import KeyedLocks
@@ -166,7 +166,7 @@ class CopyFill:
             if not daemon.ready:
                 continue
             with contextlib.suppress(QSDError):
-                await attach.cancel_job(daemon.client, job_id(volume_id))
+                await block_jobs.cancel_job(daemon.client, job_id(volume_id))
         async with self._locks.hold(volume_id):
             if await self._catalog.stage(volume_id) is None:
                 for daemon in self._exports.host.qsd.daemons:
@@ -262,7 +262,7 @@ class CopyFill:
                 node = await attach.node_reading(client, local)
                 if not node:
                     raise QSDError(f"qemu-storage-daemon has not opened the copy image {local}")
-                await attach.start_fill(client, job, node, self._settings.rate)
+                await block_jobs.start_fill(client, job, node, self._settings.rate)
             log.info("event=copy_stream volume_id=%s node=%s rate=%d", volume.id, record.node, self._settings.rate)
         while True:
             info = await client.job(job)

@@ -35,6 +35,8 @@ import re
 import urllib.parse
 from pathlib import Path
 
+from csi_qsd.pool_specs.kind import PoolKind
+
 ISCSI_PORT = 3260
 NBD_PORT = 10809
 IQN_RE = re.compile(r"^(iqn\.\d{4}-\d{2}\.[a-z0-9.-]+(:[^\s/]+)?|eui\.[0-9A-Fa-f]{16}|naa\.[0-9A-Fa-f]{16,32})\Z")
@@ -211,3 +213,8 @@ class RemotePoolSpec:
     @property
     def flag(self) -> str:
         return f"--remote-pool {self.name}"
+
+    @property
+    def kind(self) -> PoolKind:
+        """Which pool opens it (`csi_qsd.pools.registry`)."""
+        return PoolKind.REMOTE
