@@ -100,6 +100,15 @@ class CopyEnds:
 
 
 class ControllerService(pb_grpc.ControllerServicer):
+    """CSI Controller: create, delete, snapshot, list, expand and modify volumes, on the node that holds them.
+
+    Volumes are node-local, so the controller runs in each node plugin and
+    answers for that node only. Each handler checks the request, calls the
+    domain (`csi_qsd.controller`, and the copy ends for a source on another
+    node) and builds the response; `errors.rpc` turns domain errors into
+    status codes.
+    """
+
     def __init__(
         self, config: Config, volumes: Volumes, snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
         observers: RpcObservers | None = None, copies: CopyEnds | None = None,
