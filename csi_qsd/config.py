@@ -12,13 +12,13 @@ import socket
 from pathlib import Path
 
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
-from csi_qsd.pools.managed_spec import ManagedPoolSpec
-from csi_qsd.pools.spec import DevicePoolSpec
+from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.managed import ManagedPoolSpec
+from csi_qsd.pool_specs.remote import RemotePoolSpec
 from csi_qsd.qsd.features import FuseThreads, LoopIO
 from csi_qsd.qsd.file_aio import FileIO
 from csi_qsd.qsd.iothreads import check_size as check_iothreads
 from csi_qsd.qsd.iothreads import node_cores
-from csi_qsd.qsd.remote_spec import RemotePoolSpec
 from csi_qsd.qsd.settings import QSDMode
 from csi_qsd.qsd.shards import check_count as check_shards
 from csi_qsd.sys import endpoint as unix_endpoint
@@ -40,7 +40,7 @@ POLL_MAX_NS_RANGE = range(0, 1_000_001)
 
 
 def parse_remote_pool(text: str) -> RemotePoolSpec:
-    """`--remote-pool NAME=URL[,...]` (`csi_qsd.qsd.remote_spec`); raises ValueError naming the flag."""
+    """`--remote-pool NAME=URL[,...]` (`csi_qsd.pool_specs.remote`); raises ValueError naming the flag."""
     return RemotePoolSpec.parse(text, POOL_NAME_RE, DEFAULT_POOL_NAME)
 
 
@@ -96,12 +96,12 @@ class Config:
     # The mutual-TLS listener for the snapshot-metadata router (host:port; empty: off).
     metadata_address: str = ""
     metadata_tls: PemFiles | None = None
-    # Copies across nodes (`csi_qsd.controller.copy_leases`): the other node plugins' listeners (NAME, HOST:PORT),
+    # Copies across nodes (`csi_qsd.controller.copy_targets`): the other node plugins' listeners (NAME, HOST:PORT),
     # where this node serves its snapshots to them over NBD (host; default the listener's), on which ports,
     # and how fast a copy streams (bytes/s, 0: no limit). They use the listener's TLS files.
     peers: tuple[tuple[str, str], ...] = ()
     # Or found in the Kubernetes API: the running pods of this namespace that match this label selector
-    # (`csi_qsd.csi.peer_pods`), through the API server at `kubernetes_api` (host:port, given to every pod).
+    # (`csi_qsd.transport.copy_peer_pods`), through the API server at `kubernetes_api` (host:port, given to every pod).
     peers_from_pods: str = ""
     kubernetes_api: str = ""
     # Label the hand-made VolumeSnapshotContents whose snapshot this node holds with this node's name, so its

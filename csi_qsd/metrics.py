@@ -259,6 +259,13 @@ class DriverCollector(Collector):
         yield from (restarts, ready, state, wedges)
 
     def collect(self) -> Iterator[Metric]:
+        """Every family from the last `refresh`'s sample, as the Prometheus client renders a scrape.
+
+        Synchronous (the client's interface), so it reads only the sample,
+        never the catalog, QSD or a pool: `Metrics.render` awaits `refresh`
+        first, under one lock, so a scrape waits on the event loop, never
+        in here, and never mixes two samples.
+        """
         sample, daemon = self._sample, self._driver.daemon
         yield from self._pool_families(sample)
         yield GaugeMetricFamily("csi_qsd_volumes", "Volumes in the catalog", value=len(sample.volumes))

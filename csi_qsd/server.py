@@ -19,32 +19,31 @@ import grpc
 from csi_qsd.catalog import Catalog
 from csi_qsd.config import Config
 from csi_qsd.controller.changed_blocks import ChangedBlocks
-from csi_qsd.controller.condition import HealthView
-from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases
+from csi_qsd.controller.copy_sources import CopySources
+from csi_qsd.controller.copy_targets import CopyLinkCheck, CopyTargets
+from csi_qsd.controller.health import HealthView
 from csi_qsd.controller.key_rotation import KeyRotation
 from csi_qsd.controller.live import LiveImages
-from csi_qsd.controller.qos import VolumeLimits
 from csi_qsd.controller.snapshots import Snapshots
+from csi_qsd.controller.volume_limits import VolumeLimits
 from csi_qsd.controller.volumes import Volumes
-from csi_qsd.copy_link import CopySettings
-from csi_qsd.csi import unix_socket
-from csi_qsd.csi.controller import ControllerService, CrossNodeCopies
+from csi_qsd.copy_terms import CopySettings
+from csi_qsd.csi.controller import ControllerService, CopyEnds
+from csi_qsd.csi.copy_service import copy_handler, copy_leases_handler
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi.group_controller import GroupControllerService
 from csi_qsd.csi.heal_pods import PodHealer
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.metadata_listener import serving_metadata_listener
 from csi_qsd.csi.node import NodeService
-from csi_qsd.csi.peer_pods import InCluster, PodPeers
-from csi_qsd.csi.peers import PeerList, PeerNodes, StaticPeers, copies_handler, leases_handler
 from csi_qsd.csi.snapshot_contents import ContentClaimer
 from csi_qsd.csi.snapshot_metadata import SnapshotMetadataService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import StartupError
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.node.copy_streams import CopyStreams
-from csi_qsd.node.staging import NodeVolumes
+from csi_qsd.node.copy_fill import CopyFill
+from csi_qsd.node.staging import Staging
 from csi_qsd.pools.base import Pool
 from csi_qsd.pools.device_pools import open_device_pools
 from csi_qsd.pools.files import FilePool
@@ -58,15 +57,20 @@ from csi_qsd.sys.failpoints import Failpoints
 from csi_qsd.sys.locks import KeyedLocks
 from csi_qsd.sys.tools import bundled
 from csi_qsd.sys.volume_keys import KeyStore
+from csi_qsd.transport import unix_socket
+from csi_qsd.transport.copy_peer_pods import PodCopyPeers
+from csi_qsd.transport.copy_peers import CopyPeerList, CopyPeerNodes, StaticCopyPeers
+from csi_qsd.transport.kube_api import InCluster
 
 log = logging.getLogger(__name__)
+
 
 class Driver:
     """A running driver's parts, for the server and for tests that look inside."""
 
     def __init__(
-        self, config: Config, catalog: Catalog, qsd: QSDShards, volumes: Volumes, node: NodeVolumes,
-        snapshots: Snapshots, health: HealthView, limits: VolumeLimits, copies: CrossNodeCopies, peers: PeerList,
+        self, config: Config, catalog: Catalog, qsd: QSDShards, volumes: Volumes, node: Staging,
+        snapshots: Snapshots, health: HealthView, limits: VolumeLimits, copies: CopyEnds, peers: CopyPeerList,
     ) -> None:
         self.copies = copies
         self.peers = peers
@@ -146,46 +150,51 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         keys = KeyStore(config.runtime_dir / volume_keys.KEYS_DIR)
         await asyncio.to_thread(keys.keep_only, {stage.volume_id for stage in await catalog.stages()})
         exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints,
-                                         before_open=LinkCheck(catalog), keys=keys))
+                                         before_open=CopyLinkCheck(catalog), keys=keys))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints, keys=keys)
-        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
+        node = Staging(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later)
         healer = pod_healer(config)
         if healer is not None:  # before QSD starts: its first rebuild may cut pods off already
             node.cut_off.listen(healer.heal_later)
         await snapshots.reconcile()
-        tls = config.metadata_tls
-        settings = CopySettings(
-            state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
-            tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
-            qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl,
-            leases_per_node=config.copy_leases_per_node, runtime_dir=config.runtime_dir)
-        if tls is not None:
+        if config.metadata_tls is not None:
             await prepare_runtime_dir(config.runtime_dir)
         peer_list = known_peers(config)
-        peers = PeerNodes(peer_list, tls, config.node_id)
-        streams = CopyStreams(catalog, exports, locks, peers, settings)
-        copies = CrossNodeCopies(RemoteCopies(catalog, pool, peers, settings, volumes.name_locks,
-                                              on_copy=streams.start),
-                                 SourceLeases(catalog, snapshots, settings, locks), streams)
-        snapshots.before_delete = copies.leases.refuse_snapshot_delete
-        volumes.before_delete = copies.leases.refuse_volume_delete
-        await copies.remote.reconcile()
-        await copies.leases.reconcile()
-        await qsd.start(attaching([pool, *device_pools.values()], node.rebuild, streams.prepare))
+        peers = CopyPeerNodes(peer_list, config.metadata_tls, config.node_id)
+        copies = copy_ends(config, catalog, pool, exports, locks, snapshots, volumes, peers)
+        snapshots.before_delete = copies.sources.refuse_snapshot_delete
+        volumes.before_delete = copies.sources.refuse_volume_delete
+        await copies.targets.reconcile()
+        await copies.sources.reconcile()
+        await qsd.start(attaching([pool, *device_pools.values()], node.rebuild, copies.fill.prepare))
         try:
-            copies.leases.start_expiry()
+            copies.sources.start_expiry()
             yield Driver(config, catalog, qsd, volumes, node, snapshots, HealthView(catalog, exports, node.stalled),
                          VolumeLimits(catalog, qsd, locks, KeyRotation(catalog, pool, qsd, keys)), copies, peer_list)
         finally:
             if healer is not None:
                 await healer.close()
             await node.close()
-            await streams.close()
-            await copies.leases.close()
+            await copies.fill.close()
+            await copies.sources.close()
             await peers.close()
             await snapshots.close()
             await volumes.close()
             await qsd.close()
+
+
+def copy_ends(config: Config, catalog: Catalog, pool: FilePool, exports: ExportPaths, locks: KeyedLocks,
+              snapshots: Snapshots, volumes: Volumes, peers: CopyPeerNodes) -> CopyEnds:
+    """Both ends of copies across nodes, on this node's --copy-* settings and TLS files."""
+    tls = config.metadata_tls
+    settings = CopySettings(
+        state_dir=config.state_dir, host=config.copy_host, ports=config.copy_ports,
+        tls=(tls.cert, tls.key, tls.ca) if tls is not None else None, qemu_nbd=bundled("qemu-nbd"),
+        qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl,
+        leases_per_node=config.copy_leases_per_node, runtime_dir=config.runtime_dir)
+    fill = CopyFill(catalog, exports, locks, peers, settings)
+    targets = CopyTargets(catalog, pool, peers, settings, volumes.name_locks, on_copy=fill.start)
+    return CopyEnds(targets, CopySources(catalog, snapshots, settings, locks), fill)
 
 
 async def prepare_runtime_dir(runtime_dir: Path) -> None:
@@ -199,11 +208,11 @@ async def prepare_runtime_dir(runtime_dir: Path) -> None:
                     "of medium Memory)", runtime_dir, filesystem or "unknown")
 
 
-def known_peers(config: Config) -> PeerList:
+def known_peers(config: Config) -> CopyPeerList:
     """The other node plugins as this node finds them: listed by --peer, or in the Kubernetes API."""
     if not config.peers_from_pods:
-        return StaticPeers(config.peers)
-    return PodPeers(in_cluster(config), config.peers_from_pods, config.metadata_port)
+        return StaticCopyPeers(config.peers)
+    return PodCopyPeers(in_cluster(config), config.peers_from_pods, config.metadata_port)
 
 
 def pod_healer(config: Config) -> PodHealer | None:
@@ -235,11 +244,11 @@ async def serving(config: Config, observers: RpcObservers | None = None) -> Asyn
         pb_grpc.add_GroupControllerServicer_to_server(GroupControllerService(driver.snapshots, observers), server)
         pb_grpc.add_NodeServicer_to_server(NodeService(config, driver.node, node_features(), observers), server)
         pb_grpc.add_SnapshotMetadataServicer_to_server(metadata, server)
-        server.add_generic_rpc_handlers((leases_handler(driver.copies.leases),))  # the operator's, here only
+        server.add_generic_rpc_handlers((copy_leases_handler(driver.copies.sources),))  # the operator's, here only
         async with unix_socket.serving(server, config.endpoint):
             log.info("event=serving endpoint=%s node_id=%s pool=%s", config.endpoint, config.node_id, config.pool)
             async with serving_metadata_listener(config, identity, controller, metadata,
-                                                 handlers=(copies_handler(driver.copies.leases, driver.peers,
+                                                 handlers=(copy_handler(driver.copies.sources, driver.peers,
                                                                           config.copy_calls_per_node),),
                                                  peers=driver.peers):
                 async with claiming_snapshot_contents(config, driver):

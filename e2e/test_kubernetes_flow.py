@@ -52,7 +52,7 @@ import grpc
 import kubernetes_validate
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.conftest import e2e_marks
 from testing.guest import (

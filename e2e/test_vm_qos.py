@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.publish.vhost_user import SOCKET_NAME
 from csi_qsd.qsd import graph

@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from csi_qsd.csi.tls import ROUTER_NAME, PemFiles
 from csi_qsd.router.config import DEFAULT_SERVER_NAME
+from csi_qsd.transport.tls import ROUTER_NAME, PemFiles
 
 Key = ec.EllipticCurvePrivateKey
 

@@ -29,8 +29,8 @@ from typing import TypeVar, overload
 import grpc
 import pytest
 
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.config import Config
-from csi_qsd.csi.client import CSIClient
 from csi_qsd.node.cut_off import REBUILT
 from csi_qsd.qsd.daemon import running_pid
 from csi_qsd.qsd.shards import MAX_SHARDS, ShardSettings

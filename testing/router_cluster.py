@@ -18,9 +18,9 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.csi.client import CSIClient
-from csi_qsd.csi.peers import SERVICE
-from csi_qsd.csi.tls import PemFiles, channel_credentials
+from csi_qsd.cli.client import CSIClient
+from csi_qsd.transport.copy_peers import SERVICE
+from csi_qsd.transport.tls import PemFiles, channel_credentials
 from testing.certs import Pki
 from testing.harness import DriverProcess, Sandbox, free_port, sandbox, terminate, until
 

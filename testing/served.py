@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.server import Driver
 from testing.harness import DriverProcess, Sandbox, in_process_driver, running_driver, sandbox
 

@@ -3,5 +3,5 @@
 Driven through a served driver's CSI endpoint and the catalog, never
 through its internals.
 
-May import: errors, validate, sys, qcow2, params, catalog, csi.
+May import: errors, validate, sys, qcow2, params, catalog.
 """

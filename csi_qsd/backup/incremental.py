@@ -33,10 +33,9 @@ import struct
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.csi.client import CSIClient
 from csi_qsd.errors import InvalidArgument, NBDError
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.granularity import BACKUP_OPTIONS
@@ -108,6 +107,17 @@ class NBDClient:
         self._writer.close()
         with contextlib.suppress(ConnectionError):
             await self._writer.wait_closed()
+
+
+class SnapshotRanges(Protocol):
+    """What a backup asks the served driver over CSI (`csi_qsd.cli.client.CSIClient` answers it): the ranges a
+    snapshot holds, or changed since an older one, each as (volume capacity, [(offset, length), ...])."""
+
+    async def metadata_allocated(self, snapshot_id: str) -> tuple[int, list[tuple[int, int]]]: ...
+
+    async def metadata_delta(self, base_snapshot_id: str,
+                             target_snapshot_id: str) -> tuple[int, list[tuple[int, int]]]: ...
+
 
 
 @contextlib.asynccontextmanager
@@ -232,7 +242,7 @@ async def restore(files: list[Path], out: Path, *, qemu_img: str = "qemu-img", f
 
 
 async def backup_snapshot(
-    client: CSIClient, catalog_path: Path, snapshot_id: str, out: Path, *, since: str = "",
+    client: SnapshotRanges, catalog_path: Path, snapshot_id: str, out: Path, *, since: str = "",
     qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd",
 ) -> BackupReport:
     """Ask the driver which ranges to copy, find the snapshot's frozen image in its catalog, copy them.

@@ -2,9 +2,10 @@
 
 `records` holds what a row is (frozen records and their states), `schema`
 the tables and the steps that bring an older catalog to them, `rows` the one
-statement that writes each kind of record and the parse of each row, and
-`store` the `Catalog`: transactions, durability, and when I/O leaves the
-event loop. Callers import from here. This package knows nothing of QSD,
+statement that writes each kind of record and the parse of each row,
+`store` the `Catalog` (one verb per act on a table's rows), and
+`connection` the one connection under it: transactions, durability, and
+when I/O leaves the event loop. Callers import from here. This package knows nothing of QSD,
 mounts or gRPC.
 
 May import: errors, params.

@@ -15,7 +15,7 @@ from csi_qsd.catalog import Catalog, StageRecord, StageState, VolumeRecord
 from csi_qsd.controller import chains
 from csi_qsd.errors import FailedPrecondition, QSDError, Unavailable
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.qsd import attach
+from csi_qsd.qsd import attach, block_jobs
 
 
 class LiveImages:
@@ -83,7 +83,7 @@ class LiveImages:
         daemon = self._qsd.daemons[stage.shard]
         self._require(daemon.ready)
         layers = await chains.images_below(self._catalog, volume.backing)
-        if not await attach.stream_into_backing(daemon.client, volume.id, Path(volume.backing), layers):
+        if not await block_jobs.stream_into_backing(daemon.client, volume.id, Path(volume.backing), layers):
             raise FailedPrecondition(f"the backing image of volume {volume.id} is not open in qemu-storage-daemon")
         return True
 

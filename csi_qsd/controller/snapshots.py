@@ -65,7 +65,7 @@ class Snapshots:
         # A restore reads through the snapshot's image from before its row exists until after: a delete must wait.
         self._snapshot_locks = KeyedLocks("snapshot")
         # Asked under the snapshot's lock before a delete: raises while something outside this catalog's
-        # chains reads the snapshot (a copy on another node: `csi_qsd.controller.copy_leases.SourceLeases`).
+        # chains reads the snapshot (a copy on another node: `csi_qsd.controller.copy_sources.CopySources`).
         self.before_delete: Callable[[str], Awaitable[None]] | None = None
         self._flattening: dict[str, asyncio.Task[None]] = {}
 
@@ -402,7 +402,7 @@ class Snapshots:
                 return
             if volume.params.encrypted:
                 # qemu-img would need the key of every layer, and QSD names an encrypted layer by a json: filename
-                # that `attach.stream_into_backing` does not look for: the chain stays as it is.
+                # that `block_jobs.stream_into_backing` does not look for: the chain stays as it is.
                 raise FailedPrecondition(f"volume {volume_id} is encrypted: its chain is not flattened")
             log.info("event=flatten_start volume_id=%s", volume_id)
             base = await self._catalog.snapshot_by_image(volume.backing)

@@ -73,10 +73,10 @@ class Volumes:
         self._pools: dict[str, Pool] = {**(pools or {}), pool.id: pool}
         self._volume_locks = volume_locks
         # One lock per volume name for every CreateVolume, also of volumes copied from another node
-        # (`csi_qsd.controller.copy_leases.RemoteCopies` holds these too): a second call for a name is ABORTED.
+        # (`csi_qsd.controller.copy_targets.CopyTargets` holds these too): a second call for a name is ABORTED.
         self.name_locks = KeyedLocks("volume name")
         # Asked under the volume's lock before a delete: raises while something outside this catalog's
-        # chains reads the volume (a clone on another node: `csi_qsd.controller.copy_leases.SourceLeases`).
+        # chains reads the volume (a clone on another node: `csi_qsd.controller.copy_sources.CopySources`).
         self.before_delete: Callable[[str], Awaitable[None]] | None = None
         self._unsettled: dict[str, VolumeRecord] = {}  # created, image not yet written or not known durable
         self._settling: dict[str, VolumeRecord] = {}  # the batch being written and synced now
@@ -114,20 +114,9 @@ class Volumes:
             raise InvalidArgument(f"volume {name!r} is encrypted: its passphrase must come with the request")
         key = key if params.encrypted else None
         async with self.name_locks.hold(name):
-            existing = await self._catalog.volume_by_name(name)
+            existing = await self._same_volume(name, required, limit, params, source, qos)
             if existing is not None:
-                if existing.state is VolumeState.READY:
-                    if (existing.params != params or not _fits(existing, required, limit) or existing.source != source
-                            or existing.qos != qos):
-                        raise AlreadyExists(
-                            f"volume named {name!r} exists ({existing.id}, {existing.capacity} bytes) "
-                            "with other parameters or capacity"
-                        )
-                    return existing
-                if existing.state is VolumeState.DELETING:
-                    await self._wait_deleted(existing.id, name)
-                else:
-                    await self._discard(existing)  # a crashed earlier attempt
+                return existing
             size = choose_size(_room_for_filesystem(required or base_size, limit, caps), limit)
             if size < base_size:
                 raise OutOfRange(f"volume {name!r} must hold at least the {base_size} bytes of its source")
@@ -142,24 +131,52 @@ class Volumes:
             )
             if base is None and pool.settles_later(params):
                 return await self._create_blank(pool, record)
-            async with self._volume_locks.hold(volume_id):
-                await self._catalog.add_volume(record, durable=False)  # the READY commit makes it durable
-                self._failpoints.hit("create.after_intent")
-                try:
-                    if base is not None:
-                        await pool.create_overlay(record.image, base, size, params.granularity, key=key)
-                    else:
-                        await self._with_room(pool, lambda: pool.create(record.image, size, params, key=key))
-                except ResourceExhausted as exc:
-                    await self._discard(record)
-                    raise ResourceExhausted(f"cannot create volume {name!r} of {size} bytes: {exc}") from exc
-                except BaseException:
-                    await self._discard(record)
-                    raise
-                self._failpoints.hit("create.after_image")
-                await self._catalog.set_volume_state(volume_id, VolumeState.READY)
-            log.info("event=volume_created volume_id=%s name=%s bytes=%d", volume_id, name, size)
-            return dataclasses.replace(record, state=VolumeState.READY)
+            return await self._create_image(pool, record, base, key)
+
+    async def _same_volume(self, name: str, required: int, limit: int, params: VolumeParameters, source: str,
+                           qos: QoS) -> VolumeRecord | None:
+        """The READY volume called `name` if it is the one asked for; None once no other is in the way (one being
+        deleted is waited for, a crashed earlier attempt discarded). Raises AlreadyExists, Aborted. Under the
+        name's lock."""
+        existing = await self._catalog.volume_by_name(name)
+        if existing is None:
+            return None
+        if existing.state is VolumeState.READY:
+            if (existing.params != params or not _fits(existing, required, limit) or existing.source != source
+                    or existing.qos != qos):
+                raise AlreadyExists(
+                    f"volume named {name!r} exists ({existing.id}, {existing.capacity} bytes) "
+                    "with other parameters or capacity"
+                )
+            return existing
+        if existing.state is VolumeState.DELETING:
+            await self._wait_deleted(existing.id, name)
+        else:
+            await self._discard(existing)  # a crashed earlier attempt
+        return None
+
+    async def _create_image(self, pool: Pool, record: VolumeRecord, base: Path | None,
+                            key: VolumeKey | None) -> VolumeRecord:
+        """The intent row, then the image (an overlay on `base`, or blank), then READY; undone on any failure."""
+        name, size, params = record.name, record.capacity, record.params
+        async with self._volume_locks.hold(record.id):
+            await self._catalog.add_volume(record, durable=False)  # the READY commit makes it durable
+            self._failpoints.hit("create.after_intent")
+            try:
+                if base is not None:
+                    await pool.create_overlay(record.image, base, size, params.granularity, key=key)
+                else:
+                    await self._with_room(pool, lambda: pool.create(record.image, size, params, key=key))
+            except ResourceExhausted as exc:
+                await self._discard(record)
+                raise ResourceExhausted(f"cannot create volume {name!r} of {size} bytes: {exc}") from exc
+            except BaseException:
+                await self._discard(record)
+                raise
+            self._failpoints.hit("create.after_image")
+            await self._catalog.set_volume_state(record.id, VolumeState.READY)
+        log.info("event=volume_created volume_id=%s name=%s bytes=%d", record.id, name, size)
+        return dataclasses.replace(record, state=VolumeState.READY)
 
     async def _create_blank(self, pool: Pool, record: VolumeRecord) -> VolumeRecord:
         """A volume with no source, answered once its row is durable; its image is written and settled after.

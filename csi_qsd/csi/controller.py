@@ -16,17 +16,18 @@ from google.protobuf import timestamp_pb2, wrappers_pb2
 from csi_qsd import validate
 from csi_qsd.catalog import SnapshotRecord, VolumeRecord
 from csi_qsd.config import TOPOLOGY_KEY_NODE, Config
-from csi_qsd.controller.condition import HealthView, VolumeHealth
-from csi_qsd.controller.copy_leases import RemoteCopies, SourceLeases
-from csi_qsd.controller.qos import VolumeLimits
+from csi_qsd.controller.copy_sources import CopySources
+from csi_qsd.controller.copy_targets import CopyTargets
+from csi_qsd.controller.health import HealthView, VolumeHealth
 from csi_qsd.controller.snapshots import Snapshots
+from csi_qsd.controller.volume_limits import VolumeLimits
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.csi import convert
 from csi_qsd.csi.errors import RpcObservers, not_offered, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unimplemented
-from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.params import (
     KEY_VERSION,
     MIB,
@@ -72,24 +73,24 @@ def _local_only(encrypted: bool, source: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class CrossNodeCopies:
+class CopyEnds:
     """Both ends of copies across nodes, for the CSI layer: the target's creates and fills, the source's leases.
 
     Bundled here, above both: the creates and leases are the controller side's, the fills the node side's, and
     neither side imports the other.
     """
 
-    remote: RemoteCopies
-    leases: SourceLeases
-    streams: CopyStreams
+    targets: CopyTargets
+    sources: CopySources
+    fill: CopyFill
 
     def lost(self, volume_id: str) -> bool:
         """True if the volume's copy can never be finished (its source dropped the lease)."""
-        return self.streams.lost(volume_id)
+        return self.fill.lost(volume_id)
 
     def condition(self, volume_id: str) -> tuple[bool, str] | None:
         """(abnormal, message) while the volume is still being made local; None once it is."""
-        status = self.streams.status(volume_id)
+        status = self.fill.status(volume_id)
         if status is None:
             return None
         if status.problem:
@@ -99,9 +100,18 @@ class CrossNodeCopies:
 
 
 class ControllerService(pb_grpc.ControllerServicer):
+    """CSI Controller: create, delete, snapshot, list, expand and modify volumes, on the node that holds them.
+
+    Volumes are node-local, so the controller runs in each node plugin and
+    answers for that node only. Each handler checks the request, calls the
+    domain (`csi_qsd.controller`, and the copy ends for a source on another
+    node) and builds the response; `errors.rpc` turns domain errors into
+    status codes.
+    """
+
     def __init__(
         self, config: Config, volumes: Volumes, snapshots: Snapshots, health: HealthView, limits: VolumeLimits,
-        observers: RpcObservers | None = None, copies: CrossNodeCopies | None = None,
+        observers: RpcObservers | None = None, copies: CopyEnds | None = None,
     ) -> None:
         self.rpc_observers = observers
         self._copies = copies
@@ -153,7 +163,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
             if self._copies is not None and self._config.copies_with_peers and await self._snapshots.get(snapshot_id) is None:
                 _local_only(params.encrypted, f"snapshot {snapshot_id}")
-                record = await self._copies.remote.create(
+                record = await self._copies.targets.create(
                     name, required, limit, params, caps, source=f"snapshot:{snapshot_id}", qos=qos)
             else:
                 record = await self._snapshots.volume_from(
@@ -162,7 +172,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
             if self._copies is not None and self._config.copies_with_peers and await self._volumes.get(volume_id) is None:
                 _local_only(params.encrypted, f"volume {volume_id}")
-                record = await self._copies.remote.create(
+                record = await self._copies.targets.create(
                     name, required, limit, params, caps, source=f"volume:{volume_id}", qos=qos)
             else:
                 record = await self._snapshots.volume_from(
@@ -180,17 +190,17 @@ class ControllerService(pb_grpc.ControllerServicer):
                 await self._delete_copied(request.volume_id, self._copies)
         return pb.DeleteVolumeResponse()
 
-    async def _delete_copied(self, volume_id: str, copies: CrossNodeCopies) -> None:
+    async def _delete_copied(self, volume_id: str, copies: CopyEnds) -> None:
         """DeleteVolume where volumes cross nodes: refused while a copy elsewhere reads it; its own copy stops."""
-        await copies.leases.refuse_volume_delete(volume_id)
-        stopped = await copies.streams.stop(volume_id)
+        await copies.sources.refuse_volume_delete(volume_id)
+        stopped = await copies.fill.stop(volume_id)
         try:
             await self._volumes.delete(volume_id)
         except BaseException:
             if stopped:
-                copies.streams.start(volume_id)
+                copies.fill.start(volume_id)
             raise
-        await copies.remote.release_later(volume_id)
+        await copies.targets.release_later(volume_id)
 
     @rpc
     async def ValidateVolumeCapabilities(

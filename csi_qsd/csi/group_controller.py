@@ -38,6 +38,13 @@ def _group_id(value: str) -> str:
 
 
 class GroupControllerService(pb_grpc.GroupControllerServicer):
+    """CSI GroupController: snapshots of several volumes cut at one instant (VolumeGroupSnapshot).
+
+    Its own service because CSI makes it one (with its own capability); the
+    cut itself is `Snapshots.create_group`', one QMP transaction over every
+    member, so the group is consistent across its volumes.
+    """
+
     def __init__(self, snapshots: Snapshots, observers: RpcObservers | None = None) -> None:
         self.rpc_observers = observers
         self._snapshots = snapshots

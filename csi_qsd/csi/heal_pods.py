@@ -5,7 +5,7 @@ holding the dead mount or device (`csi_qsd.node.cut_off`); kubelet restarts
 a container only when it exits, and the container's process may just keep
 failing. Like other node-local drivers that delete workload pods on an
 unexpected detach, the plugin asks the API server (with its service
-account, `peer_pods.InCluster`) for the pods on this node, decides with
+account, `csi_qsd.transport.kube_api.InCluster`) for the pods on this node, decides with
 `heal_plan.decide`, posts an event on each pod naming the volume and the
 crash, and deletes (with the pod's UID as a precondition, so a pod made
 again under the same name is never hit) those owned by a controller that
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from csi_qsd.csi.heal_plan import EVENT_REASON, Action, Decision, claims_of, decide, pod_target
-from csi_qsd.csi.peer_pods import InCluster
 from csi_qsd.node.cut_off import CutOff
+from csi_qsd.transport.kube_api import InCluster
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ It serves the SnapshotMetadata service, Identity, and of the Controller
 service only GetSnapshot (so the router can ask which node holds a snapshot):
 nothing that changes a volume is reachable from the network. Other node
 plugins reach it too, for the leases of copies across nodes
-(`csi_qsd.csi.peers`: `handlers`), which only serve snapshots read-only.
+(`csi_qsd.transport.copy_peers`: `handlers`), which only serve snapshots read-only.
 Block maps and snapshots are for the router and this node's peers only
 (`RouterAndPeers`): any other certificate of the CA is PERMISSION_DENIED
 there, as on the copy service. Identity answers any. Off unless
@@ -29,10 +29,10 @@ from csi_qsd.config import Config
 from csi_qsd.csi.controller import ControllerService
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.snapshot_metadata import SnapshotMetadataService
-from csi_qsd.csi.tls import ROUTER_NAME, caller_name, server_credentials
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import PermissionDenied, StartupError
+from csi_qsd.transport.tls import ROUTER_NAME, caller_name, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ ROUTER_AND_PEERS_ONLY = ("/csi.v1.SnapshotMetadata/", "/csi.v1.Controller/GetSna
 
 
 class Peers(Protocol):
-    """Who the other node plugins are now (`csi_qsd.csi.peers.PeerList`)."""
+    """Who the other node plugins are now (`csi_qsd.transport.copy_peers.CopyPeerList`)."""
 
     async def current(self) -> dict[str, str]: ...
 

@@ -19,7 +19,7 @@ from csi_qsd.csi.errors import RpcObservers, rpc
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import InvalidArgument, NotFound
-from csi_qsd.node.staging import NodeVolumes, PublishSpec, StageSpec
+from csi_qsd.node.staging import PublishSpec, StageSpec, Staging
 from csi_qsd.params import NODE_STAGE_SECRET, AccessMode, previous_key, unsupported_capability, volume_key
 
 _RPC = pb.NodeServiceCapability.RPC.Type
@@ -31,7 +31,7 @@ CAPABILITIES = (
 
 class NodeService(pb_grpc.NodeServicer):
     def __init__(
-        self, config: Config, node: NodeVolumes, features: dict[str, bool], observers: RpcObservers | None = None,
+        self, config: Config, node: Staging, features: dict[str, bool], observers: RpcObservers | None = None,
     ) -> None:
         self.rpc_observers = observers
         self._config = config

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from csi_qsd.csi.peer_pods import InCluster
 from csi_qsd.errors import Unavailable
+from csi_qsd.transport.kube_api import InCluster
 
 log = logging.getLogger(__name__)
 

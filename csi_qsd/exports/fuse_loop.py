@@ -43,6 +43,16 @@ def export_file(exports_dir: Path, volume_id: str) -> Path:
 
 
 class FuseLoopExport(ExportPath):
+    """Container volumes: QSD's FUSE export of the image, a loop device over it, then a filesystem or the device.
+
+    A container needs a block device or a mount; QSD offers neither, but
+    its FUSE export is a file, and a loop device makes a file a block
+    device. So this kind owns the three layers (export, loop device,
+    filesystem) and their order: up in `bring_up`, down in `tear_down`,
+    which waits for a filesystem to end everywhere before it removes what it
+    writes through.
+    """
+
     kind = ExportKind.FILESYSTEM
 
     def export_file(self, volume_id: str) -> Path:
@@ -62,6 +72,16 @@ class FuseLoopExport(ExportPath):
     async def bring_up(
         self, volume: VolumeRecord, stage: StageRecord, publishes: list[PublishRecord], client: QSDClient,
     ) -> StageRecord:
+        """Make the stage whole: the image open in QSD, its FUSE export, a loop device, the filesystem mounted.
+
+        Idempotent, for a first stage, a retry and the rebuild after QSD
+        died: a fresh export means QSD lost the old one, so the loop device
+        and mounts on it are dead and are dropped first (lazily). The
+        image's zeroes are asked before QSD opens it, so a volume never
+        written gets its filesystem without a probe. Returns the stage with
+        its loop device and filesystem type. Raises FailedPrecondition (a
+        filesystem other than the one asked for), QSDError.
+        """
         top = self.host.top_image(volume)
         export = self.export_file(volume.id)
         # Asked before QSD opens the image: a volume never written needs no probe for a filesystem.

@@ -41,6 +41,14 @@ BACKLOG_POLL_SECONDS = 0.02
 
 
 class VhostUserExport(ExportPath):
+    """VM volumes: QSD serves the image as a vhost-user-blk socket, which QEMU in the pod connects to.
+
+    No loop device, no filesystem, no FUSE: the guest's requests reach QSD
+    through shared memory, the shortest path QSD offers. The socket lives
+    in a directory of its own, published into the pod, whose group lets the
+    VM's user connect and no one else.
+    """
+
     kind = ExportKind.VHOST_USER_BLK
 
     def socket_dir(self, volume_id: str) -> Path:

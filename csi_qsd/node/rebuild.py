@@ -12,7 +12,7 @@ only under the lock: one whose call still runs settles itself.
 
 A staged volume that reads data not yet copied from another node whose copy
 server does not greet cannot be opened (the open would hold QSD's monitor,
-`csi_qsd.controller.copy_leases.LinkCheck`): the rebuild leaves it *stalled*,
+`csi_qsd.controller.copy_targets.CopyLinkCheck`): the rebuild leaves it *stalled*,
 staged without its export, and retries it on its own with a bounded
 back-off (`Backoff`), since kubelet, believing it staged, sends no new
 NodeStageVolume. Each retry asks the source for its greeting without the

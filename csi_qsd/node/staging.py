@@ -57,7 +57,7 @@ from csi_qsd.sys.volume_keys import VolumeKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NodeVolumes", "PublishSpec", "StageSpec", "VolumeStats"]
+__all__ = ["Staging", "PublishSpec", "StageSpec", "VolumeStats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class PublishSpec:
     single_writer: bool = False  # SINGLE_NODE_SINGLE_WRITER: no other target may hold the volume
 
 
-class NodeVolumes:
+class Staging:
     """Stage and publish volumes on this node; the export path of each volume does the work."""
 
     def __init__(

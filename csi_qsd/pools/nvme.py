@@ -25,8 +25,8 @@ import pyudev
 
 from csi_qsd.errors import InvalidArgument
 from csi_qsd.params import ExportKind, VolumeParameters
+from csi_qsd.pool_specs.nvme_address import NvmeAddress
 from csi_qsd.pools.device import DevicePool
-from csi_qsd.pools.nvme_address import NvmeAddress
 from csi_qsd.pools.through_qsd import DevicePoolThroughQSD
 from csi_qsd.qsd.storage import NvmeNamespace
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS
@@ -34,7 +34,7 @@ from csi_qsd.sys.failpoints import Failpoints
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
-    from csi_qsd.pools.spec import DevicePoolSpec
+    from csi_qsd.pool_specs.device import DevicePoolSpec
 
 VFIO_DRIVER = "vfio-pci"
 

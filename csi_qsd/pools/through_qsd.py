@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from csi_qsd.errors import QSDError, StartupError
-from csi_qsd.pools.device import DevicePool, foreign_signatures, read_label, write_label
+from csi_qsd.pools.block_device import foreign_signatures, read_label, write_label
+from csi_qsd.pools.device import DevicePool
 from csi_qsd.qsd import device_io
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import NvmeNamespace, RemoteDevice
@@ -29,7 +30,7 @@ from csi_qsd.sys.failpoints import Failpoints
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
-    from csi_qsd.pools.spec import DevicePoolSpec
+    from csi_qsd.pool_specs.device import DevicePoolSpec
 
 
 class DevicePoolThroughQSD(DevicePool):

@@ -20,10 +20,10 @@ import socket
 
 import grpc
 
-from csi_qsd.csi.tls import RECONNECT_OPTIONS, ReloadingCredentials
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.router.config import RouterConfig
+from csi_qsd.transport.tls import RECONNECT_OPTIONS, ReloadingCredentials
 
 log = logging.getLogger(__name__)
 

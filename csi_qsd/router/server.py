@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from csi_qsd.csi import unix_socket
 from csi_qsd.csi.errors import RpcObservers
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import DriverError
@@ -16,6 +15,7 @@ from csi_qsd.router.config import RouterConfig
 from csi_qsd.router.nodes import NodeDirectory
 from csi_qsd.router.owners import Owners
 from csi_qsd.router.service import RoutedSnapshotMetadata, RouterIdentity
+from csi_qsd.transport import unix_socket
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """qemu-nbd serving one read-only image over TCP with mutual TLS, detached: it outlives the driver.
 
-The source end of a copy across nodes (`csi_qsd.controller.copy_leases`). Like
+The source end of a copy across nodes (`csi_qsd.controller.copy_targets`). Like
 QSD, the server is part of the data plane: a driver that restarts finds it
 by its pid file and leaves it serving, so a copy reading through it never
 notices. One that is gone (the node rebooted, or it was killed) is started

@@ -1,6 +1,6 @@
 """The PEM files of a TLS identity, as configuration: paths to check, read and watch, nothing of gRPC.
 
-Config names them; only `csi_qsd.csi.tls`, which builds gRPC credentials from
+Config names them; only `csi_qsd.transport.tls`, which builds gRPC credentials from
 them, needs gRPC.
 """
 

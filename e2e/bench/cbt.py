@@ -42,8 +42,8 @@ from pathlib import Path
 
 from csi_qsd.backup import incremental
 from csi_qsd.catalog import Catalog
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.config import Config
-from csi_qsd.csi.client import CSIClient
 from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.sys.tools import bundled
 from e2e.bench.fio import Job, fio

@@ -41,7 +41,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.sys.tools import bundled
 from e2e.bench.fio import Job, fio, lay_out
 from e2e.bench.loop_devices import ext4_on, loop_device, loop_mode_of, raw_file

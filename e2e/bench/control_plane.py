@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.sys import loop, mounts
 from csi_qsd.sys.durable import fsync_path
 from e2e.bench.latencies import Summary, measured, timed

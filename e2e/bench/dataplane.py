@@ -41,7 +41,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.bench.fio import Job, fio
 from e2e.bench.loop_devices import ext4_on, loop_device, loop_mode_of, raw_file
 from e2e.bench.report_tables import figure, progress, ratio, table

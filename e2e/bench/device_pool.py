@@ -14,7 +14,7 @@ import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.bench.loop_devices import loop_device
 from e2e.bench.shell import sh
 from e2e.bench.sizes import MIB

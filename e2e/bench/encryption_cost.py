@@ -31,7 +31,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from e2e.bench import blkio_client, scaling
 from e2e.bench.fio import fio, lay_out

@@ -67,7 +67,7 @@ from typing import TypeVar
 
 import grpc
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.publish.vhost_user import SOCKET_NAME
 from csi_qsd.qsd.vhost_greeting import greet
 from csi_qsd.sys import loop, mounts

@@ -65,7 +65,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.sys import mounts
 from e2e.bench import scaling

@@ -27,7 +27,7 @@ import re
 import sys
 import time
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from e2e.bench.process_usage import status_field_kib
 from e2e.bench.report_tables import ms, ratio, table, verdict

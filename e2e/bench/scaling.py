@@ -63,7 +63,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.qsd.shards import place
 from csi_qsd.sys import filesystems, fusectl, mounts

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.bench.staged_volumes import Staged, stage
 from testing.harness import DriverProcess, Sandbox, qsd_pids, sandbox
 

@@ -48,8 +48,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.controller.snapshots import MAX_CHAIN_DEPTH
-from csi_qsd.csi.client import CSIClient
 from csi_qsd.sys.durable import fsync_path
 from e2e.bench.latencies import Summary, timed
 from e2e.bench.loop_devices import write_direct

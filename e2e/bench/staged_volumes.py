@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from testing.harness import Sandbox
 
 

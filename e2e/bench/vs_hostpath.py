@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from e2e.bench.latencies import timed
 from e2e.bench.report_tables import ms, ratio, table, verdict
 from e2e.bench.served_bench import ServedBench, bench_main, rerun_unshared

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from testing import owner, tiers
 from testing.cluster import deploy, examples, outcomes, prebuilt, session
 from testing.cluster.build import Built, build_all, cache_root

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from testing import owner
 from testing.harness import Sandbox
 

@@ -16,7 +16,7 @@ import os
 import struct
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.qcow2 import extents
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run

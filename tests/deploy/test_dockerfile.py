@@ -199,7 +199,7 @@ def test_dockerignore_excludes_local_state() -> None:
 
 def test_dockerignore_keeps_what_pip_install_needs() -> None:
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    needed = ["pyproject.toml", "csi_qsd/__init__.py", "csi_qsd/cli.py"]
+    needed = ["pyproject.toml", "csi_qsd/__init__.py", "csi_qsd/cli/__init__.py"]
     readme = pyproject["project"].get("readme")
     if isinstance(readme, str):
         needed.append(readme)

@@ -14,7 +14,7 @@ from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.controller.volumes import Volumes
 from csi_qsd.exports.base import ExportHost
 from csi_qsd.node.rebuild import Backoff
-from csi_qsd.node.staging import NodeVolumes
+from csi_qsd.node.staging import Staging
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qsd.shards import QSDShards
 from csi_qsd.server import placed
@@ -39,7 +39,7 @@ class FakeNode:
     daemons: list[FakeDaemon]
     kind: FakeExport
     volumes: Volumes
-    node: NodeVolumes
+    node: Staging
     snapshots: Snapshots
 
     def client(self, shard: int = 0) -> FakeQSDClient:
@@ -66,7 +66,7 @@ async def fake_node(
 ) -> AsyncIterator[FakeNode]:
     """A node under `root`, assembled as `csi_qsd.server.running_driver` does; the same `root`, `daemons`
     and `state` again are the same node after a driver restart (QSD and the host kept what they had).
-    `before_open` stands for the check of copy sources (`LinkCheck`), `retry` paces stalled volumes' retries."""
+    `before_open` stands for the check of copy sources (`CopyLinkCheck`), `retry` paces stalled volumes' retries."""
     daemons = daemons if daemons is not None else [FakeDaemon() for _ in range(shards)]
     async with Catalog(root / "catalog.db") as catalog:
         pool = FakePool(root / "pool")
@@ -83,7 +83,7 @@ async def fake_node(
         kind = FakeExport(host, state, commits_before_switch=commits_before_switch)
         exports = FakeExportPaths(host, kind)
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints)
-        node = NodeVolumes(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later,
+        node = Staging(catalog, pool, exports, locks, failpoints, on_unstaged=snapshots.flatten_later,
                            retry=retry)
         await snapshots.reconcile()
         try:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.server import Driver
 from testing.harness import DriverProcess, Sandbox, in_process_driver, running_driver, sandbox
 from testing.helpers.nvme_pools import FakeNVMe

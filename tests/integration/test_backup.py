@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
 from testing.harness import Sandbox

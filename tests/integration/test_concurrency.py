@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.sys import mounts
 from testing.harness import Sandbox, qsd_pid, running_driver, until, wait_new_qsd, write_synced
 

@@ -26,7 +26,7 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from csi_qsd.csi.client import CSIClient, capability
+from csi_qsd.cli.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from testing.harness import Sandbox
 

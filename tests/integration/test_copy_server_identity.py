@@ -17,11 +17,11 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.x509.oid import NameOID, ObjectIdentifier
 
-from csi_qsd.csi.tls import PemFiles
 from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import nbd_tcp, x509_name
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
+from csi_qsd.transport.tls import PemFiles
 from testing.certs import Pki, crafted_intruder, mint
 from testing.harness import free_port
 from testing.helpers.nbd_tls import nbd_info

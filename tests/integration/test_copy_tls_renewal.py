@@ -2,7 +2,7 @@
 
 QEMU reads a `tls-creds-x509` object's files once. The node's files are
 replaced in place (kubelet swapping a renewed Secret); the next copy loads
-them again (`CopyStreams.prepare`), and the NBD link it opens presents the
+them again (`CopyFill.prepare`), and the NBD link it opens presents the
 renewed certificate. Here the source (a real qemu-nbd, as a copy's source
 serves it) trusts only the new CA, so the link goes from refused to open;
 before the reload existed, QSD kept presenting the old certificate.
@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Peers, nbd_backing
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
+from csi_qsd.copy_terms import PEER_TLS_OBJECT, CopyPeers, CopySettings, nbd_backing
 from csi_qsd.errors import QSDError
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.server import Driver
 from csi_qsd.sys import nbd_tcp
@@ -82,7 +82,7 @@ async def test_the_next_copy_presents_the_renewed_certificate(
     address = f"127.0.0.1:{port}"
     await nbd_tcp.start(bundled("qemu-nbd"), str(image), host="127.0.0.1", port=port, export="copy",
                         tls=server_tls, pid_file=pid_file, admit=nbd_tcp.plain_subject("node-b"))
-    streams = CopyStreams(cast(Catalog, None), cast(ExportPaths, None), KeyedLocks("volume"), cast(Peers, None),
+    streams = CopyFill(cast(Catalog, None), cast(ExportPaths, None), KeyedLocks("volume"), cast(CopyPeers, None),
                           CopySettings(state_dir=tmp_path / "state", tls=(cert, key, ca), runtime_dir=tmp_path / "run"))
     try:
         await streams.prepare(client)

@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.node.cut_off import REBUILT
 from csi_qsd.sys import mounts
 from testing.harness import DriverProcess, Sandbox, qsd_pid, until, wait_new_qsd, wait_restored, write_synced

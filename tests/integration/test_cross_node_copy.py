@@ -28,10 +28,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.tls import ROUTER_NAME, PemFiles
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
+from csi_qsd.transport.tls import ROUTER_NAME, PemFiles
 from testing.certs import Pki, crafted_intruder, mint
 from testing.harness import Sandbox, free_port, qsd_pids, until
 from testing.helpers.cli_process import csi_qsd

@@ -17,7 +17,7 @@ import subprocess
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ImageFormat

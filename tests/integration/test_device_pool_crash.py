@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from testing.harness import DriverProcess, Sandbox, until
 from testing.helpers.nvme_pools import PATTERN, FakeNVMe, extent_rows, free, write_block

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from testing.harness import DriverProcess, Sandbox, until
 from testing.helpers.nvme_pools import PATTERN, FakeNVMe, extent_rows, free
 from testing.helpers.writers import Writer, fs_bytes

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.publish import vhost_user
 from csi_qsd.sys import mounts
 from csi_qsd.sys.tools import bundled

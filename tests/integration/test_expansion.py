@@ -7,7 +7,7 @@ import os
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import features
 from csi_qsd.server import Driver

@@ -12,7 +12,7 @@ import os
 import signal
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from testing.harness import DriverProcess, Sandbox, qsd_pid, until, wait_restored, write_synced
 from testing.helpers.cli_process import start_qsd_container
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.sys import loop, mounts
 from testing.harness import DriverProcess, Sandbox, until
 

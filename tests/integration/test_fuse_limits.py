@@ -11,7 +11,7 @@ import os
 import signal
 from pathlib import Path
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.exports.fuse_loop import export_file
 from csi_qsd.server import Driver
 from csi_qsd.sys import fusectl

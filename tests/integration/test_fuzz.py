@@ -41,7 +41,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from csi_qsd.csi.client import capability
+from csi_qsd.cli.client import capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.sys import mounts

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run

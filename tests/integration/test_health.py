@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qsd import graph
 from csi_qsd.server import Driver

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient, capability
+from csi_qsd.cli.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.pools.base import Pool
 from csi_qsd.server import Driver

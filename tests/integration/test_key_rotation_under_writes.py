@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.pools.files import FilePool
 from csi_qsd.sys.tools import bundled
 from csi_qsd.sys.volume_keys import VolumeKey

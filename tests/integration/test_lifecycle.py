@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts
 from testing.harness import Sandbox, until, write_synced

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.sys import filesystems, loop, mounts
 from testing.harness import (
     DriverProcess,

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from testing.harness import DriverProcess, Sandbox, free_port, qsd_pid, running_driver, until
 from testing.helpers.metrics_scrape import Scrape, scrape
 

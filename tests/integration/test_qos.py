@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient, capability
+from csi_qsd.cli.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.params import QoS
 from csi_qsd.qsd import graph

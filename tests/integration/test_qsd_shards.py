@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.errors import StartupError
 from csi_qsd.metrics import Metrics
 from csi_qsd.params import NAMESPACE_KEY

@@ -28,11 +28,11 @@ from typing import Any
 
 import pytest
 
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.config import parse_remote_pool
-from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import StartupError
-from csi_qsd.pools.device import LABEL_MAGIC
+from csi_qsd.pools.block_device import LABEL_MAGIC
 from csi_qsd.pools.remote import RemotePool
 from csi_qsd.qsd import features
 from csi_qsd.qsd.storage import FAIL_AFTER_SECONDS

@@ -20,7 +20,7 @@ import sys
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.qcow2 import extents, imagemap
 from csi_qsd.server import Driver

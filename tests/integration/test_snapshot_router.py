@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
-from csi_qsd.csi.tls import PemFiles, channel_credentials
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.router.config import DEFAULT_SERVER_NAME
+from csi_qsd.transport.tls import PemFiles, channel_credentials
 from testing.certs import Pki, mint
 from testing.harness import until
 from testing.router_cluster import Node, Router, node_plugin

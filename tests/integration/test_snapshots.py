@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from csi_qsd.catalog import VolumeRecord
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.controller import chains
 from csi_qsd.controller.snapshots import MAX_CHAIN_DEPTH
-from csi_qsd.csi.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from testing.harness import DriverProcess, Sandbox, until, write_synced

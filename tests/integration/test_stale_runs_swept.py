@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 KILLED_RUN = """
 import asyncio, sys
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from testing import owner
 from testing.harness import Sandbox, DriverProcess
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.exports import fuse_loop
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts

@@ -25,7 +25,7 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from csi_qsd.csi.client import CSIClient, capability
+from csi_qsd.cli.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.server import Driver
 from csi_qsd.sys import mounts

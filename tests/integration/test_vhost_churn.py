@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.qsd import features
 from csi_qsd.server import Driver, serving
 from csi_qsd.sys.tools import bundled

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.errors import FailedPrecondition
 from csi_qsd.exports.vhost_user import VhostUserExport
 from csi_qsd.publish import vhost_user

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.csi.client import CSIClient
+from csi_qsd.cli.client import CSIClient
 from csi_qsd.errors import QSDError
 from csi_qsd.qsd.daemon import QSDState, ping_interval, process_state, running_pid
 from csi_qsd.server import Driver

@@ -27,7 +27,7 @@ from csi_qsd.catalog import (
     StageState,
     VolumeState,
 )
-from csi_qsd.catalog import store as catalog_store
+from csi_qsd.catalog import connection as catalog_store
 from csi_qsd.errors import StartupError, Unavailable
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
 from tests.fakes.sample_records import volume

@@ -84,7 +84,7 @@ def test_a_command_that_fails_prints_one_line_and_exits_1(capsys: pytest.Capture
     def refused() -> int:
         raise FailedPrecondition("the catalog records 1 staged volume(s)")
 
-    assert cli._for_a_person(refused) == 1
+    assert cli.for_a_person(refused) == 1
     captured = capsys.readouterr()
     assert captured.err == "error: FAILED_PRECONDITION: the catalog records 1 staged volume(s)\n"
     assert captured.out == ""

@@ -20,10 +20,10 @@ import pytest
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord, VolumeState
 from csi_qsd.cli import build_parser
 from csi_qsd.config import Config
-from csi_qsd.controller.copy_leases import LinkCheck, RemoteCopies, SourceLeases, parse_source
-from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Lease, Peers, nbd_backing
-from csi_qsd.csi.peers import SERVICE, PeerNodes, StaticPeers, checked_lease, copies_handler
-from csi_qsd.csi.tls import ROUTER_NAME, PemFiles, server_credentials
+from csi_qsd.controller.copy_sources import CopySources
+from csi_qsd.controller.copy_targets import CopyLinkCheck, CopyTargets
+from csi_qsd.copy_terms import PEER_TLS_OBJECT, CopyLease, CopyPeers, CopySettings, nbd_backing, parse_source
+from csi_qsd.csi.copy_service import copy_handler
 from csi_qsd.errors import (
     Aborted,
     FailedPrecondition,
@@ -35,11 +35,13 @@ from csi_qsd.errors import (
     Unavailable,
 )
 from csi_qsd.exports.registry import ExportPaths
-from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.locks import KeyedLocks
+from csi_qsd.transport.copy_peers import SERVICE, CopyPeerNodes, StaticCopyPeers, checked_lease
+from csi_qsd.transport.tls import ROUTER_NAME, PemFiles, server_credentials
 from testing.certs import Pki, mint
 from testing.router_cluster import copies_call
 from tests.fakes import FakeNode, fake_node
@@ -185,7 +187,7 @@ async def test_a_volume_whose_link_does_not_greet_is_unavailable_naming_the_node
                               params=VolumeParameters(), image=top, state=VolumeState.READY, pool="default",
                               created_at=1.0)
         async with Catalog(tmp_path / "catalog.db") as catalog:
-            check = LinkCheck(catalog, timeout=0.3)
+            check = CopyLinkCheck(catalog, timeout=0.3)
             await check(volume)  # no copy under way: not even the headers are read
             await catalog.put_copy(CopyRecord(
                 volume_id=volume.id, role=CopyRole.TARGET, node="node-a", source="snapshot:snap-" + "0" * 24,
@@ -201,17 +203,17 @@ async def test_a_volume_whose_link_does_not_greet_is_unavailable_naming_the_node
 
 
 @pytest.fixture
-async def source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeNode, SourceLeases]]:
-    async def serving(self: SourceLeases, record: CopyRecord, subject: str) -> CopyRecord:
+async def source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeNode, CopySources]]:
+    async def serving(self: CopySources, record: CopyRecord, subject: str) -> CopyRecord:
         return record  # no qemu-nbd: what is under test is the catalog and the locks
 
-    monkeypatch.setattr(SourceLeases, "_serve", serving)
+    monkeypatch.setattr(CopySources, "_serve", serving)
     for name in ("cert", "key", "ca"):
         (tmp_path / name).write_text(name)
     async with fake_node(tmp_path) as node:
         settings = CopySettings(state_dir=tmp_path / "state", tls=(tmp_path / "cert", tmp_path / "key", tmp_path / "ca"),
                                 ports=range(40000, 40100))
-        leases = SourceLeases(node.catalog, node.snapshots, settings, node.volumes._volume_locks)
+        leases = CopySources(node.catalog, node.snapshots, settings, node.volumes._volume_locks)
         node.snapshots.before_delete = leases.refuse_snapshot_delete
         node.volumes.before_delete = leases.refuse_volume_delete
         yield node, leases
@@ -227,7 +229,7 @@ async def _refused_for_the_copy(delete: Awaitable[None]) -> None:
     assert COPY in str(refused.value) and "node-b" in str(refused.value)
 
 
-async def test_a_leased_snapshot_is_not_deleted(source: tuple[FakeNode, SourceLeases]) -> None:
+async def test_a_leased_snapshot_is_not_deleted(source: tuple[FakeNode, CopySources]) -> None:
     node, leases = source
     volume = await node.new_volume()
     snapshot = await node.snapshots.create("snap", volume.id)
@@ -239,7 +241,7 @@ async def test_a_leased_snapshot_is_not_deleted(source: tuple[FakeNode, SourceLe
 
 
 async def test_a_lease_and_a_delete_at_the_same_moment_never_both_pass(
-        source: tuple[FakeNode, SourceLeases], monkeypatch: pytest.MonkeyPatch) -> None:
+        source: tuple[FakeNode, CopySources], monkeypatch: pytest.MonkeyPatch) -> None:
     node, leases = source
     volume = await node.new_volume()
     snapshot = await node.snapshots.create("snap", volume.id)
@@ -264,7 +266,7 @@ async def test_a_lease_and_a_delete_at_the_same_moment_never_both_pass(
     assert await node.catalog.copies(CopyRole.SOURCE) == []
 
 
-async def test_a_cloned_volume_is_not_deleted(source: tuple[FakeNode, SourceLeases]) -> None:
+async def test_a_cloned_volume_is_not_deleted(source: tuple[FakeNode, CopySources]) -> None:
     node, leases = source
     volume = await node.new_volume()
     await leases.lease(COPY, "node-b", f"volume:{volume.id}")
@@ -281,7 +283,7 @@ async def test_a_cloned_volume_is_not_deleted(source: tuple[FakeNode, SourceLeas
 
 
 async def test_a_group_snapshot_whose_member_a_copy_reads_is_not_deleted(
-        source: tuple[FakeNode, SourceLeases]) -> None:
+        source: tuple[FakeNode, CopySources]) -> None:
     node, leases = source
     first, second = await node.new_volume("pvc-1"), await node.new_volume("pvc-2")
     group = await node.snapshots.create_group("group", [first.id, second.id])
@@ -296,7 +298,7 @@ async def test_a_group_snapshot_whose_member_a_copy_reads_is_not_deleted(
 # Who may lease: each node for itself --------------------------------------------------------------------
 
 
-async def test_a_lease_belongs_to_the_node_it_was_granted_to(source: tuple[FakeNode, SourceLeases]) -> None:
+async def test_a_lease_belongs_to_the_node_it_was_granted_to(source: tuple[FakeNode, CopySources]) -> None:
     node, leases = source
     volume = await node.new_volume()
     snapshot = await node.snapshots.create("snap", volume.id)
@@ -312,17 +314,17 @@ async def test_a_lease_belongs_to_the_node_it_was_granted_to(source: tuple[FakeN
 
 
 async def test_a_lease_is_served_to_the_subject_its_node_asked_with_across_restarts(
-        source: tuple[FakeNode, SourceLeases], monkeypatch: pytest.MonkeyPatch) -> None:
+        source: tuple[FakeNode, CopySources], monkeypatch: pytest.MonkeyPatch) -> None:
     """The copy server lets in the subject of the certificate the lease's node presented; a driver that starts
     again serves it to that same subject (kept beside the pid file), and the next Lease replaces it."""
     node, leases = source
     served: list[str] = []
 
-    async def serving(self: SourceLeases, record: CopyRecord, subject: str) -> CopyRecord:
+    async def serving(self: CopySources, record: CopyRecord, subject: str) -> CopyRecord:
         served.append(subject)
         return record
 
-    monkeypatch.setattr(SourceLeases, "_serve", serving)
+    monkeypatch.setattr(CopySources, "_serve", serving)
     snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
     await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}", "C=US,O=SPIRE,CN=node-b,2.5.4.45=#0c0161")
     await leases.reconcile()
@@ -341,15 +343,15 @@ def test_the_nbd_server_admits_one_exact_subject() -> None:
 
 
 async def test_the_copy_service_answers_each_peer_for_itself_only(
-        source: tuple[FakeNode, SourceLeases], tmp_path: Path) -> None:
+        source: tuple[FakeNode, CopySources], tmp_path: Path) -> None:
     """Node A's copy service over mutual TLS: B leases for itself; C (a peer, same CA) may not lease or release
     B's copy, nor lease for B; the router's certificate and one naming no peer are refused altogether."""
     node, leases = source
     snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
     pki = mint(tmp_path / "pki")
     server = grpc.aio.server()
-    known = StaticPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
-    server.add_generic_rpc_handlers((copies_handler(leases, known),))
+    known = StaticCopyPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
+    server.add_generic_rpc_handlers((copy_handler(leases, known),))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
     await server.start()
     try:
@@ -383,12 +385,12 @@ def _copy(n: int) -> str:
     return f"vol-0123456789abcdef0123{n:04x}"
 
 
-async def test_one_node_holds_at_most_its_share_of_leases(source: tuple[FakeNode, SourceLeases]) -> None:
+async def test_one_node_holds_at_most_its_share_of_leases(source: tuple[FakeNode, CopySources]) -> None:
     """Node B (or a thief with B's certificate) may not take every copy port: beyond --copy-leases-per-node it is
     RESOURCE_EXHAUSTED naming the limit and B, also when it asks many at once; C is served; a renewal of a
     lease B holds is never refused, and B gets another once it gives one back."""
     node, leases = source
-    limited = SourceLeases(node.catalog, node.snapshots, dataclasses.replace(leases._settings, leases_per_node=2),
+    limited = CopySources(node.catalog, node.snapshots, dataclasses.replace(leases._settings, leases_per_node=2),
                            node.volumes._volume_locks)
     snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
     source_name = f"snapshot:{snapshot.id}"
@@ -417,7 +419,7 @@ def test_the_default_share_is_half_of_the_copy_ports(tmp_path: Path) -> None:
 
 
 async def test_one_node_has_at_most_its_share_of_calls_in_flight(
-        source: tuple[FakeNode, SourceLeases], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        source: tuple[FakeNode, CopySources], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While node B has --copy-calls-per-node calls in flight, its next call is RESOURCE_EXHAUSTED naming the limit
     and B; node C is answered meanwhile, and B may call again once its call answered."""
     node, leases = source
@@ -425,7 +427,7 @@ async def test_one_node_has_at_most_its_share_of_calls_in_flight(
     entered, go_on = asyncio.Event(), asyncio.Event()
     granting = leases.lease
 
-    async def slow(copy_volume_id: str, asking: str, source_name: str, subject: str = "") -> Lease:
+    async def slow(copy_volume_id: str, asking: str, source_name: str, subject: str = "") -> CopyLease:
         if asking == "node-b":
             entered.set()
             await go_on.wait()
@@ -434,8 +436,8 @@ async def test_one_node_has_at_most_its_share_of_calls_in_flight(
     monkeypatch.setattr(leases, "lease", slow)
     pki = mint(tmp_path / "pki")
     server = grpc.aio.server()
-    known = StaticPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
-    server.add_generic_rpc_handlers((copies_handler(leases, known, calls_per_node=1),))
+    known = StaticCopyPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
+    server.add_generic_rpc_handlers((copy_handler(leases, known, calls_per_node=1),))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
     await server.start()
     try:
@@ -464,7 +466,7 @@ async def test_a_node_dials_a_peer_only_if_its_certificate_names_that_peer(tmp_p
     server = grpc.aio.server()
     port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-c")))
     await server.start()
-    peers = PeerNodes(StaticPeers((("node-a", f"127.0.0.1:{port}"),)), pki.for_node("node-b"), "node-b", timeout=5)
+    peers = CopyPeerNodes(StaticCopyPeers((("node-a", f"127.0.0.1:{port}"),)), pki.for_node("node-b"), "node-b", timeout=5)
     try:
         with pytest.raises(Unavailable, match="node-a"):
             await peers.lease("snapshot:snap-" + "0" * 24, COPY)
@@ -512,7 +514,7 @@ def test_a_peers_lease_on_its_own_host_is_taken() -> None:
 
 async def test_a_node_named_in_its_own_peer_list_never_asks_itself(tmp_path: Path) -> None:
     """One list of peers (the ConfigMap csi-qsd-peers) serves every node, each finding itself in it."""
-    peers = PeerNodes(StaticPeers((("node-b", "10.0.0.2:9811"),)), None, "node-b")
+    peers = CopyPeerNodes(StaticCopyPeers((("node-b", "10.0.0.2:9811"),)), None, "node-b")
     with pytest.raises(NotFound, match="no other node is known"):
         await peers.lease("snapshot:snap-" + "1" * 24, COPY)
 
@@ -533,7 +535,7 @@ async def test_a_peer_that_answers_a_lease_pointing_elsewhere_is_not_followed(tm
     server.add_generic_rpc_handlers((handler,))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(pki.for_node("node-a")))
     await server.start()
-    peers = PeerNodes(StaticPeers((("node-a", f"127.0.0.1:{port}"),)), pki.for_node("node-b"), "node-b", timeout=5)
+    peers = CopyPeerNodes(StaticCopyPeers((("node-a", f"127.0.0.1:{port}"),)), pki.for_node("node-b"), "node-b", timeout=5)
     try:
         for says in ("192.0.2.77:10900 is not on the peer's host", "not the copy's own"):
             with pytest.raises(Unavailable, match="refused its answer") as err:
@@ -548,7 +550,7 @@ async def test_a_peer_that_answers_a_lease_pointing_elsewhere_is_not_followed(tm
 
 
 async def test_a_flatten_keeps_the_hidden_snapshot_a_clone_on_another_node_reads(
-        source: tuple[FakeNode, SourceLeases]) -> None:
+        source: tuple[FakeNode, CopySources]) -> None:
     """The hidden cut a clone elsewhere reads is no dependant of any image once a newer snapshot is flattened,
     yet its lease keeps it (image and row) until the lease goes; then it is reclaimed."""
     node, leases = source
@@ -565,14 +567,14 @@ async def test_a_flatten_keeps_the_hidden_snapshot_a_clone_on_another_node_reads
 
 
 async def test_a_clone_lease_without_a_free_port_cuts_nothing(
-        source: tuple[FakeNode, SourceLeases], monkeypatch: pytest.MonkeyPatch) -> None:
+        source: tuple[FakeNode, CopySources], monkeypatch: pytest.MonkeyPatch) -> None:
     node, leases = source
     volume = await node.new_volume()
 
-    async def no_port(self: SourceLeases, copy_volume_id: str) -> int:
+    async def no_port(self: CopySources, copy_volume_id: str) -> int:
         raise ResourceExhausted("every copy port of this node is in use")
 
-    monkeypatch.setattr(SourceLeases, "_free_port", no_port)
+    monkeypatch.setattr(CopySources, "_free_port", no_port)
     for attempt in range(3):
         with pytest.raises(ResourceExhausted):
             await leases.lease(f"{COPY[:-1]}{attempt}", "node-b", f"volume:{volume.id}")
@@ -581,7 +583,7 @@ async def test_a_clone_lease_without_a_free_port_cuts_nothing(
 
 
 async def test_a_clone_lease_that_fails_after_its_cut_is_retried_on_the_same_cut(
-        source: tuple[FakeNode, SourceLeases], monkeypatch: pytest.MonkeyPatch) -> None:
+        source: tuple[FakeNode, CopySources], monkeypatch: pytest.MonkeyPatch) -> None:
     """The lease's row cannot be written (a catalog error, or the caller gave up): nothing is leased, the cut
     stays only as a layer of the volume, and the target's retry (same copy ID) leases that cut, adding none."""
     node, leases = source
@@ -609,7 +611,7 @@ class _RefusingPeers:
     def __init__(self) -> None:
         self.asked: list[str] = []
 
-    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> CopyLease:
         self.asked.append(copy_volume_id)
         raise Unavailable("node-a: UNAVAILABLE")
 
@@ -623,7 +625,7 @@ async def test_a_retried_copy_asks_for_the_same_copy(tmp_path: Path) -> None:
     async with fake_node(tmp_path) as node:
         peers = _RefusingPeers()
         settings = CopySettings(state_dir=tmp_path / "state", tls=(tmp_path / "c", tmp_path / "k", tmp_path / "ca"))
-        remote = RemoteCopies(node.catalog, node.pool, peers, settings, node.volumes.name_locks)
+        remote = CopyTargets(node.catalog, node.pool, peers, settings, node.volumes.name_locks)
         source = "volume:vol-" + "1" * 24
         for name in ("pvc-1", "pvc-1", "pvc-1", "pvc-2"):
             with pytest.raises(Unavailable):
@@ -639,7 +641,7 @@ class _HeldPeers(_RefusingPeers):
         super().__init__()
         self.asking, self.go = asyncio.Event(), asyncio.Event()
 
-    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> CopyLease:
         self.asking.set()
         await self.go.wait()
         return await super().lease(source, copy_volume_id)
@@ -651,7 +653,7 @@ async def test_a_name_has_one_lock_whether_its_volume_comes_from_this_node_or_an
     async with fake_node(tmp_path) as node:
         peers = _HeldPeers()
         settings = CopySettings(state_dir=tmp_path / "state", tls=(tmp_path / "c", tmp_path / "k", tmp_path / "ca"))
-        remote = RemoteCopies(node.catalog, node.pool, peers, settings, node.volumes.name_locks)
+        remote = CopyTargets(node.catalog, node.pool, peers, settings, node.volumes.name_locks)
         copying = asyncio.create_task(remote.create("pvc-1", 1 << 26, 0, VolumeParameters(), [],
                                                     source="snapshot:snap-" + "1" * 24))
         await peers.asking.wait()
@@ -675,11 +677,11 @@ class _Clock:
 
 
 async def test_a_lease_its_copy_stops_asking_for_expires_and_frees_its_snapshot(
-        source: tuple[FakeNode, SourceLeases]) -> None:
+        source: tuple[FakeNode, CopySources]) -> None:
     node, served = source
     clock = _Clock()
     settings = dataclasses.replace(served._settings, lease_ttl=60.0)
-    leases = SourceLeases(node.catalog, node.snapshots, settings, node.volumes._volume_locks, clock=clock)
+    leases = CopySources(node.catalog, node.snapshots, settings, node.volumes._volume_locks, clock=clock)
     node.snapshots.before_delete = leases.refuse_snapshot_delete
     snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
     assert (await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")).ttl == 60.0
@@ -696,7 +698,7 @@ async def test_a_lease_its_copy_stops_asking_for_expires_and_frees_its_snapshot(
     await node.snapshots.delete(snapshot.id)
 
 
-async def test_an_operator_drops_a_lease(source: tuple[FakeNode, SourceLeases]) -> None:
+async def test_an_operator_drops_a_lease(source: tuple[FakeNode, CopySources]) -> None:
     node, leases = source
     volume = await node.new_volume()
     await leases.lease(COPY, "node-b", f"volume:{volume.id}")
@@ -727,10 +729,10 @@ class _ServingPeers(_RefusingPeers):
         self.released: list[str] = []
         self.released_on: list[str] = []
 
-    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> CopyLease:
         self.asked.append(copy_volume_id)
         self.asked_of.append(node)
-        return Lease(self.answering, self.snapshot_id, "127.0.0.1:1", copy_volume_id, 1 << 26, 60.0)
+        return CopyLease(self.answering, self.snapshot_id, "127.0.0.1:1", copy_volume_id, 1 << 26, 60.0)
 
     async def release(self, node: str, copy_volume_id: str) -> None:
         self.released.append(copy_volume_id)
@@ -743,8 +745,8 @@ def _streaming(source: str) -> CopyRecord:
                       created_at=1.0, snapshot_id="snap-" + "0" * 24)
 
 
-def _streams(catalog: Catalog, peers: Peers, tmp_path: Path) -> CopyStreams:
-    return CopyStreams(catalog, cast(ExportPaths, None), KeyedLocks("volume"), peers, CopySettings(state_dir=tmp_path))
+def _streams(catalog: Catalog, peers: CopyPeers, tmp_path: Path) -> CopyFill:
+    return CopyFill(catalog, cast(ExportPaths, None), KeyedLocks("volume"), peers, CopySettings(state_dir=tmp_path))
 
 
 async def test_a_copy_whose_source_now_serves_another_snapshot_is_lost_not_mixed(tmp_path: Path) -> None:
@@ -805,7 +807,7 @@ async def test_two_peers_granting_one_source_is_refused_and_a_renewal_asks_one(t
     (a, port_a), (c, port_c) = _granting_peer(pki, "node-a", asked), _granting_peer(pki, "node-c", asked)
     await a.start()
     await c.start()
-    peers = PeerNodes(StaticPeers((("node-a", f"127.0.0.1:{port_a}"), ("node-c", f"127.0.0.1:{port_c}"))),
+    peers = CopyPeerNodes(StaticCopyPeers((("node-a", f"127.0.0.1:{port_a}"), ("node-c", f"127.0.0.1:{port_c}"))),
                       pki.for_node("node-b"), "node-b", timeout=5)
     source = "snapshot:snap-" + "1" * 24
     try:
@@ -824,7 +826,7 @@ async def test_two_peers_granting_one_source_is_refused_and_a_renewal_asks_one(t
 
 
 class _NoSource(_RefusingPeers):
-    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> CopyLease:
         raise NotFound(f"{source} does not exist on this node nor on any of the 1 others")
 
 
@@ -841,7 +843,7 @@ def test_a_server_older_than_its_certificate_files_is_known(tmp_path: Path) -> N
 
 
 async def test_a_node_presents_its_renewed_certificate_to_peers_without_a_restart(
-        source: tuple[FakeNode, SourceLeases], tmp_path: Path) -> None:
+        source: tuple[FakeNode, CopySources], tmp_path: Path) -> None:
     """Node B's files replaced in place (kubelet swapping a renewed Secret): its next call to a peer presents the
     new certificate; here the peer trusts only the new CA, so B goes from refused to answered."""
     _, leases = source
@@ -853,10 +855,10 @@ async def test_a_node_presents_its_renewed_certificate_to_peers_without_a_restar
     for source_file, target in zip((b_old.cert, b_old.key, new.cluster.ca_path), (files.cert, files.key, files.ca)):
         shutil.copyfile(source_file, target)
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((copies_handler(leases, StaticPeers((("node-b", "127.0.0.1:1"),))),))
+    server.add_generic_rpc_handlers((copy_handler(leases, StaticCopyPeers((("node-b", "127.0.0.1:1"),))),))
     port = server.add_secure_port("127.0.0.1:0", server_credentials(new.for_node("node-a")))
     await server.start()
-    peers = PeerNodes(StaticPeers((("node-a", f"127.0.0.1:{port}"),)), files, "node-b", timeout=5)
+    peers = CopyPeerNodes(StaticCopyPeers((("node-a", f"127.0.0.1:{port}"),)), files, "node-b", timeout=5)
     try:
         with pytest.raises(Unavailable, match="node-a"):  # A does not trust the old CA
             await peers.lease("snapshot:snap-" + "0" * 24, COPY)
@@ -904,7 +906,7 @@ async def test_the_peer_list_is_read_again_for_each_copy(tmp_path: Path) -> None
     """No peer yet: NotFound naming where peers come from; then the new entry is the one dialled."""
     pki = mint(tmp_path / "pki")
     changing = _ChangingPeers()
-    peers = PeerNodes(changing, pki.for_node("node-b"), "node-b", timeout=2)
+    peers = CopyPeerNodes(changing, pki.for_node("node-b"), "node-b", timeout=2)
     try:
         with pytest.raises(NotFound, match=r"no other node is known \(--peers-from-pods app=x\)"):
             await peers.lease("snapshot:snap-" + "1" * 24, COPY)
@@ -918,13 +920,13 @@ async def test_the_peer_list_is_read_again_for_each_copy(tmp_path: Path) -> None
         await peers.close()
 
 
-async def test_a_dropped_lease_stays_dropped_past_any_ttl_until_lifted(source: tuple[FakeNode, SourceLeases]) -> None:
+async def test_a_dropped_lease_stays_dropped_past_any_ttl_until_lifted(source: tuple[FakeNode, CopySources]) -> None:
     """The drop is not forgotten after a TTL: the copy's node, back days later, is still refused; the operator's
     lift (`csi-qsd volume lift-lease`) lets it lease the copy again."""
     node, served = source
     clock = _Clock()
     settings = dataclasses.replace(served._settings, lease_ttl=8.0)
-    leases = SourceLeases(node.catalog, node.snapshots, settings, node.volumes._volume_locks, clock=clock)
+    leases = CopySources(node.catalog, node.snapshots, settings, node.volumes._volume_locks, clock=clock)
     snapshot = await node.snapshots.create("snap", (await node.new_volume()).id)
     await leases.lease(COPY, "node-b", f"snapshot:{snapshot.id}")
     with pytest.raises(NotFound, match=COPY):  # nothing to lift before a drop

@@ -11,9 +11,9 @@ from typing import Any, cast
 
 import pytest
 
-from csi_qsd.copy_link import CopySettings
+from csi_qsd.copy_terms import CopySettings
 from csi_qsd.errors import Unavailable
-from csi_qsd.node.copy_streams import CopyStreams
+from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.qsd.client import QSDClient
 
 
@@ -24,12 +24,12 @@ class _NoQSD:
         raise AssertionError("prepare spoke to QSD without the TLS files")
 
 
-def _streams(tmp_path: Path) -> CopyStreams:
+def _streams(tmp_path: Path) -> CopyFill:
     tls_dir = tmp_path / "metadata-tls"  # the optional Secret's mount point, still empty
     tls_dir.mkdir()
     settings = CopySettings(state_dir=tmp_path / "state",
                             tls=(tls_dir / "tls.crt", tls_dir / "tls.key", tls_dir / "ca.crt"))
-    return CopyStreams(cast(Any, None), cast(Any, None), cast(Any, None), cast(Any, None), settings)
+    return CopyFill(cast(Any, None), cast(Any, None), cast(Any, None), cast(Any, None), settings)
 
 
 async def test_qsd_start_goes_on_without_the_tls_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -20,10 +20,10 @@ import pytest
 from csi_qsd.config import Config
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.metadata_listener import serving_metadata_listener
-from csi_qsd.csi.peers import StaticPeers
-from csi_qsd.csi.tls import ROUTER_NAME, PemFiles, channel_credentials, identity
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.transport.copy_peers import StaticCopyPeers
+from csi_qsd.transport.tls import ROUTER_NAME, PemFiles, channel_credentials, identity
 from testing.certs import Pki, mint
 from testing.harness import free_port
 
@@ -69,7 +69,7 @@ async def _listener(tmp_path: Path, pki: Pki) -> AsyncIterator[str]:
     """Node A's listener, whose peers are node-b and node-c."""
     address = f"127.0.0.1:{free_port()}"
     config = Config(state_dir=tmp_path / "state", metadata_address=address, metadata_tls=pki.for_node("node-a"))
-    peers = StaticPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
+    peers = StaticCopyPeers((("node-b", "127.0.0.1:1"), ("node-c", "127.0.0.1:1")))
     async with serving_metadata_listener(config, IdentityService("csi-qsd.io", lambda: True), _Holder(),  # type: ignore[arg-type]
                                          _Blocks(), peers=peers):  # type: ignore[arg-type]
         yield address

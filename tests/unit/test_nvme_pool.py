@@ -15,12 +15,12 @@ import pytest
 from csi_qsd.cli import build_parser, config_from
 from csi_qsd.errors import InvalidArgument, StartupError
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
+from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.nvme_address import NvmeAddress
 from csi_qsd.pools import device
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.nvme import NvmeDevicePool, base_node_name, vfio_problem
-from csi_qsd.pools.nvme_address import NvmeAddress
 from csi_qsd.pools.remote import RemotePool
-from csi_qsd.pools.spec import DevicePoolSpec
 from csi_qsd.pools.through_qsd import DevicePoolThroughQSD
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.storage import ExtentOnDevice, HostDevice, NvmeNamespace

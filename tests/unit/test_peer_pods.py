@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from csi_qsd.csi.peer_pods import InCluster, PodPeers, peers_of
 from csi_qsd.errors import Unavailable
+from csi_qsd.transport.copy_peer_pods import PodCopyPeers, peers_of
+from csi_qsd.transport.kube_api import InCluster
 from testing.certs import mint
 
 
@@ -72,7 +73,7 @@ def api(tmp_path: Path) -> Iterator[InCluster]:
 
 async def test_the_list_is_asked_with_the_service_account_and_cached(api: InCluster) -> None:
     _ApiServer.pods = {"items": [_pod("a", "10.244.0.5"), _pod("b", "10.244.1.9")]}
-    peers = PodPeers(api, "app.kubernetes.io/component=node", 9811, max_age=60)
+    peers = PodCopyPeers(api, "app.kubernetes.io/component=node", 9811, max_age=60)
     assert await peers.current() == {"a": "10.244.0.5:9811", "b": "10.244.1.9:9811"}
     _ApiServer.pods = {"items": [_pod("a", "10.244.0.6")]}
     assert (await peers.current())["a"] == "10.244.0.5:9811"  # cached
@@ -83,7 +84,7 @@ async def test_the_list_is_asked_with_the_service_account_and_cached(api: InClus
 
 async def test_a_pod_made_again_is_found_at_its_new_address(api: InCluster) -> None:
     _ApiServer.pods = {"items": [_pod("a", "10.244.0.5")]}
-    peers = PodPeers(api, "x=y", 9811, max_age=0)
+    peers = PodCopyPeers(api, "x=y", 9811, max_age=0)
     assert await peers.current() == {"a": "10.244.0.5:9811"}
     _ApiServer.pods = {"items": [_pod("a", "10.244.0.9")]}
     assert await peers.current() == {"a": "10.244.0.9:9811"}
@@ -92,7 +93,7 @@ async def test_a_pod_made_again_is_found_at_its_new_address(api: InCluster) -> N
 async def test_an_unreachable_api_server_is_unavailable_naming_it(tmp_path: Path, api: InCluster) -> None:
     gone = InCluster("https://127.0.0.1:1", api.namespace, api.token_file, api.ca_file)
     with pytest.raises(Unavailable, match="cannot list the node plugin pods .* in namespace csi-qsd"):
-        await PodPeers(gone, "x=y", 9811).current()
+        await PodCopyPeers(gone, "x=y", 9811).current()
 
 
 def test_outside_a_pod_the_missing_address_is_named(tmp_path: Path) -> None:

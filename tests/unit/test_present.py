@@ -1,4 +1,4 @@
-"""csi/present: the tables `csi-qsd volume …` prints for people, and the JSON lines it prints for scripts."""
+"""cli/present: the tables `csi-qsd volume …` prints for people, and the JSON lines it prints for scripts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from google.protobuf import timestamp_pb2
 
-from csi_qsd.csi import present
+from csi_qsd.cli import present
 from csi_qsd.csi_pb import csi_pb2 as pb
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40

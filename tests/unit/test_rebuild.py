@@ -132,7 +132,7 @@ SOURCE = "127.0.0.1:10809"
 
 
 class Source:
-    """Stands for `LinkCheck`: the copy source of the volumes in `copies` greets only while `up`."""
+    """Stands for `CopyLinkCheck`: the copy source of the volumes in `copies` greets only while `up`."""
 
     def __init__(self, copies: set[str]) -> None:
         self.copies = copies

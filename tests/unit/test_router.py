@@ -18,13 +18,13 @@ from csi_qsd.cli import build_parser
 from csi_qsd.config import Config
 from csi_qsd.csi.identity import IdentityService
 from csi_qsd.csi.metadata_listener import serving_metadata_listener
-from csi_qsd.csi.tls import ROUTER_NAME, PemFiles, channel_credentials, server_credentials
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import NotFound, Unavailable
 from csi_qsd.router.config import NodeAddress, RouterConfig
 from csi_qsd.router.nodes import Node, NodeDirectory
 from csi_qsd.router.owners import Owners
+from csi_qsd.transport.tls import ROUTER_NAME, PemFiles, channel_credentials, server_credentials
 from testing.certs import Authority, mint
 from testing.harness import free_port, until
 

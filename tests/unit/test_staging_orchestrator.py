@@ -1,4 +1,4 @@
-"""The staging orchestrator (`NodeVolumes`) over doubles: intent rows, undo, idempotency, codes, shards.
+"""The staging orchestrator (`Staging`) over doubles: intent rows, undo, idempotency, codes, shards.
 
 The export kind, QSD and the pool are `tests.fakes`; the catalog is a real
 one in tmp_path. What the host and QSD do for real is the integration

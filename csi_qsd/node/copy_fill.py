@@ -1,6 +1,6 @@
 """Make a volume copied from another node local, in the background, and say how it is doing.
 
-A volume made from another node's snapshot (`csi_qsd.controller.copy_leases`)
+A volume made from another node's snapshot (`csi_qsd.controller.copy_targets`)
 reads through a local copy image whose backing file is the source node's
 NBD export. Here QSD fills that image with block-stream, at the configured
 rate: the volume's top image is opened in the QSD (shard) that serves or
@@ -19,7 +19,7 @@ resumes every copy its catalog records; a job still running in a QSD that
 outlived the driver is waited for, not restarted.
 
 The source keeps a lease for --copy-lease-ttl after it was last asked for
-(`csi_qsd.controller.copy_leases.SourceLeases`), so the copy asks again
+(`csi_qsd.controller.copy_sources.CopySources`), so the copy asks again
 (renews) when it starts or resumes and a few times per TTL while it streams.
 A source that no longer holds the copy's snapshot (the lease expired while
 this node was away, or an operator dropped it) makes the copy LOST: never
@@ -37,12 +37,12 @@ import logging
 from pathlib import Path
 
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
-from csi_qsd.copy_link import PEER_TLS_OBJECT, CopySettings, Lease, Peers, point_backing
+from csi_qsd.copy_terms import PEER_TLS_OBJECT, CopyLease, CopyPeers, CopySettings, point_backing
 from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost, Unavailable
 from csi_qsd.exports.registry import ExportPaths
 from csi_qsd.node import placement
 from csi_qsd.qcow2.backing import names_backing
-from csi_qsd.qsd import attach
+from csi_qsd.qsd import attach, block_jobs
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.locks import KeyedLocks
@@ -77,11 +77,11 @@ class CopyStatus:
     problem: str = ""
 
 
-class CopyStreams:
+class CopyFill:
     """The background fills of this node's copied volumes, one task each."""
 
     def __init__(
-        self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, peers: Peers, settings: CopySettings,
+        self, catalog: Catalog, exports: ExportPaths, locks: KeyedLocks, peers: CopyPeers, settings: CopySettings,
     ) -> None:
         self._catalog = catalog
         self._exports = exports
@@ -166,7 +166,7 @@ class CopyStreams:
             if not daemon.ready:
                 continue
             with contextlib.suppress(QSDError):
-                await attach.cancel_job(daemon.client, job_id(volume_id))
+                await block_jobs.cancel_job(daemon.client, job_id(volume_id))
         async with self._locks.hold(volume_id):
             if await self._catalog.stage(volume_id) is None:
                 for daemon in self._exports.host.qsd.daemons:
@@ -262,7 +262,7 @@ class CopyStreams:
                 node = await attach.node_reading(client, local)
                 if not node:
                     raise QSDError(f"qemu-storage-daemon has not opened the copy image {local}")
-                await attach.start_fill(client, job, node, self._settings.rate)
+                await block_jobs.start_fill(client, job, node, self._settings.rate)
             log.info("event=copy_stream volume_id=%s node=%s rate=%d", volume.id, record.node, self._settings.rate)
         while True:
             info = await client.job(job)
@@ -281,7 +281,7 @@ class CopyStreams:
             raise QSDError(f"the copy image {local} still names its backing file after the stream")
         await self._close_if_unstaged(volume)
 
-    async def _renew(self, record: CopyRecord, volume_id: str) -> Lease:
+    async def _renew(self, record: CopyRecord, volume_id: str) -> CopyLease:
         """Ask the node that granted the copy's lease (`record.node`), and it alone, for the lease again (it lasts
         --copy-lease-ttl from now on).
 
@@ -326,11 +326,11 @@ class CopyStreams:
             return now + soon, ttl
         return _next_renewal(now, lease.ttl), lease.ttl
 
-    async def _relearn(self, record: CopyRecord, volume: VolumeRecord) -> tuple[CopyRecord, Lease]:
+    async def _relearn(self, record: CopyRecord, volume: VolumeRecord) -> tuple[CopyRecord, CopyLease]:
         """The source does not greet at the recorded address: ask the lease again, and follow it if it moved.
 
         A restarted source serves a lease whose port something else took on
-        another port (`SourceLeases`). The copy image names the address in
+        another port (`CopySources`). The copy image names the address in
         its header, so it can point at the new one only while no QSD has it
         open: the fill's own open is closed first; a staged volume keeps
         the old link until it is unstaged, which the volume's condition says.

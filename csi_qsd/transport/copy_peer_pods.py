@@ -15,64 +15,16 @@ name must be a node found here).
 from __future__ import annotations
 
 import asyncio
-import json
-import ssl
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from csi_qsd.config import bracketed
 from csi_qsd.errors import Unavailable
+from csi_qsd.transport.kube_api import InCluster
 
 MAX_AGE = 5.0
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-@dataclass(frozen=True)
-class InCluster:
-    """How a pod reaches its API server: the address Kubernetes gives every pod, and its service account."""
-
-    server: str  # https://HOST:PORT
-    namespace: str
-    token_file: Path
-    ca_file: Path
-
-    def tls_context(self) -> ssl.SSLContext:
-        """The API server's certificate checked against the service account's CA, as Kubernetes' own clients
-        check it: Python's strict mode (the default from 3.13) also wants extensions, such as an authority key
-        identifier, that many clusters' API server certificates do not carry."""
-        context = ssl.create_default_context(cafile=str(self.ca_file))
-        context.verify_flags &= ~ssl.VERIFY_X509_STRICT
-        return context
-
-    @classmethod
-    def from_pod(cls, host: str, port: str, account: Path = SERVICE_ACCOUNT) -> InCluster:
-        """From KUBERNETES_SERVICE_HOST and _PORT (which the caller read) and the mounted service account."""
-        if not host or not port:
-            raise ValueError("--peers-from-pods needs the API server's address (KUBERNETES_SERVICE_HOST and "
-                             "KUBERNETES_SERVICE_PORT, which Kubernetes sets in every pod)")
-        return cls(f"https://{bracketed(f'{host}:{port}')}", (account / "namespace").read_text().strip(),
-                   account / "token", account / "ca.crt")
-
-    def call(self, method: str, path: str, patch: dict[str, Any] | None = None,
-             body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One API request with the service account's token; `patch` is sent as a JSON merge patch, `body` as
-        JSON (an object to create, DeleteOptions). Raises OSError (also for an HTTP error answer) or ValueError
-        (an answer that is not JSON)."""
-        headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}", "Accept": "application/json"}
-        data = None
-        if patch is not None:
-            headers["Content-Type"] = "application/merge-patch+json"
-            data = json.dumps(patch).encode()
-        elif body is not None:
-            headers["Content-Type"] = "application/json"
-            data = json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.server}{path}", data=data, headers=headers, method=method)
-        with urllib.request.urlopen(request, context=self.tls_context(), timeout=10) as answer:
-            return json.loads(answer.read())  # type: ignore[no-any-return]
 
 
 def peers_of(pod_list: dict[str, Any], port: int) -> dict[str, str]:
@@ -87,7 +39,7 @@ def peers_of(pod_list: dict[str, Any], port: int) -> dict[str, str]:
     return found
 
 
-class PodPeers:
+class PodCopyPeers:
     """The peers as the API server has them now (cached `MAX_AGE` seconds)."""
 
     def __init__(self, api: InCluster, selector: str, port: int, max_age: float = MAX_AGE) -> None:

@@ -1,7 +1,7 @@
 """The spelling of a remote pool: `--remote-pool NAME=URL[,secret=DIR][,tls=DIR[,tls-name=NAME]|,insecure][,on-error=wait|fail][,force]`.
 
 A remote pool is a device pool whose device is a target QEMU's own block
-drivers reach over the network (`remote.py`): an iSCSI LUN (libiscsi in
+drivers reach over the network (`csi_qsd.pools.remote`): an iSCSI LUN (libiscsi in
 QSD) or an NBD export. Apart from the pool so the configuration can
 validate it without importing the pool. Strict on purpose: what is parsed
 here becomes QSD's `blockdev-add` arguments.
@@ -23,7 +23,7 @@ NBD over TCP without `tls=` would carry every volume of the pool in clear
 text to anyone who reaches the port, and let anyone who can answer on it
 pose as the target: it is refused unless the flag says so on purpose
 (`,insecure`). iSCSI has no TLS in QEMU; a pool without CHAP is accepted
-but warned about when it opens (`remote.py`).
+but warned about when it opens (`csi_qsd.pools.remote`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import ipaddress
 import re
 import urllib.parse
 from pathlib import Path
+
+from csi_qsd.pool_specs.kind import PoolKind
 
 ISCSI_PORT = 3260
 NBD_PORT = 10809
@@ -211,3 +213,8 @@ class RemotePoolSpec:
     @property
     def flag(self) -> str:
         return f"--remote-pool {self.name}"
+
+    @property
+    def kind(self) -> PoolKind:
+        """Which pool opens it (`csi_qsd.pools.registry`)."""
+        return PoolKind.REMOTE

@@ -1,13 +1,15 @@
-"""What both ends of a copy across nodes agree on: the lease, the peers, the settings, the NBD link.
+"""What both ends of a copy across nodes agree on: the source, the lease, the peers, the settings, the NBD link.
 
-A volume made from another node's snapshot is created by the controller side
-(`csi_qsd.controller.copy_leases`, which also grants this node's leases to
-others) and filled by the node side (`csi_qsd.node.copy_streams`); neither
-imports the other, so what both use lives here: the `Lease` a source grants,
-the `Peers` a target asks, the node's `CopySettings`, and the `json:` backing
-name through which a copy image reads its source (`nbd_backing`), rewritten in
-place when the source moves (`point_backing`). No gRPC, no catalog, no QSD
-session here.
+"Copy" is the one word for a volume made from another node's snapshot or
+volume, and for everything that makes it. The controller side creates it
+(`csi_qsd.controller.copy_targets`) and grants this node's leases to others
+(`csi_qsd.controller.copy_sources`); the node side fills it
+(`csi_qsd.node.copy_fill`); neither imports the other, so what both use
+lives here: the copy's source (`parse_source`), the `CopyLease` a source
+grants, the `CopyPeers` a target asks, the node's `CopySettings`, and the
+`json:` backing name through which a copy image reads its source
+(`nbd_backing`), rewritten in place when the source moves (`point_backing`).
+No gRPC, no catalog, no QSD session here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from csi_qsd import validate
+from csi_qsd.errors import InvalidArgument
 from csi_qsd.sys import runtime
 from csi_qsd.sys.run import run
 
@@ -29,13 +33,23 @@ RECONNECT_DELAY_SECONDS = 5
 # for as long as the open waits: measured on QSD 10.0.13, blockdev-add of an NBD node whose server is
 # gone or never greets answers after exactly open-timeout (2.0 s for 2, 10.0 s for 10), and with 0 a
 # server that accepts but never greets holds it for good. So the driver first checks that the source
-# greets (`csi_qsd.controller.copy_leases.LinkCheck`) and keeps this short, far below the QMP timeout
+# greets (`csi_qsd.controller.copy_targets.CopyLinkCheck`) and keeps this short, far below the QMP timeout
 # (10 s by default), for a source that goes away between the check and the open.
 OPEN_TIMEOUT_SECONDS = 2
 
 
+def parse_source(source: str) -> tuple[str, str]:
+    """("snapshot"|"volume", id) of a CreateVolume source; InvalidArgument otherwise."""
+    kind, _, ident = source.partition(":")
+    if kind == "snapshot" and validate.SNAPSHOT_ID_RE.match(ident):
+        return kind, ident
+    if kind == "volume" and validate.VOLUME_ID_RE.match(ident):
+        return kind, ident
+    raise InvalidArgument(f"copy source {source!r} is not snapshot:<id> or volume:<id>")
+
+
 @dataclasses.dataclass(frozen=True)
-class Lease:
+class CopyLease:
     """What a source node granted: where its snapshot is served for one copy."""
 
     node: str
@@ -46,10 +60,10 @@ class Lease:
     ttl: float = 0.0  # seconds the source keeps the lease without a renewal (0: for good)
 
 
-class Peers(Protocol):
+class CopyPeers(Protocol):
     """The other nodes' plugins, as the target of a copy reaches them."""
 
-    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> Lease:
+    async def lease(self, source: str, copy_volume_id: str, node: str = "") -> CopyLease:
         """Ask every peer, the one holding `source` serves it; or, for a renewal, `node` alone (the one that
         granted the lease). Raises NotFound, Unavailable, FailedPrecondition (more than one node claims it)."""
         ...

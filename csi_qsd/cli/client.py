@@ -13,9 +13,9 @@ import grpc
 
 from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
+from csi_qsd.transport.copy_peers import LEASES_SERVICE
 
 SINGLE_NODE_WRITER = pb.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
-LEASES_SERVICE = "csi_qsd.v1.CopyLeases"  # csi_qsd.csi.peers serves it on the driver's UNIX socket
 
 
 def capability(*, block: bool = False, fs_type: str = "", mount_flags: tuple[str, ...] = (),

@@ -6,8 +6,9 @@ import dataclasses
 from pathlib import Path
 
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
-from csi_qsd.pools.nvme_address import SCHEME as NVME_SCHEME
-from csi_qsd.pools.nvme_address import NvmeAddress
+from csi_qsd.pool_specs.kind import PoolKind
+from csi_qsd.pool_specs.nvme_address import SCHEME as NVME_SCHEME
+from csi_qsd.pool_specs.nvme_address import NvmeAddress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,11 @@ class DevicePoolSpec:
     path: Path
     force: bool = False
     nvme: NvmeAddress | None = None
+
+    @property
+    def kind(self) -> PoolKind:
+        """NVME for an nvme:// address, else DEVICE: which pool opens it (`csi_qsd.pools.registry`)."""
+        return PoolKind.NVME if self.nvme is not None else PoolKind.DEVICE
 
     @property
     def source(self) -> str:

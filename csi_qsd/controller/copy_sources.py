@@ -1,37 +1,23 @@
-"""Volumes made from another node's snapshot or volume, and the read leases that serve them.
+"""The source end of a copy: the read leases that serve this node's snapshots to copies on other nodes.
 
-Both ends of a copy across nodes, without gRPC (the node-to-node calls are
-behind `Peers`, which `csi_qsd.csi.peers` implements over the mutual-TLS
-listener; what this module shares with the node side's fills is in
-`csi_qsd.copy_link`):
-
-* **Target** (`RemoteCopies`): CreateVolume names a snapshot or volume this
-  node does not hold. A peer that holds it grants a read lease: it serves the
-  snapshot read-only over NBD with TLS. The new volume is at once a thin
-  overlay on a local copy image whose backing file is that NBD export, so it
-  can be staged and used before a byte has moved; `csi_qsd.node.copy_streams`
-  then fills the copy image (QSD's block-stream), after which the copy image
-  stands alone, the link is dropped and the lease released. The copy row is
-  recorded before the lease is asked for, so a crash at any point leaves a row
-  that `reconcile` finishes (the stream resumes) or undoes (the lease goes).
-* **Source** (`SourceLeases`): a lease is a row recorded before its NBD
-  server starts (`csi_qsd.sys.nbd_tcp`, detached: it outlives the driver,
-  and a driver that starts serves again every lease whose server is gone).
-  A lease belongs to the node that asked for it: only that node may ask it
-  again or release it (PERMISSION_DENIED naming both), and its NBD server
-  lets in only the certificate that node asked with (QEMU's `authz-simple`
-  on that certificate's exact subject, kept beside the pid file for the
-  server's restarts); the target checks in turn that
-  the server's certificate names the source node (`tls-hostname`).
-  While a lease reads a snapshot, DeleteSnapshot of it (and DeleteVolume of a
-  volume being cloned) is FAILED_PRECONDITION naming the copy and its node.
-  A clone of a volume leases a hidden snapshot cut for it, deleted with the
-  lease. A lease lasts --copy-lease-ttl past the last time its copy asked
-  for it (the copy renews it while it streams), so a copy whose node is gone
-  for good frees its source; an operator may drop one at once
-  (`csi-qsd volume drop-lease`), and that copy's node may not have it
-  again until it deletes the copy's volume or the operator lifts the drop
-  (`csi-qsd volume lift-lease`).
+A lease is a row recorded before its NBD server starts
+(`csi_qsd.sys.nbd_tcp`, detached: it outlives the driver, and a driver that
+starts serves again every lease whose server is gone). A lease belongs to
+the node that asked for it: only that node may ask it again or release it
+(PERMISSION_DENIED naming both), and its NBD server lets in only the
+certificate that node asked with (QEMU's `authz-simple` on that
+certificate's exact subject, kept beside the pid file for the server's
+restarts); the target checks in turn that the server's certificate names
+the source node (`tls-hostname`). While a lease reads a snapshot,
+DeleteSnapshot of it (and DeleteVolume of a volume being cloned) is
+FAILED_PRECONDITION naming the copy and its node. A clone of a volume leases
+a hidden snapshot cut for it, deleted with the lease. A lease lasts
+--copy-lease-ttl past the last time its copy asked for it (the copy renews
+it while it fills), so a copy whose node is gone for good frees its source;
+an operator may drop one at once (`csi-qsd volume drop-lease`), and that
+copy's node may not have it again until it deletes the copy's volume or the
+operator lifts the drop (`csi-qsd volume lift-lease`). Nothing here knows of
+gRPC (`csi_qsd.csi.copy_service` answers the other nodes' calls).
 """
 
 from __future__ import annotations
@@ -52,94 +38,32 @@ from csi_qsd.catalog import (
     CopyRole,
     CopyState,
     SnapshotRecord,
-    SnapshotState,
-    VolumeRecord,
     VolumeState,
     now,
 )
 from csi_qsd.controller.snapshots import Snapshots
-from csi_qsd.copy_link import CopySettings, Lease, Peers, nbd_backing
+from csi_qsd.copy_terms import CopyLease, CopySettings, parse_source
 from csi_qsd.errors import (
     Aborted,
-    AlreadyExists,
     DriverError,
     FailedPrecondition,
-    InvalidArgument,
     NotFound,
-    OutOfRange,
     PermissionDenied,
     ResourceExhausted,
-    SourceUnreachable,
 )
-from csi_qsd.params import Capability, ImageFormat, QoS, VolumeParameters, choose_size, unsupported_capability
-from csi_qsd.pools.base import Pool
-from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import durable, nbd_tcp, runtime
 from csi_qsd.sys.locks import KeyedLocks
 
 log = logging.getLogger(__name__)
 
-# How long a source has to greet before QSD may open a chain that reads through it (`LinkCheck`): well
-# below `csi_qsd.copy_link.OPEN_TIMEOUT_SECONDS`, which bounds the open itself.
-PROBE_SECONDS = 1.0
-COPY_SUFFIX = "-copy.qcow2"
 # The name of the hidden snapshot of a volume cut for a clone on another node: this prefix and the clone's ID.
 CUT_PREFIX = "copy."
-RETRY_IDS_MAX = 1024  # failed creates whose copy ID a retry reuses
 EXPIRY_CHECK_SECONDS = 60.0  # at most this long between looks for expired leases
 DROP_WAIT_SECONDS = 10.0  # an operator's drop waits this long for a renewal (or a lease) under way
 
 
-def parse_source(source: str) -> tuple[str, str]:
-    """("snapshot"|"volume", id) of a CreateVolume source; InvalidArgument otherwise."""
-    kind, _, ident = source.partition(":")
-    if kind == "snapshot" and validate.SNAPSHOT_ID_RE.match(ident):
-        return kind, ident
-    if kind == "volume" and validate.VOLUME_ID_RE.match(ident):
-        return kind, ident
-    raise InvalidArgument(f"copy source {source!r} is not snapshot:<id> or volume:<id>")
-
-
-def copy_image(pool: Pool, volume_id: str) -> Path:
-    """The local copy image of a volume made from another node's snapshot."""
-    return pool.image_path(volume_id, ImageFormat.QCOW2).with_name(f"{volume_id}{COPY_SUFFIX}")
-
-
-class LinkCheck:
-    """Refuse to let QSD open a chain that reads through another node that does not greet.
-
-    QSD opens a copy image's NBD link with its monitor silent until the
-    source answers or open-timeout passes, and a monitor silent for the QMP
-    timeout gets the whole QSD (every volume of the node) killed. So before
-    QSD opens any volume's chain from disk (stage, the rebuild after a QSD
-    restart, a resize, the fill), the links the chain's headers name are
-    asked for the NBD greeting first; one that does not greet within
-    PROBE_SECONDS is UNAVAILABLE, naming the source node, and QSD is never
-    asked. Costs nothing while no copy is under way.
-    """
-
-    def __init__(self, catalog: Catalog, timeout: float = PROBE_SECONDS) -> None:
-        self._catalog = catalog
-        self._timeout = timeout
-
-    async def __call__(self, volume: VolumeRecord) -> None:
-        """Raises SourceUnreachable (UNAVAILABLE) if the volume's chain reads through a link that does not answer."""
-        copies = [r for r in await self._catalog.copies(CopyRole.TARGET) if r.state is not CopyState.RELEASING]
-        if not copies or Path(volume.image).suffix != ".qcow2":
-            return
-        for address in await asyncio.to_thread(backing.nbd_links, Path(volume.image)):
-            if await nbd_tcp.answers(address, self._timeout):
-                continue
-            nodes = sorted({r.node for r in copies if r.address == address and r.node})
-            source = f"node {', '.join(nodes)}" if nodes else "another node"
-            raise SourceUnreachable(
-                f"volume {volume.id} reads data not yet copied from {source}, whose copy server at {address} "
-                f"does not answer; it can be opened once {source} serves it again (the copy retries and learns a "
-                "new address by itself)", node=", ".join(nodes), address=address)
-
-
-class SourceLeases:
+class CopySources:
     """The source end: serve snapshots to copies on other nodes, and refuse deletes while they read."""
 
     def __init__(self, catalog: Catalog, snapshots: Snapshots, settings: CopySettings, volume_locks: KeyedLocks,
@@ -157,7 +81,7 @@ class SourceLeases:
         # One node's new leases are granted one at a time, so its count against the limit is exact.
         self._granting: dict[str, asyncio.Lock] = {}
 
-    async def lease(self, copy_volume_id: str, node: str, source: str, subject: str = "") -> Lease:
+    async def lease(self, copy_volume_id: str, node: str, source: str, subject: str = "") -> CopyLease:
         """Serve `source` for the copy `copy_volume_id` on `node` (idempotent), to the client certificate whose
         subject is `subject` ('' : `CN=<node>`, a plain node certificate). Raises NotFound,
         FailedPrecondition (no TLS files), ResourceExhausted (no free port, or `node` holds as many leases as
@@ -189,7 +113,7 @@ class SourceLeases:
                 await self._drop(record)
                 raise NotFound(f"snapshot {record.snapshot_id} does not exist")
             self._renewed[copy_volume_id] = self._clock()
-            return Lease("", record.snapshot_id, record.address, copy_volume_id, snapshot.size,
+            return CopyLease("", record.snapshot_id, record.address, copy_volume_id, snapshot.size,
                          self._settings.lease_ttl)
 
     async def _refuse_beyond_limit(self, node: str) -> None:
@@ -468,7 +392,7 @@ class SourceLeases:
         --copy-lease-ttl). A restarted node may find its lease's port taken by something else
         (or --copy-address changed): the lease then moves to a free port of
         --copy-ports, recorded, and the copy's node learns it when it asks
-        the lease again (`csi_qsd.node.copy_streams`). Raises ResourceExhausted, HostCommandError.
+        the lease again (`csi_qsd.node.copy_fill`). Raises ResourceExhausted, HostCommandError.
         """
         pid_file, port = self._pid_file(record.volume_id), self._port(record)
         pid = nbd_tcp.serving_pid(pid_file, port)
@@ -513,129 +437,3 @@ def _not_yours(copy_volume_id: str, owner: str, node: str, action: str) -> Permi
     return PermissionDenied(f"copy {copy_volume_id} is leased to node {owner}; node {node} may not {action} it")
 
 
-class RemoteCopies:
-    """The target end: volumes made from a snapshot or volume that another node holds."""
-
-    def __init__(
-        self, catalog: Catalog, pool: Pool, peers: Peers, settings: CopySettings, name_locks: KeyedLocks,
-        on_copy: Callable[[str], None] = lambda volume_id: None,
-    ) -> None:
-        self._catalog = catalog
-        self._pool = pool
-        self._peers = peers
-        self._settings = settings
-        self._name_locks = name_locks  # `Volumes.name_locks`: a name is locked alike wherever its volume comes from
-        self.on_copy = on_copy  # told of every copy to (re)start or to release: `csi_qsd.node.copy_streams`
-        # The ID a failed create used, per (name, source): its retry asks the source for the same copy, so a
-        # clone's source cuts its volume once, not once per retry. In memory: a restart costs one more cut.
-        self._retry_ids: dict[tuple[str, str], str] = {}
-
-    async def create(
-        self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
-        *, source: str, qos: QoS = QoS(),
-    ) -> VolumeRecord:
-        """A new volume over another node's snapshot (or a hidden cut of its volume), usable at once.
-
-        Raises InvalidArgument, NotFound (no node holds the source),
-        Unavailable (a peer could not be asked), OutOfRange, AlreadyExists.
-        """
-        parse_source(source)
-        for cap in caps:
-            reason = unsupported_capability(cap, params)
-            if reason:
-                raise InvalidArgument(reason)
-        if params.format is not ImageFormat.QCOW2:
-            raise InvalidArgument("volumes made from a snapshot or another volume must use format 'qcow2'")
-        if params.pool != self._pool.id:
-            raise InvalidArgument(f"a volume copied from another node goes to the file pool {self._pool.id!r}, "
-                                  f"not {params.pool!r}")
-        if self._settings.tls is None:
-            raise NotFound(f"{source.replace(':', ' ')} is not on this node, and this node reaches no other "
-                           "(no node-to-node TLS files)")
-        async with self._name_locks.hold(name):
-            existing = await self._catalog.volume_by_name(name)
-            if existing is not None and existing.state is VolumeState.READY:
-                if existing.source != source or existing.params != params or existing.qos != qos or not (
-                        existing.capacity >= required and (not limit or existing.capacity <= limit)):
-                    raise AlreadyExists(f"volume named {name!r} exists ({existing.id}, {existing.capacity} bytes) "
-                                        "with other parameters, source or capacity")
-                return existing
-            if existing is not None:
-                raise FailedPrecondition(f"volume named {name!r} ({existing.id}) is being created or deleted; "
-                                         "retry later")
-            volume_id = self._retry_ids.pop((name, source), "") or validate.new_volume_id()
-            intent = CopyRecord(volume_id=volume_id, role=CopyRole.TARGET, node="", source=source,
-                                state=CopyState.LEASING, created_at=now())
-            await self._catalog.put_copy(intent)
-            try:
-                return await self._create(volume_id, intent, name, required, limit, params, qos)
-            except BaseException:
-                await self._undo(intent)
-                self._remember_for_retry(name, source, volume_id)
-                raise
-
-    def _remember_for_retry(self, name: str, source: str, volume_id: str) -> None:
-        while len(self._retry_ids) >= RETRY_IDS_MAX:
-            del self._retry_ids[next(iter(self._retry_ids))]  # the oldest
-        self._retry_ids[(name, source)] = volume_id
-
-    async def _create(
-        self, volume_id: str, intent: CopyRecord, name: str, required: int, limit: int, params: VolumeParameters,
-        qos: QoS,
-    ) -> VolumeRecord:
-        lease = await self._peers.lease(intent.source, volume_id)
-        intent = dataclasses.replace(intent, node=lease.node, snapshot_id=lease.snapshot_id, address=lease.address)
-        await self._catalog.put_copy(intent)
-        size = choose_size(required or lease.size, limit)
-        if size < lease.size:
-            raise OutOfRange(f"volume {name!r} must hold at least the {lease.size} bytes of its source")
-        local = copy_image(self._pool, volume_id)
-        top = self._pool.image_path(volume_id, ImageFormat.QCOW2)
-        pieces = blank.image_bytes(lease.size, params.granularity, layer_bitmaps.OWN,
-                                   backing=nbd_backing(lease.address, lease.export, lease.node),
-                                   backing_format="raw")
-        await asyncio.to_thread(durable.create, local, lambda fd: blank.write(fd, pieces))
-        await self._pool.create_overlay(top, local, size, params.granularity)
-        created = now()
-        volume = VolumeRecord(
-            id=volume_id, name=name, capacity=size, params=params, image=top, state=VolumeState.READY,
-            pool=self._pool.id, created_at=created, backing=str(local), source=intent.source, qos=qos)
-        snapshot = SnapshotRecord(
-            id=validate.new_snapshot_id(), name=f"copy.{volume_id}", source_volume_id=volume_id, image=local,
-            backing="", size=lease.size, created_at=created, state=SnapshotState.READY, hidden=True)
-        copy = dataclasses.replace(intent, state=CopyState.STREAMING, image=str(local))
-        await self._catalog.add_copy_volume(volume, snapshot, copy)
-        log.info("event=volume_created volume_id=%s name=%s bytes=%d copy_from=%s node=%s", volume_id, name, size,
-                 intent.source, lease.node)
-        self.on_copy(volume_id)
-        return volume
-
-    async def _undo(self, intent: CopyRecord) -> None:
-        """A create that failed or crashed: its images, its lease and its row go."""
-        if await self._catalog.volume(intent.volume_id) is None:
-            for image in (self._pool.image_path(intent.volume_id, ImageFormat.QCOW2),
-                          copy_image(self._pool, intent.volume_id)):
-                if image.exists():
-                    await asyncio.to_thread(durable.unlink, image)
-        try:
-            await self._peers.release(intent.node, intent.volume_id)
-        except DriverError as exc:  # kept: the next start asks again
-            log.warning("event=copy_release_deferred volume_id=%s error=%r", intent.volume_id, str(exc))
-            return
-        await self._catalog.delete_copy(intent.volume_id, CopyRole.TARGET)
-
-    async def reconcile(self) -> None:
-        """Undo creates a crash cut off; list the copies to resume."""
-        for record in await self._catalog.copies(CopyRole.TARGET):
-            if record.state is CopyState.LEASING:
-                log.info("event=reconcile_undo_copy volume_id=%s", record.volume_id)
-                await self._undo(record)
-            else:
-                self.on_copy(record.volume_id)
-
-    async def release_later(self, volume_id: str) -> None:
-        """After the volume is deleted: its copy, if any, gives its lease back (now or at a later retry)."""
-        record = await self._catalog.copy(volume_id, CopyRole.TARGET)
-        if record is not None:
-            await self._catalog.put_copy(dataclasses.replace(record, state=CopyState.RELEASING))
-            self.on_copy(volume_id)

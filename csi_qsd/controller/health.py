@@ -36,7 +36,7 @@ class HealthView:
                  stalled: Callable[[str], str | None] = lambda volume_id: None) -> None:
         self._catalog = catalog
         self._exports = exports
-        self._stalled = stalled  # why a staged volume is not served after a QSD restart (`NodeVolumes.stalled`)
+        self._stalled = stalled  # why a staged volume is not served after a QSD restart (`Staging.stalled`)
 
     async def of(self, volumes: list[VolumeRecord]) -> dict[str, VolumeHealth]:
         published = {p.volume_id for p in await self._catalog.publishes() if p.state is PublishState.PUBLISHED}
