@@ -12,9 +12,9 @@ import socket
 from pathlib import Path
 
 from csi_qsd.params import DEFAULT_POOL_NAME, POOL_NAME_RE
-from csi_qsd.pool_specs.device import DevicePoolSpec
-from csi_qsd.pool_specs.managed import ManagedPoolSpec
-from csi_qsd.pool_specs.remote import RemotePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
+from csi_qsd.pool_specs.managed_spec import ManagedPoolSpec
+from csi_qsd.pool_specs.remote_spec import RemotePoolSpec
 from csi_qsd.qsd.features import FuseThreads, LoopIO
 from csi_qsd.qsd.file_aio import FileIO
 from csi_qsd.qsd.iothreads import check_size as check_iothreads
@@ -40,7 +40,7 @@ POLL_MAX_NS_RANGE = range(0, 1_000_001)
 
 
 def parse_remote_pool(text: str) -> RemotePoolSpec:
-    """`--remote-pool NAME=URL[,...]` (`csi_qsd.pool_specs.remote`); raises ValueError naming the flag."""
+    """`--remote-pool NAME=URL[,...]` (`csi_qsd.pool_specs.remote_spec`); raises ValueError naming the flag."""
     return RemotePoolSpec.parse(text, POOL_NAME_RE, DEFAULT_POOL_NAME)
 
 

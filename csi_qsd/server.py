@@ -41,7 +41,7 @@ from csi_qsd.csi.snapshot_metadata import SnapshotMetadataService
 from csi_qsd.csi_pb import csi_pb2_grpc as pb_grpc
 from csi_qsd.errors import StartupError
 from csi_qsd.exports.base import ExportHost
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.node.staging import Staging
 from csi_qsd.pools.base import Pool

@@ -6,9 +6,9 @@ import argparse
 
 from csi_qsd.config import POLL_MAX_NS_RANGE, parse_remote_pool
 from csi_qsd.params import parse_size
-from csi_qsd.pool_specs.device import DevicePoolSpec
-from csi_qsd.pool_specs.managed import ManagedPoolSpec
-from csi_qsd.pool_specs.remote import RemotePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
+from csi_qsd.pool_specs.managed_spec import ManagedPoolSpec
+from csi_qsd.pool_specs.remote_spec import RemotePoolSpec
 from csi_qsd.qsd import iothreads, shards
 from csi_qsd.router.config import NodeAddress
 

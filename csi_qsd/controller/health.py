@@ -16,7 +16,7 @@ from collections.abc import Callable
 from csi_qsd.catalog import Catalog, PublishState, StageState, VolumeRecord
 from csi_qsd.errors import QSDError
 from csi_qsd.exports.base import ExportPath
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.qsd import graph
 
 HEALTHY = "volume is healthy"

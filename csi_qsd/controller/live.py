@@ -14,7 +14,7 @@ from pathlib import Path
 from csi_qsd.catalog import Catalog, StageRecord, StageState, VolumeRecord
 from csi_qsd.controller import chains
 from csi_qsd.errors import FailedPrecondition, QSDError, Unavailable
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.qsd import attach, block_jobs
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from csi_qsd.catalog import Catalog, CopyRecord, CopyRole, CopyState, VolumeRecord
 from csi_qsd.copy_terms import PEER_TLS_OBJECT, CopyLease, CopyPeers, CopySettings, point_backing
 from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost, Unavailable
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.node import placement
 from csi_qsd.qcow2.backing import names_backing
 from csi_qsd.qsd import attach, block_jobs

@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 
 from csi_qsd.catalog import AccessType, Catalog, PublishState, StageRecord, StageState, VolumeRecord
 from csi_qsd.errors import SourceUnreachable, StillInUse
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.node import moves
 from csi_qsd.node.cut_off import CutOff, CutOffTargets
 from csi_qsd.qsd import attach

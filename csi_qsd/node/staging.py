@@ -41,7 +41,7 @@ from csi_qsd.errors import (
     Unavailable,
 )
 from csi_qsd.exports.base import ExportPath, VolumeStats
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.node import moves, placement
 from csi_qsd.node.cut_off import CutOffTargets
 from csi_qsd.node.rebuild import Backoff, GraphRebuild

@@ -6,7 +6,7 @@ block device or an NVMe controller by its `nvme_address`), `remote`
 `managed` (`--managed-pool`, the file pool's own XFS). Side by side and
 below both the configuration and QSD, so each can read a spec without
 importing the pool that opens it; `kind` names which opener of
-`csi_qsd.pools.registry` a spec goes to.
+`csi_qsd.pools.pool_kinds` a spec goes to.
 
 May import: errors, params.
 """

@@ -1,4 +1,4 @@
-"""The kinds of device pool, as a spec names them: each is one opener in `csi_qsd.pools.registry`."""
+"""The kinds of device pool, as a spec names them: each is one opener in `csi_qsd.pools.pool_kinds`."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ import pyudev
 from csi_qsd.catalog import Catalog, ExtentChoice, ExtentRecord, ExtentState
 from csi_qsd.errors import FailedPrecondition, InvalidArgument, OutOfRange, ResourceExhausted, StartupError
 from csi_qsd.params import ImageFormat, Preallocation, VolumeParameters
-from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.pools import regions
 from csi_qsd.pools.base import Pool, PoolUsage
 from csi_qsd.pools.block_device import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from csi_qsd.pool_specs.managed import ManagedPoolSpec
+from csi_qsd.pool_specs.managed_spec import ManagedPoolSpec
 from csi_qsd.pools.managed_xfs import ManagedXfs
 from csi_qsd.pools.pool_dirs import PlainDirectory, PoolDirectory
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS

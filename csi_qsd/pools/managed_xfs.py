@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from csi_qsd.errors import HostCommandError, StartupError
-from csi_qsd.pool_specs.managed import ManagedPoolSpec
+from csi_qsd.pool_specs.managed_spec import ManagedPoolSpec
 from csi_qsd.pools.pool_dirs import IMAGE_SUFFIX, MANAGED_DIR, PoolDirectory, managed_images
 from csi_qsd.sys import durable, filesystems, loop, mounts
 from csi_qsd.sys.failpoints import NONE as NO_FAILPOINTS

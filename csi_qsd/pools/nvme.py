@@ -34,7 +34,7 @@ from csi_qsd.sys.failpoints import Failpoints
 
 if TYPE_CHECKING:
     from csi_qsd.catalog import Catalog
-    from csi_qsd.pool_specs.device import DevicePoolSpec
+    from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 
 VFIO_DRIVER = "vfio-pci"
 

@@ -1,7 +1,7 @@
 """Remote pools: an iSCSI LUN or an NBD export, reached by QEMU's own drivers in QSD, carved like a device pool.
 
 `--remote-pool NAME=URL[,secret=DIR][,tls=DIR|,insecure][,on-error=wait|fail][,force]`
-(`csi_qsd.pool_specs.remote`). csi-qsd's volumes (raw extents with QoS, FUSE, vhost-user-blk)
+(`csi_qsd.pool_specs.remote_spec`). csi-qsd's volumes (raw extents with QoS, FUSE, vhost-user-blk)
 in front of a SAN or NAS target that has none of that: libiscsi (with CHAP)
 or QEMU's NBD client (with x509 TLS) inside QSD; the host needs no
 initiator, no kernel module, no block device. Everything that touches
@@ -22,7 +22,7 @@ What must never happen, and how it is prevented:
   (`on-error=wait`) or fails after `FAIL_AFTER_SECONDS` (`on-error=fail`),
   and its volumes report abnormal.
 * **Data crosses the network unprotected without anyone deciding so.** NBD
-  over TCP needs `tls=` unless the flag says `insecure` (`csi_qsd.pool_specs.remote`);
+  over TCP needs `tls=` unless the flag says `insecure` (`csi_qsd.pool_specs.remote_spec`);
   an iSCSI pool without CHAP (`secret=`), which QEMU cannot encrypt either,
   is logged as a warning each time it opens.
 """
@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from csi_qsd.errors import StartupError
-from csi_qsd.pool_specs.device import DevicePoolSpec
-from csi_qsd.pool_specs.remote import RemotePoolSpec, Scheme
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
+from csi_qsd.pool_specs.remote_spec import RemotePoolSpec, Scheme
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.through_qsd import DevicePoolThroughQSD
 from csi_qsd.qsd.client import QSDClient

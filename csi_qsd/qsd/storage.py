@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from csi_qsd.params import VolumeParameters
-from csi_qsd.pool_specs.remote import OnError, RemoteTarget, Scheme
+from csi_qsd.pool_specs.remote_spec import OnError, RemoteTarget, Scheme
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.graph import QMPArgs
 

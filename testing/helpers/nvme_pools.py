@@ -18,7 +18,7 @@ from pathlib import Path
 
 from csi_qsd.cli.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
-from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.server import Driver
 from testing import owner

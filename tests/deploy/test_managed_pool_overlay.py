@@ -6,7 +6,7 @@ import posixpath
 from pathlib import Path
 
 from csi_qsd.cli import build_parser
-from csi_qsd.pool_specs.managed import ManagedPoolSpec
+from csi_qsd.pool_specs.managed_spec import ManagedPoolSpec
 from testing.manifests.kustomize import render
 from testing.manifests.objects import DEPLOY_DIR, Obj, container, one, readme_overlay, resolve_mount
 

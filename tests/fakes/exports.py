@@ -10,7 +10,7 @@ from pathlib import Path
 
 from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
 from csi_qsd.exports.base import ExportHost, ExportPath, VolumeStats
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.params import ExportKind
 from csi_qsd.qsd import attach, graph
 from csi_qsd.qsd import move as qsd_move

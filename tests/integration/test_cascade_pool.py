@@ -35,7 +35,7 @@ from typing import Any
 
 from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
-from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.qsd import features
 from csi_qsd.sys.tools import bundled
 from testing.harness import Sandbox, in_process_driver, qsd_pid, terminate, until

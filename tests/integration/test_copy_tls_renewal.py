@@ -23,7 +23,7 @@ from csi_qsd.catalog import Catalog
 from csi_qsd.cli.client import CSIClient
 from csi_qsd.copy_terms import PEER_TLS_OBJECT, CopyPeers, CopySettings, nbd_backing
 from csi_qsd.errors import QSDError
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.server import Driver

@@ -29,7 +29,7 @@ from csi_qsd.catalog import Catalog
 from csi_qsd.cli.client import CSIClient
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
-from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.pools.block_device import LABEL_MAGIC
 from csi_qsd.pools.nvme import NvmeDevicePool
 from csi_qsd.qsd import attach, graph

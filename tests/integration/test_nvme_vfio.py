@@ -19,7 +19,7 @@ import pytest
 
 from csi_qsd.cli.client import CSIClient, capability
 from csi_qsd.csi_pb import csi_pb2 as pb
-from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.pools.nvme import NvmeDevicePool, vfio_problem
 from csi_qsd.qsd import device_io
 from testing import tiers

@@ -34,7 +34,7 @@ from csi_qsd.errors import (
     SourceLost,
     Unavailable,
 )
-from csi_qsd.exports.registry import ExportPaths
+from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.node.copy_fill import CopyFill
 from csi_qsd.params import VolumeParameters
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps

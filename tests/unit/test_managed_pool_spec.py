@@ -9,8 +9,8 @@ import pytest
 from csi_qsd import cli
 from csi_qsd.config import Config
 from csi_qsd.errors import StartupError
-from csi_qsd.pool_specs import managed as managed_spec
-from csi_qsd.pool_specs.managed import ManagedPoolSpec
+from csi_qsd.pool_specs import managed_spec
+from csi_qsd.pool_specs.managed_spec import ManagedPoolSpec
 from csi_qsd.pools import managed
 from csi_qsd.pools.managed_xfs import ManagedXfs
 from csi_qsd.pools.pool_dirs import PlainDirectory

@@ -15,7 +15,7 @@ import pytest
 from csi_qsd.cli import build_parser, config_from
 from csi_qsd.errors import InvalidArgument, StartupError
 from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
-from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.pool_specs.nvme_address import NvmeAddress
 from csi_qsd.pools import device
 from csi_qsd.pools.device import DevicePool

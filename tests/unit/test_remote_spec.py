@@ -10,7 +10,7 @@ import pytest
 
 from csi_qsd.cli import build_parser, config_from
 from csi_qsd.config import Config, parse_remote_pool
-from csi_qsd.pool_specs.remote import OnError, RemoteTarget, Scheme
+from csi_qsd.pool_specs.remote_spec import OnError, RemoteTarget, Scheme
 from csi_qsd.pools.remote import read_credentials
 from csi_qsd.qsd.storage import RemoteDevice
 

@@ -1,4 +1,4 @@
-"""Which pool opens a configured device pool: one line per kind, as `csi_qsd.exports.registry` is for exports.
+"""Which pool opens a configured device pool: one line per kind, as `csi_qsd.exports.export_kinds` is for exports.
 
 A new kind of device pool is a spec in `csi_qsd.pool_specs` whose `kind`
 names a new `PoolKind`, a module here with its `DevicePool` subclass, and a
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from csi_qsd.catalog import Catalog
-from csi_qsd.pool_specs.device import DevicePoolSpec
+from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.pool_specs.kind import PoolKind
-from csi_qsd.pool_specs.remote import RemotePoolSpec
+from csi_qsd.pool_specs.remote_spec import RemotePoolSpec
 from csi_qsd.pools.device import DevicePool
 from csi_qsd.pools.nvme import NvmeDevicePool
 from csi_qsd.pools.remote import RemotePool

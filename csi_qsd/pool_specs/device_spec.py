@@ -29,7 +29,7 @@ class DevicePoolSpec:
 
     @property
     def kind(self) -> PoolKind:
-        """NVME for an nvme:// address, else DEVICE: which pool opens it (`csi_qsd.pools.registry`)."""
+        """NVME for an nvme:// address, else DEVICE: which pool opens it (`csi_qsd.pools.pool_kinds`)."""
         return PoolKind.NVME if self.nvme is not None else PoolKind.DEVICE
 
     @property

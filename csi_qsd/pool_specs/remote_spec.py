@@ -216,5 +216,5 @@ class RemotePoolSpec:
 
     @property
     def kind(self) -> PoolKind:
-        """Which pool opens it (`csi_qsd.pools.registry`)."""
+        """Which pool opens it (`csi_qsd.pools.pool_kinds`)."""
         return PoolKind.REMOTE
