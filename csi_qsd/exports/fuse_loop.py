@@ -125,7 +125,7 @@ class FuseLoopExport(ExportPath):
         export = self.export_file(volume.id)
         if stage.access_type is AccessType.MOUNT:
             entry = mounts.mounted_at(stage.staging_path)
-            if entry is not None and _is_loop_over(entry.source, export):
+            if entry is not None and _stands_on_our_loop(entry.source, export, stage):
                 await filesystem.unstage(stage.staging_path)
         self.host.failpoints.hit("unstage.after_unmount")
         devices = {Path(stage.loop_device)} if stage.loop_device else set()
@@ -347,7 +347,7 @@ class FuseLoopExport(ExportPath):
         # container with mountPropagation HostToContainer receives the new one (`filesystem.ensure_published`).
         if stage.access_type is AccessType.MOUNT:
             entry = mounts.mounted_at(stage.staging_path)
-            if entry is not None and _is_loop_over(entry.source, export):
+            if entry is not None and (Path(entry.source) in stale or _stands_on_our_loop(entry.source, export, stage)):
                 await mounts.unmount(stage.staging_path, lazy=True)
         for device in stale:
             await loop.detach(device)
@@ -369,6 +369,20 @@ def _on_dead_export(entry: mounts.MountEntry) -> bool:
 def _is_loop_over(source: str, export: Path) -> bool:
     """True if mount source `source` is a loop device whose backing file is `export`."""
     return source.startswith("/dev/loop") and loop.serves(Path(source), export)
+
+
+def _stands_on_our_loop(source: str, export: Path, stage: StageRecord) -> bool:
+    """True if mount source `source` is the volume's loop device: over `export`, or the one the stage recorded
+    with its file unreachable from here.
+
+    A loop device attached by an earlier process of the plugin, in a mount
+    namespace that has since gone (its container restarted), names its file
+    "/" in sysfs; once QSD has died too, the dead export has no identity to
+    compare either. Only the recorded device is known to be ours then.
+    """
+    if _is_loop_over(source, export):
+        return True
+    return bool(stage.loop_device) and source == stage.loop_device and loop.backing_of(Path(source)) == ORPHANED
 
 
 def _apply_group(root: Path, group: str) -> None:

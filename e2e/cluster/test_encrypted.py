@@ -1,4 +1,4 @@
-"""An encrypted claim with a real Secret: a writing pod through a key rotation and a plugin restart.
+"""An encrypted claim with a real Secret: a writing pod through a key rotation, a plugin restart and a QSD kill.
 
 The StorageClass names one Secret for every call that needs the key
 (provisioner, node-stage, controller-modify); the node plugin's service
@@ -9,10 +9,11 @@ The Secret then gets a new key, its version and the old key as
 version: the resizer calls ControllerModifyVolume with the Secret and the
 driver rotates the key on the live image. The writer must see no error.
 Then the plugin container is killed (the node keeps the key in its tmpfs):
-the writer goes on and every acknowledged record is read back. (A kill of
-QSD's container under an encrypted filesystem claim does not heal in the
-cluster yet: the pod is not made again; tests/integration/test_encryption.py
-covers QSD's rebuild of an encrypted chain outside the cluster.)
+the writer goes on. Then QSD's container is killed: the driver reopens the
+encrypted chain with the node's key and makes the Deployment's pod again,
+which must read every acknowledged record. (The plugin's restart first
+matters: its loop device then names its file "/" in sysfs, from a mount
+namespace that is gone, and the rebuild must still know it for the volume's.)
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _plugin_log(cluster: Cluster) -> str:
     return cluster.kubectl("logs", "-n", DRIVER_NAMESPACE, pod, "-c", "csi-qsd").stdout
 
 
-def test_an_encrypted_claim_rotates_its_key_under_a_writer_and_survives_a_plugin_restart(
+def test_an_encrypted_claim_rotates_its_key_under_a_writer_and_survives_plugin_and_qsd_restarts(
         cluster: Cluster, test_namespace: str) -> None:
     ns, secret = test_namespace, f"key-{test_namespace}"
     old, new = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
@@ -120,14 +121,29 @@ def test_an_encrypted_claim_rotates_its_key_under_a_writer_and_survives_a_plugin
         assert writer.container_status(get_json(cluster, "-n", ns, "pod", name), "app")["restartCount"] == 0
         acked = _acks(text)
 
-        # The records acknowledged before the faults are all in the file, read by the same pod.
+        # QSD's container killed: the driver opens the chain again with the node's key and remakes the pod.
+        killed = time.monotonic()
+        before = writer.kill_container(cluster, "qsd")
+        writer.wait_restarted(cluster, "qsd", before)
+        try:
+            wait_until(lambda: writer.running_pod_of(cluster, ns, "writer")["metadata"]["name"] != name,
+                       writer.HEAL_BOUND, "the driver to remake the writer's pod")
+        except TimeoutError as exc:
+            tail = "\n".join(_plugin_log(cluster).splitlines()[-60:])
+            raise AssertionError(f"{exc}; events: {ex.events(cluster, ns, name)}; the plugin's log:\n{tail}") from exc
+        name = writer.running_pod_of(cluster, ns, "writer")["metadata"]["name"]
+        wait_until(lambda: _acks(logged()) >= acked + 20, writer.HEAL_BOUND, "20 acknowledged writes from the new writer")
+        healed_in = time.monotonic() - killed
+
+        # The records acknowledged before the faults are all in the file.
         numbers = [int(r) for r in ex.pod_exec(cluster, ns, name, "cat /data/log").split()]
         assert numbers[:acked] == list(range(1, acked + 1)), f"acknowledged writes lost ({acked} acknowledged)"
         plugin_log = _plugin_log(cluster)
         assert old not in plugin_log and new not in plugin_log
         report(f"encrypted claim: key rotated under a writing pod in {rotated_in:.1f} s (claim patched to current "
-               f"class), no I/O error; through a plugin kill the writer went on, all {acked} acknowledged records "
-               f"read back; {time.monotonic() - started:.0f} s in all")
+               f"class), no I/O error; through a plugin kill the writer went on; after a QSD kill the remade pod "
+               f"wrote again {healed_in:.1f} s after the kill and read all {acked} acknowledged records; "
+               f"{time.monotonic() - started:.0f} s in all")
     finally:
         # The claim goes before the Secret: the provisioner reads the Secret again to delete the volume.
         cluster.kubectl("delete", "-n", ns, "deployment", "writer", "--wait=true", "--timeout=120s", check=False)
