@@ -24,7 +24,7 @@ Prometheus histogram, `csi_qsd_rpc_duration_seconds`, scraped before and after):
 
 Usage:
 
-    .venv/bin/python -m e2e.bench.pvc_to_running [--claims 20]
+    .venv/bin/python -m e2e.bench.pvc_to_running [--claims 20] [--kind filesystem|block|both]
 
 Each of filesystem and block, csi-qsd then host-path: `--claims` claims one
 at a time, then as many created at once (the split then gives the driver's
@@ -242,7 +242,10 @@ def _clean(cluster: Cluster, namespace: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--claims", type=int, default=20, help="claims one at a time, and created at once")
+    parser.add_argument("--kind", choices=("filesystem", "block", "both"), default="both",
+                        help="which claims to time (default: both)")
     args = parser.parse_args(argv)
+    kinds = {"filesystem": (False,), "block": (True,), "both": (False, True)}[args.kind]
     with deployed_cluster(build_all()) as cluster:
         namespace = f"bench-{uuid.uuid4().hex[:6]}"
         cluster.kubectl("create", "namespace", namespace)
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             deploy.deploy_hostpath(cluster)
         baseline = measure_baseline(cluster, namespace, args.claims)
         _clean(cluster, namespace)
-        for block in (False, True):
+        for block in kinds:
             for at_once in (False, True):
                 ours = measure_csi(cluster, namespace, args.claims, "csi-qsd-block" if block else "csi-qsd-fs",
                                    block=block, at_once=at_once)

@@ -26,35 +26,15 @@ from typing import Any
 
 from e2e.cluster.conftest import cluster_marks, report
 from testing.cluster import examples as ex
-from testing.cluster import writer
+from testing.cluster import volume_secrets, writer
 from testing.cluster.cluster import Cluster
 from testing.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_until
 
 pytestmark = cluster_marks()
 
-PROVISIONER = "csi.storage.k8s.io/"
-
-
 def _objects(ns: str, secret: str, key: str) -> list[dict[str, Any]]:
     """The Secret (in the test's namespace), the Role that lets the node's sidecars read it, the class."""
-    params = {"encrypted": "true", "csi.storage.k8s.io/fstype": "ext4"}
-    for call in ("provisioner", "node-stage", "controller-modify"):
-        params[f"{PROVISIONER}{call}-secret-name"] = secret
-        params[f"{PROVISIONER}{call}-secret-namespace"] = ns
-    meta = {"name": secret, "namespace": ns}
-    return [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "stringData": {"key": key, "keyVersion": "1"}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-         "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret], "verbs": ["get"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
-         "subjects": [{"kind": "ServiceAccount", "name": "csi-qsd-node", "namespace": DRIVER_NAMESPACE}],
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": secret}},
-        {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": f"enc-{ns}"},
-         "provisioner": "csi-qsd.io", "parameters": params, "reclaimPolicy": "Delete",
-         "volumeBindingMode": "WaitForFirstConsumer"},
-        {"apiVersion": "storage.k8s.io/v1", "kind": "VolumeAttributesClass", "metadata": {"name": f"key-2-{ns}"},
-         "driverName": "csi-qsd.io", "parameters": {"keyVersion": "2"}},
-    ]
+    return volume_secrets.encrypted_class_objects(ns, secret, key, f"enc-{ns}", {"csi.storage.k8s.io/fstype": "ext4"})
 
 
 def _claim(ns: str) -> dict[str, Any]:
@@ -150,7 +130,4 @@ def test_an_encrypted_claim_rotates_its_key_under_a_writer_and_survives_plugin_a
         cluster.kubectl("delete", "-n", ns, "pvc", "sealed", "--wait=true", "--timeout=120s", check=False)
         wait_until(lambda: not [p for p in get_json(cluster, "pv")["items"]
                                 if p["spec"].get("storageClassName") == f"enc-{ns}"], 120, "the claim's volume gone")
-        for doc in reversed(objects):
-            where = ["-n", ns] if doc["kind"] in ("Secret", "Role", "RoleBinding") else []
-            cluster.kubectl("delete", *where, doc["kind"].lower(), doc["metadata"]["name"], "--ignore-not-found",
-                            check=False)
+        volume_secrets.delete_objects(cluster, objects)

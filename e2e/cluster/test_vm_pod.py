@@ -41,6 +41,7 @@ Where the tests depart from them, and why:
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,10 @@ import pytest
 
 from e2e.cluster.conftest import cluster_marks
 from testing.cluster import examples as ex
-from testing.cluster import up
+from testing.cluster import up, volume_secrets
 from testing.cluster.build import QEMU_IMAGE, cache_root
 from testing.cluster.cluster import Cluster
-from testing.cluster.deploy import driver_pod, get_json, wait_daemonset_ready, wait_until
+from testing.cluster.deploy import DRIVER_NAMESPACE, driver_pod, get_json, wait_daemonset_ready, wait_until
 from testing.guest import build_guest_image, guest_disk_path
 from testing.guest.initramfs import EXIT_MARKER, write_run_initrd
 from testing.guest.scripts import (
@@ -132,9 +133,11 @@ def _run_to_end(cluster: Cluster, namespace: str, pod: dict[str, Any], timeout: 
     return cluster.kubectl("logs", "-n", namespace, name).stdout
 
 
-def _claim(cluster: Cluster, namespace: str) -> str:
+def _claim(cluster: Cluster, namespace: str, storage_class: str = "") -> str:
     pvc = ex.pick(ex.example("qemu-vhost-user-blk.yaml"), "PersistentVolumeClaim")
     pvc["spec"]["resources"]["requests"]["storage"] = "1Gi"
+    if storage_class:
+        pvc["spec"]["storageClassName"] = storage_class
     ex.apply(cluster, namespace, [pvc])
     return str(pvc["metadata"]["name"])
 
@@ -146,14 +149,59 @@ def _passed(console: str) -> None:
     assert summaries and all(s.mismatch == 0 and s.ioerrors == 0 for s in summaries), console[-3000:]
 
 
-def test_vm_pod_writes_and_a_second_vm_reads_back(cluster: Cluster, test_namespace: str, guest_dir: Path) -> None:
-    claim = _claim(cluster, test_namespace)
-    console = _run_to_end(cluster, test_namespace, _vm_pod("vm-write", claim, "write", guest_dir))
+def _write_then_verify(cluster: Cluster, namespace: str, claim: str, guest: Path, prefix: str) -> None:
+    """One VM pod writes the pattern and reads it back, then a second reads it again."""
+    console = _run_to_end(cluster, namespace, _vm_pod(f"{prefix}-write", claim, "write", guest))
     _passed(console)
     assert len(acknowledged_blocks(console, DISK)) == BLOCKS
-    console = _run_to_end(cluster, test_namespace, _vm_pod("vm-verify", claim, "verify", guest_dir))
+    console = _run_to_end(cluster, namespace, _vm_pod(f"{prefix}-verify", claim, "verify", guest))
     _passed(console)
     assert verify_summaries(console)[0].ok == BLOCKS
+
+
+def test_vm_pod_writes_and_a_second_vm_reads_back(cluster: Cluster, test_namespace: str, guest_dir: Path) -> None:
+    _write_then_verify(cluster, test_namespace, _claim(cluster, test_namespace), guest_dir, "vm")
+
+
+# Each image of a volume in the node's pool, and the encryption method its qcow2 header names (2: LUKS).
+_CRYPT_METHODS = (
+    "import glob, struct, sys\n"
+    "for path in sorted(glob.glob(f'/var/lib/csi-qsd/pool/{sys.argv[1]}*.qcow2')):\n"
+    "    with open(path, 'rb') as image:\n"
+    "        print(path, struct.unpack('>I', image.read(36)[32:36])[0])\n"
+)
+
+
+def test_an_encrypted_vm_claim_writes_and_a_second_vm_reads_back(
+        cluster: Cluster, test_namespace: str, guest_dir: Path) -> None:
+    """The VM class made encrypted with a real Secret: QSD serves the guest plaintext over vhost-user-blk while
+    every image of the volume in the node's pool is LUKS, and the key is in no log line of the plugin."""
+    key = secrets.token_urlsafe(32)
+    vm_class = ex.pick(ex.shipped_storage_classes(), "StorageClass", "csi-qsd-vm")
+    objects = volume_secrets.encrypted_class_objects(test_namespace, f"key-{test_namespace}", key,
+                                                     f"enc-vm-{test_namespace}", vm_class["parameters"])
+    ex.apply(cluster, test_namespace, objects)
+    try:
+        claim = _claim(cluster, test_namespace, f"enc-vm-{test_namespace}")
+        _write_then_verify(cluster, test_namespace, claim, guest_dir, "vm-enc")
+        handle = get_json(cluster, "pv", get_json(cluster, "-n", test_namespace, "pvc", claim)["spec"]["volumeName"]
+                          )["spec"]["csi"]["volumeHandle"]
+        plugin = driver_pod(cluster)["metadata"]["name"]
+        images = cluster.kubectl("exec", "-n", DRIVER_NAMESPACE, plugin, "-c", "csi-qsd", "--", "python3", "-c",
+                                 _CRYPT_METHODS, handle).stdout.split("\n")
+        methods = [line.split() for line in images if line.strip()]
+        assert methods and all(method == "2" for _path, method in methods), images
+        log = cluster.kubectl("logs", "-n", DRIVER_NAMESPACE, plugin, "-c", "csi-qsd").stdout
+        assert key not in log
+    finally:
+        for pod in ("vm-enc-write", "vm-enc-verify"):
+            cluster.kubectl("delete", "-n", test_namespace, "pod", pod, "--ignore-not-found", "--wait=true",
+                            "--timeout=120s", check=False)
+        cluster.kubectl("delete", "-n", test_namespace, "pvc", "--all", "--wait=true", "--timeout=120s", check=False)
+        wait_until(lambda: not [p for p in get_json(cluster, "pv")["items"]
+                                if p["spec"].get("storageClassName") == f"enc-vm-{test_namespace}"],
+                   120, "the encrypted claim's volume gone")
+        volume_secrets.delete_objects(cluster, objects)
 
 
 def _container(name: str, cluster: Cluster) -> dict[str, Any]:
