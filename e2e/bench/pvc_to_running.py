@@ -70,27 +70,42 @@ class Watch:
 
     def __init__(self, cluster: Cluster, namespace: str, kind: str) -> None:
         self.first: dict[tuple[str, str], float] = {}
-        self._process = subprocess.Popen(
-            [cluster.bin["kubectl"], f"--kubeconfig={cluster.admin_kubeconfig}", "get", kind, "-n", namespace,
-             "--watch", "--output-watch-events", "-o", "json"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._argv = [cluster.bin["kubectl"], f"--kubeconfig={cluster.admin_kubeconfig}", "get", kind, "-n", namespace,
+                      "--watch", "--output-watch-events", "-o", "json"]
+        self._stopped = threading.Event()
+        self._process = self._start()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
+    def _start(self) -> subprocess.Popen[str]:
+        return subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
     def _read(self) -> None:
-        assert self._process.stdout is not None
+        """Record each object's phases; a watch the API server ends (an ERROR event, a closed stream) is started
+        again, and its first answer lists every object as it is."""
+        while not self._stopped.is_set():
+            self._read_one(self._process)
+            if not self._stopped.is_set():
+                self._process.wait()
+                self._process = self._start()
+                if self._stopped.is_set():  # stopped while it started: `stop` killed the one before
+                    self._process.kill()
+
+    def _read_one(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
         buffer = ""
         decoder = json.JSONDecoder()
-        for line in self._process.stdout:
+        for line in process.stdout:
             buffer += line
             try:
                 event, end = decoder.raw_decode(buffer.strip())
             except ValueError:
                 continue
             buffer = buffer.strip()[end:]
-            obj = event["object"]
-            key = (obj["metadata"]["name"], (obj.get("status") or {}).get("phase", ""))
-            self.first.setdefault(key, time.monotonic())
+            name = event.get("object", {}).get("metadata", {}).get("name")
+            if event.get("type") == "ERROR" or not name:
+                continue  # the watch's end (a Status): kubectl exits, and the watch starts again
+            self.first.setdefault((name, (event["object"].get("status") or {}).get("phase", "")), time.monotonic())
 
     def wait(self, name: str, phase: str, timeout: float = 180) -> float:
         deadline = time.monotonic() + timeout
@@ -101,6 +116,7 @@ class Watch:
         return self.first[(name, phase)]
 
     def stop(self) -> None:
+        self._stopped.set()
         self._process.kill()
         self._process.wait()
         self._thread.join(timeout=10)  # it reads to the killed kubectl's end of output
