@@ -347,7 +347,7 @@ class FuseLoopExport(ExportPath):
         # container with mountPropagation HostToContainer receives the new one (`filesystem.ensure_published`).
         if stage.access_type is AccessType.MOUNT:
             entry = mounts.mounted_at(stage.staging_path)
-            if entry is not None and (Path(entry.source) in stale or _stands_on_our_loop(entry.source, export, stage)):
+            if entry is not None and (Path(entry.source) in stale or _is_loop_over(entry.source, export)):
                 await mounts.unmount(stage.staging_path, lazy=True)
         for device in stale:
             await loop.detach(device)

@@ -48,6 +48,7 @@ from typing import Any
 
 import pytest
 
+from csi_qsd.qcow2 import header
 from e2e.cluster.conftest import cluster_marks
 from testing.cluster import examples as ex
 from testing.cluster import up, volume_secrets
@@ -163,12 +164,14 @@ def test_vm_pod_writes_and_a_second_vm_reads_back(cluster: Cluster, test_namespa
     _write_then_verify(cluster, test_namespace, _claim(cluster, test_namespace), guest_dir, "vm")
 
 
-# Each image of a volume in the node's pool, and the encryption method its qcow2 header names (2: LUKS).
+# Each image of a volume in the node's pool and the encryption method its qcow2 header names, read by the
+# driver's own header reader in the plugin's image.
 _CRYPT_METHODS = (
-    "import glob, struct, sys\n"
+    "import glob, sys\n"
+    "from pathlib import Path\n"
+    "from csi_qsd.qcow2 import header\n"
     "for path in sorted(glob.glob(f'/var/lib/csi-qsd/pool/{sys.argv[1]}*.qcow2')):\n"
-    "    with open(path, 'rb') as image:\n"
-    "        print(path, struct.unpack('>I', image.read(36)[32:36])[0])\n"
+    "    print(path, header.read_file(Path(path)).crypt_method)\n"
 )
 
 
@@ -177,7 +180,7 @@ def test_an_encrypted_vm_claim_writes_and_a_second_vm_reads_back(
     """The VM class made encrypted with a real Secret: QSD serves the guest plaintext over vhost-user-blk while
     every image of the volume in the node's pool is LUKS, and the key is in no log line of the plugin."""
     key = secrets.token_urlsafe(32)
-    vm_class = ex.pick(ex.shipped_storage_classes(), "StorageClass", "csi-qsd-vm")
+    vm_class = ex.pick(ex.example("../storageclasses.yaml"), "StorageClass", "csi-qsd-vm")
     objects = volume_secrets.encrypted_class_objects(test_namespace, f"key-{test_namespace}", key,
                                                      f"enc-vm-{test_namespace}", vm_class["parameters"])
     ex.apply(cluster, test_namespace, objects)
@@ -187,10 +190,10 @@ def test_an_encrypted_vm_claim_writes_and_a_second_vm_reads_back(
         handle = get_json(cluster, "pv", get_json(cluster, "-n", test_namespace, "pvc", claim)["spec"]["volumeName"]
                           )["spec"]["csi"]["volumeHandle"]
         plugin = driver_pod(cluster)["metadata"]["name"]
-        images = cluster.kubectl("exec", "-n", DRIVER_NAMESPACE, plugin, "-c", "csi-qsd", "--", "python3", "-c",
-                                 _CRYPT_METHODS, handle).stdout.split("\n")
+        images = cluster.kubectl("exec", "-n", DRIVER_NAMESPACE, plugin, "-c", "csi-qsd", "--",
+                                 "/opt/csi-qsd/bin/python", "-c", _CRYPT_METHODS, handle).stdout.split("\n")
         methods = [line.split() for line in images if line.strip()]
-        assert methods and all(method == "2" for _path, method in methods), images
+        assert methods and all(method == str(header.CRYPT_LUKS) for _path, method in methods), images
         log = cluster.kubectl("logs", "-n", DRIVER_NAMESPACE, plugin, "-c", "csi-qsd").stdout
         assert key not in log
     finally:

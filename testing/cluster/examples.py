@@ -26,11 +26,6 @@ def example(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
 
 
-def shipped_storage_classes() -> list[dict[str, Any]]:
-    """The StorageClasses `deploy/` ships (`deploy/storageclasses.yaml`)."""
-    return [d for d in yaml.safe_load_all((EXAMPLES.parent / "storageclasses.yaml").read_text()) if d]
-
-
 def pick(docs: list[dict[str, Any]], kind: str, name: str = "") -> dict[str, Any]:
     found = [d for d in docs if d["kind"] == kind and (not name or d["metadata"]["name"] == name)]
     assert len(found) == 1, f"expected one {kind} {name} in the example, found {len(found)}"
