@@ -20,6 +20,12 @@ backups themselves are never modified) and lets `qemu-img convert` write one
 standalone image. Frozen images are read beside the running QSD with
 `force-share`, as `qemu-img map -U` does. No gRPC types here: the caller
 passes in the ranges.
+
+A backup of an encrypted volume is an encrypted qcow2 (LUKS, the volume's
+passphrase): the snapshot's chain is read and the backup written by
+qemu-nbd opened with the key (`csi_qsd.qcow2.keyed`, on stdin), and a
+restore of encrypted backups writes an encrypted qcow2. The key is checked
+before anything is written (`csi_qsd.backup.keys`).
 """
 
 from __future__ import annotations
@@ -35,13 +41,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from csi_qsd.backup import keys
 from csi_qsd.catalog import Catalog
 from csi_qsd.errors import InvalidArgument, NBDError
+from csi_qsd.qcow2 import keyed
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.granularity import BACKUP_OPTIONS
 from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import durable, nbd_unix
 from csi_qsd.sys.run import run
+from csi_qsd.sys.volume_keys import VolumeKey
 
 CHUNK = 4 << 20  # bytes per NBD request; qemu-nbd accepts up to 32 MiB
 
@@ -121,13 +130,16 @@ class SnapshotRanges(Protocol):
 
 
 @contextlib.asynccontextmanager
-async def nbd_export(qemu_nbd: str, spec: str, socket: Path, *, read_only: bool) -> AsyncIterator[NBDClient]:
+async def nbd_export(qemu_nbd: str, spec: str, socket: Path, *, read_only: bool,
+                     key: bytes | None = None) -> AsyncIterator[NBDClient]:
     """Serve `spec` with qemu-nbd on `socket`, connected as its one client; the server is gone when this exits.
 
     Its exit is awaited (bounded, `csi_qsd.sys.nbd_unix`), so a written
-    image is closed before the caller uses it.
+    image is closed before the caller uses it. `key`: the base64 passphrase
+    of an encrypted `spec`, given to qemu-nbd on its stdin.
     """
-    async with nbd_unix.serving(qemu_nbd, spec, socket, writable=not read_only):
+    async with nbd_unix.serving(qemu_nbd, spec, socket, writable=not read_only,
+                                secret=keyed.SECRET if key is not None else "", stdin=key):
         client = await NBDClient.connect(socket)
         try:
             yield client
@@ -149,15 +161,33 @@ class BackupReport:
     extents: int
     bytes_read: int
     zero_bytes: int  # of bytes_read, written as zero clusters
+    encrypted: bool = False  # a LUKS qcow2, opened by the volume's passphrase (older descriptions have no field)
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """How qemu-nbd opens the snapshot and the new backup file, and the key it reads on stdin (or none)."""
+
+    source: str
+    target: str
+    stdin: bytes | None = None
+
+    @classmethod
+    def of(cls, image: Path, tmp: Path, key: VolumeKey | None) -> "Specs":
+        if key is None:
+            return cls(qcow2_spec(image, read_only=True), qcow2_spec(tmp, read_only=False))
+        return cls(keyed.json_name(keyed.chain_spec(image)), keyed.json_name(keyed.layer(tmp, None, read_only=False)),
+                   key.base64().encode())
 
 
 async def backup(
     image: Path, ranges: list[Extent], capacity: int, out: Path, *, snapshot_id: str, base_snapshot_id: str = "",
-    qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd",
+    qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd", key: VolumeKey | None = None,
 ) -> BackupReport:
     """Copy `ranges` of the snapshot whose frozen image is `image` into a new qcow2 `out` (and `out`.json).
 
-    Raises HostCommandError (NBDError) if an image cannot be read or written.
+    `key`: the snapshot is encrypted with it, and so is `out`. Raises
+    HostCommandError (NBDError) if an image cannot be read or written.
     """
     out = out.absolute()
     tmp = out.with_name(f".{out.name}.tmp")
@@ -165,10 +195,11 @@ async def backup(
     with tempfile.TemporaryDirectory(prefix="csi-qsd-backup-") as work:
         private_file(tmp)
         try:
-            await run(qemu_img, "create", "-q", "-f", "qcow2", "-o", BACKUP_OPTIONS, str(tmp), str(capacity))
+            await _create(qemu_img, tmp, capacity, key)
+            specs = Specs.of(image, tmp, key)
             async with (
-                nbd_export(qemu_nbd, qcow2_spec(image, read_only=True), Path(work) / "src.sock", read_only=True) as src,
-                nbd_export(qemu_nbd, qcow2_spec(tmp, read_only=False), Path(work) / "dst.sock", read_only=False) as dst,
+                nbd_export(qemu_nbd, specs.source, Path(work) / "src.sock", read_only=True, key=specs.stdin) as src,
+                nbd_export(qemu_nbd, specs.target, Path(work) / "dst.sock", read_only=False, key=specs.stdin) as dst,
             ):
                 for offset, length in ranges:
                     for at in range(offset, offset + length, CHUNK):
@@ -181,13 +212,23 @@ async def backup(
                         else:
                             await dst.write(at, data)
                 await dst.flush()
-            report = BackupReport(snapshot_id, base_snapshot_id, capacity, len(ranges), read, zeros)
+            report = BackupReport(snapshot_id, base_snapshot_id, capacity, len(ranges), read, zeros, key is not None)
             text = (json.dumps(dataclasses.asdict(report)) + "\n").encode()
             await asyncio.to_thread(durable.create, Path(f"{out}.json"), lambda fd: os.write(fd, text))
             await asyncio.to_thread(durable.replace, tmp, out)
         finally:
             tmp.unlink(missing_ok=True)
     return report
+
+
+async def _create(qemu_img: str, tmp: Path, capacity: int, key: VolumeKey | None) -> None:
+    """The empty backup file: in 4 KiB subclusters, LUKS-encrypted with `key` if given (the key on stdin)."""
+    if key is None:
+        await run(qemu_img, "create", "-q", "-f", "qcow2", "-o", BACKUP_OPTIONS, str(tmp), str(capacity))
+        return
+    await run(qemu_img, "create", "-q", "-f", "qcow2", "--object", keyed.SECRET,
+              "-o", ",".join([BACKUP_OPTIONS, *keyed.CREATE_OPTIONS]), str(tmp), str(capacity),
+              stdin=key.base64().encode())
 
 
 def describe(backup_file: Path) -> BackupReport:
@@ -212,28 +253,41 @@ def check_sequence(reports: list[BackupReport]) -> None:
             )
 
 
-def layered_spec(files: list[Path]) -> dict[str, Any]:
-    """A blockdev tree reading `files[-1]` over `files[-2]` … over `files[0]`, which has no backing."""
+def layered_spec(files: list[Path], *, encrypted: bool = False) -> dict[str, Any]:
+    """A blockdev tree reading `files[-1]` over `files[-2]` … over `files[0]`, which has no backing; each layer
+    opened with the key if `encrypted`."""
     spec: dict[str, Any] | None = None
     for path in files:
         spec = {"driver": "qcow2", "read-only": True,
                 "file": {"driver": "file", "filename": str(path.absolute())}, "backing": spec}
+        if encrypted:
+            spec["encrypt.key-secret"] = keyed.SECRET_ID
     assert spec is not None
     return spec
 
 
-async def restore(files: list[Path], out: Path, *, qemu_img: str = "qemu-img", fmt: str = "qcow2") -> BackupReport:
+async def restore(files: list[Path], out: Path, *, qemu_img: str = "qemu-img", fmt: str = "qcow2",
+                  key: VolumeKey | None = None) -> BackupReport:
     """Write one standalone image `out` holding the newest backup's snapshot, from a full plus incrementals.
 
-    Raises InvalidArgument for a broken sequence, HostCommandError if qemu-img fails.
+    Encrypted backups (opened by `key`) restore to a qcow2 encrypted with it.
+    Raises InvalidArgument for a broken sequence, a missing or needless key
+    or raw output of encrypted backups, PermissionDenied for a key that does
+    not open them, HostCommandError if qemu-img fails.
     """
     reports = [describe(f) for f in files]
     check_sequence(reports)
+    encrypted = await keys.encrypted_with(qemu_img, files, key, "the backups")
+    if encrypted and fmt != "qcow2":
+        raise InvalidArgument(f"encrypted backups restore to an encrypted qcow2 only, not {fmt}: nothing was written")
+    argv = ["-O", fmt]
+    if key is not None:
+        argv = ["--object", keyed.SECRET, "-O", "qcow2", "-o", ",".join(keyed.CREATE_OPTIONS)]
     tmp = out.with_name(f".{out.name}.tmp")
     private_file(tmp)
     try:
-        await run(qemu_img, "convert", "-O", fmt, "json:" + json.dumps(layered_spec(files)), str(tmp),
-                  timeout=24 * 3600)
+        await run(qemu_img, "convert", *argv, "json:" + json.dumps(layered_spec(files, encrypted=encrypted)),
+                  str(tmp), timeout=24 * 3600, stdin=key.base64().encode() if key is not None else None)
         await asyncio.to_thread(durable.replace, tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -243,11 +297,12 @@ async def restore(files: list[Path], out: Path, *, qemu_img: str = "qemu-img", f
 
 async def backup_snapshot(
     client: SnapshotRanges, catalog_path: Path, snapshot_id: str, out: Path, *, since: str = "",
-    qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd",
+    qemu_img: str = "qemu-img", qemu_nbd: str = "qemu-nbd", key: VolumeKey | None = None,
 ) -> BackupReport:
     """Ask the driver which ranges to copy, find the snapshot's frozen image in its catalog, copy them.
 
-    Raises grpc errors from the driver, InvalidArgument, HostCommandError.
+    An encrypted snapshot needs its volume's `key` (the backup is encrypted with it).
+    Raises grpc errors from the driver, InvalidArgument, PermissionDenied, HostCommandError.
     """
     if since:
         capacity, ranges = await client.metadata_delta(since, snapshot_id)
@@ -259,5 +314,6 @@ async def backup_snapshot(
         record = await catalog.snapshot(snapshot_id)
     if record is None:
         raise InvalidArgument(f"snapshot {snapshot_id} is not in the catalog at {catalog_path}")
+    await keys.encrypted_with(qemu_img, [record.image], key, f"snapshot {snapshot_id}")
     return await backup(record.image, ranges, capacity, out, snapshot_id=snapshot_id, base_snapshot_id=since,
-                        qemu_img=qemu_img, qemu_nbd=qemu_nbd)
+                        qemu_img=qemu_img, qemu_nbd=qemu_nbd, key=key)

@@ -101,6 +101,7 @@ def _backup_actions(actions: Subcommands) -> None:
     backup.add_argument("snapshot_id")
     backup.add_argument("--since", default="", metavar="BASE_SNAPSHOT_ID", help="incremental since this snapshot")
     backup.add_argument("-o", "--output", required=True, help="the qcow2 file to write (and FILE.json beside it)")
+    _key_file(backup, "of an encrypted volume's snapshot: the backup is a qcow2 encrypted with it (LUKS)")
     option(backup, "--state-dir", str(DEFAULT_STATE_DIR), "the driver's state dir, whose catalog names the images")
     option(backup, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
     option(backup, "--qemu-nbd", bundled("qemu-nbd"), "qemu-nbd executable")
@@ -115,7 +116,14 @@ def _backup_actions(actions: Subcommands) -> None:
     restore.add_argument("backups", nargs="+")
     restore.add_argument("-o", "--output", required=True)
     restore.add_argument("--format", default="qcow2", choices=["qcow2", "raw"])
+    _key_file(restore, "of encrypted backups: the image written is a qcow2 encrypted with it (LUKS)")
     option(restore, "--qemu-img", bundled("qemu-img"), "qemu-img executable")
+
+
+def _key_file(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--key-file", default="", metavar="FILE",
+                        help=f"a file holding the volume's passphrase (the Secret's entry 'key', its bytes exactly), "
+                             f"{what}; never on the command line")
 
 
 def run(args: argparse.Namespace) -> int:

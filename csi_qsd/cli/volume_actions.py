@@ -20,6 +20,7 @@ from csi_qsd.cli import present
 from csi_qsd.cli.client import CSIClient
 from csi_qsd.cli.for_people import show
 from csi_qsd.config import Config
+from csi_qsd.sys.volume_keys import VolumeKey
 
 Action = Callable[[CSIClient, argparse.Namespace], Awaitable[int]]
 Shown = TypeVar("Shown", bound="Message | Mapping[str, object]")
@@ -133,12 +134,19 @@ async def _nbd_export(client: CSIClient, args: argparse.Namespace) -> int:
                                     Path(args.socket), qemu_img=args.qemu_img, qemu_nbd=args.qemu_nbd)
 
 
+def _key(args: argparse.Namespace) -> VolumeKey | None:
+    """The passphrase `--key-file` names, or None without one."""
+    from csi_qsd.backup import keys
+
+    return keys.read_key_file(Path(args.key_file)) if args.key_file else None
+
+
 async def _backup(client: CSIClient, args: argparse.Namespace) -> int:
     from csi_qsd.backup import incremental
 
     report = await incremental.backup_snapshot(
         client, Config(state_dir=Path(args.state_dir)).catalog_path, args.snapshot_id, Path(args.output),
-        since=args.since, qemu_img=args.qemu_img, qemu_nbd=args.qemu_nbd)
+        since=args.since, qemu_img=args.qemu_img, qemu_nbd=args.qemu_nbd, key=_key(args))
     print(json.dumps(dataclasses.asdict(report)))
     return 0
 
@@ -147,7 +155,7 @@ async def _restore(client: CSIClient, args: argparse.Namespace) -> int:
     from csi_qsd.backup import incremental
 
     report = await incremental.restore([Path(b) for b in args.backups], Path(args.output),
-                                       qemu_img=args.qemu_img, fmt=args.format)
+                                       qemu_img=args.qemu_img, fmt=args.format, key=_key(args))
     print(json.dumps(dataclasses.asdict(report)))
     return 0
 

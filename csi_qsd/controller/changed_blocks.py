@@ -20,6 +20,10 @@ falls back to everything allocated in T's chain or in B's chain: a superset
 fallback is logged (`event=cbt_fallback` with the reason) and counted
 (`fallbacks`, exported as a Prometheus counter).
 
+An encrypted volume's images are read the same way, without its key: the
+qcow2 tables and bitmaps are not encrypted, and they are in the volume's
+(guest) offsets, so its changed blocks are exact too.
+
 Snapshots of one volume are compared only with each other; the catalog's
 `backing` column is the chain. No gRPC types and no QMP here.
 """
@@ -38,7 +42,7 @@ from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotRecord, SnapshotState
 from csi_qsd.controller import chains
 from csi_qsd.errors import HostCommandError, InvalidArgument, NotFound, OutOfRange
-from csi_qsd.qcow2 import extents, image_bitmaps, imagemap, layer_bitmaps
+from csi_qsd.qcow2 import extents, image_bitmaps, imagemap, keyed, layer_bitmaps
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.sys.tools import bundled
 
@@ -74,7 +78,7 @@ class ChangedBlocks:
         start = time.monotonic()
         snapshot = await self._visible(snapshot_id, "snapshot_id")
         _check_offset(starting_offset, snapshot.size)
-        found = await self._reading([snapshot], imagemap.chain_allocation(self._qemu_img, snapshot.image))
+        found = await self._reading([snapshot], self._chain_allocation(snapshot))
         answer = extents.clip(found, starting_offset, snapshot.size)
         log.info("event=cbt_allocated snapshot_id=%s extents=%d bytes=%d seconds=%.3f",
                  snapshot.id, len(answer), extents.total(answer), time.monotonic() - start)
@@ -113,9 +117,7 @@ class ChangedBlocks:
                 f"{reason}; answering with everything allocated in either snapshot",
             )
             both = await self._reading([base, target], asyncio.gather(
-                imagemap.chain_allocation(self._qemu_img, target.image),
-                imagemap.chain_allocation(self._qemu_img, base.image),
-            ))
+                self._chain_allocation(target), self._chain_allocation(base)))
             found = extents.union(*both)
             exact = False
         answer = extents.clip(found, starting_offset, target.size)
@@ -151,6 +153,17 @@ class ChangedBlocks:
             image_bitmaps.read(self._qemu_img, self._qemu_nbd, bottom, needed.names),
         )
         return extents.union(above, *merged), ""
+
+    async def _chain_allocation(self, snapshot: SnapshotRecord) -> list[Extent]:
+        """Everything allocated in the snapshot's chain. An encrypted chain's is the union of its layers' tables,
+        which are not encrypted: `qemu-img map` of the chain would need the key to open it."""
+        try:
+            encrypted = await asyncio.to_thread(keyed.encrypted, snapshot.image)
+        except OSError as exc:
+            raise HostCommandError(f"cannot read the header of {snapshot.image}: {exc.strerror}") from exc
+        if encrypted:
+            return await self._layers(await self._chain(snapshot))
+        return await imagemap.chain_allocation(self._qemu_img, snapshot.image)
 
     async def _layers(self, layers: list[Path]) -> list[Extent]:
         limit = asyncio.Semaphore(PARALLEL_MAPS)

@@ -18,9 +18,9 @@ from pathlib import Path
 from csi_qsd.errors import ResourceExhausted
 from csi_qsd.params import DEFAULT_POOL_NAME, ImageFormat, Preallocation, VolumeParameters
 from csi_qsd.pools.base import NewImage, Pool, PoolUsage
-from csi_qsd.qcow2 import blank, image_bitmaps, layer_bitmaps
+from csi_qsd.qcow2 import blank, image_bitmaps, keyed, layer_bitmaps
 from csi_qsd.qcow2.granularity import qcow2_options
-from csi_qsd.qsd import encryption, file_aio
+from csi_qsd.qsd import file_aio
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.storage import ImageFile
 from csi_qsd.sys import durable
@@ -113,20 +113,19 @@ class FilePool(Pool):
         """A qcow2 `image` with a LUKS header of its own, opened by `key` (over `backing`, unopened: O(1) in data).
 
         qemu-img reads the key from its stdin (a pipe), never from argv or a
-        file. No changed-block record is added: qemu-img would need the key
-        again, and a layer without one counts as changed throughout
-        (`csi_qsd.qcow2.layer_bitmaps`), so changed blocks stay a superset.
+        file. The image gets the changed-block record a plain one has (a
+        second qemu-img, the key on its stdin again).
         """
         tmp = image.with_name(image.name + TMP_SUFFIX)
         tmp.unlink(missing_ok=True)
-        options = ["encrypt.format=luks", "encrypt.key-secret=key", f"encrypt.iter-time={encryption.ITER_TIME_MS}",
-                   f"preallocation={preallocation}", "lazy_refcounts=off", *qcow2_options(granularity)]
-        argv = [self._qemu_img, "create", "-q", "-f", "qcow2", "--object", "secret,id=key,file=/dev/stdin,format=base64",
-                "-o", ",".join(options)]
+        options = [*keyed.CREATE_OPTIONS, f"preallocation={preallocation}", "lazy_refcounts=off",
+                   *qcow2_options(granularity)]
+        argv = [self._qemu_img, "create", "-q", "-f", "qcow2", "--object", keyed.SECRET, "-o", ",".join(options)]
         if backing is not None:
             argv += ["-u", "-b", backing.name, "-F", "qcow2"]
         try:
             await run(*argv, str(tmp), str(size), timeout=3600, stdin=key.base64().encode())
+            await image_bitmaps.add_tracking(self._qemu_img, tmp, granularity, key=key)
             await asyncio.to_thread(durable.replace, tmp, image)
         finally:
             tmp.unlink(missing_ok=True)
@@ -183,22 +182,13 @@ class FilePool(Pool):
         await asyncio.to_thread(durable.create, image, lambda fd: blank.write(fd, pieces))
 
     async def opens_with(self, image: Path, key: VolumeKey) -> bool:
-        """Whether `key` unlocks `image`'s LUKS header: `qemu-img check` of the image alone, which opens it for I/O.
-
-        Without its backing (each layer has a header of its own) and sharing
-        it (QSD may hold it), so a chain in use is checked too. qemu-img's
-        exit code 1 is an open it refused (0, 2 and 3 report on an image it opened).
-        """
-        spec = {"driver": "qcow2", "encrypt.key-secret": "key", "backing": None,
-                "file": {"driver": "file", "filename": str(image)}}
-        code, _ = await run(self._qemu_img, "check", "-q", "-U", "--object", "secret,id=key,file=/dev/stdin,format=base64",
-                            "json:" + json.dumps(spec), timeout=CHECK_TIMEOUT, check=False, stdin=key.base64().encode())
-        return code != 1
+        """Whether `key` unlocks `image`'s LUKS header (`csi_qsd.qcow2.keyed.opens_with`)."""
+        return await keyed.opens_with(self._qemu_img, image, key)
 
     async def add_key(self, image: Path, opened_by: VolumeKey, key: VolumeKey, *, in_use: bool) -> None:
         """A keyslot for `key` in `image`'s LUKS header, written by qemu-img (never QSD: see `_amend_key`)."""
         await self._amend_key(image, opened_by, key, ["encrypt.state=active", "encrypt.new-secret=k2",
-                                                      f"encrypt.iter-time={encryption.ITER_TIME_MS}"], in_use=in_use)
+                                                      f"encrypt.iter-time={keyed.ITER_TIME_MS}"], in_use=in_use)
 
     async def remove_key(self, image: Path, opened_by: VolumeKey, key: VolumeKey, *, in_use: bool) -> None:
         """Erase `image`'s keyslots that `key` opens; QEMU refuses to erase the last one (`opened_by` must open

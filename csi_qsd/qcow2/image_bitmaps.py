@@ -17,20 +17,29 @@ from pathlib import Path
 from typing import Any
 
 from csi_qsd.errors import HostCommandError
-from csi_qsd.qcow2 import layer_bitmaps
+from csi_qsd.qcow2 import keyed, layer_bitmaps
 from csi_qsd.qcow2.extents import Extent
 from csi_qsd.qcow2.imagemap import layer_spec, qcow2_spec
 from csi_qsd.qcow2.layer_bitmaps import Bitmap
 from csi_qsd.sys import nbd_unix
 from csi_qsd.sys.run import run
+from csi_qsd.sys.volume_keys import VolumeKey
 
 
-async def add_tracking(qemu_img: str, image: Path, granularity: int) -> None:
+async def add_tracking(qemu_img: str, image: Path, granularity: int, *, key: VolumeKey | None = None) -> None:
     """Give a new qcow2 image its own record: an enabled persistent bitmap QSD marks on every write.
 
     The image is opened without its backing chain: a chain QSD has open (a live top) would refuse qemu-img's lock.
+    An encrypted image (`key`) is opened with its key on stdin: QEMU opens a LUKS image for writing only
+    unlocked. The bitmap, like all qcow2 metadata, is in guest offsets: the volume's changed blocks.
     """
-    await run(qemu_img, "bitmap", "--add", "--enable", "-g", str(granularity), layer_spec(image), layer_bitmaps.OWN)
+    if key is None:
+        await run(qemu_img, "bitmap", "--add", "--enable", "-g", str(granularity), layer_spec(image),
+                  layer_bitmaps.OWN)
+        return
+    await run(qemu_img, "bitmap", "--object", keyed.SECRET, "--add", "--enable", "-g", str(granularity),
+              keyed.json_name(keyed.layer(image, None, read_only=False)), layer_bitmaps.OWN,
+              stdin=key.base64().encode())
 
 
 def bitmaps_of(info: dict[str, Any]) -> dict[str, Bitmap]:
@@ -66,16 +75,19 @@ async def carry_before_flatten(qemu_img: str, image: Path) -> None:
         await run(*argv, "--disable", layer_spec(image), step.target)
 
 
-async def read(qemu_img: str, qemu_nbd: str, image: Path, names: list[str]) -> list[list[Extent]]:
+async def read(qemu_img: str, qemu_nbd: str, image: Path, names: list[str], *,
+               key: VolumeKey | None = None) -> list[list[Extent]]:
     """The dirty ranges of each bitmap `names` of a frozen `image`, in that order.
 
     qemu-nbd serves the image read-only with those bitmaps on a private
-    socket until every `qemu-img map` has read its one.
+    socket until every `qemu-img map` has read its one; an encrypted image
+    is opened with its `key` (its chain each layer keyed: QEMU opens it for I/O).
     """
+    spec = qcow2_spec(image, read_only=True) if key is None else keyed.json_name(keyed.chain_spec(image))
     with tempfile.TemporaryDirectory(prefix="csi-qsd-bitmap-") as work:
         socket = Path(work) / "nbd.sock"
-        async with nbd_unix.serving(qemu_nbd, qcow2_spec(image, read_only=True), socket, persistent=True,
-                                           bitmaps=names):
+        async with nbd_unix.serving(qemu_nbd, spec, socket, persistent=True, bitmaps=names,
+                                    secret=keyed.SECRET if key else "", stdin=key.base64().encode() if key else None):
             return [await _dirty_ranges(qemu_img, image, socket, name) for name in names]
 
 

@@ -8,7 +8,8 @@ calls present: every cluster (or, with extended L2 entries, subcluster)
 that is allocated, compressed or marked zero in this image.
 
 Only images this reader fully understands are read: qcow2 version 3, no
-encryption, no external data file, no incompatible feature other than
+encryption but LUKS (whose data clusters are ciphertext and whose tables
+are not: they map the volume's offsets as in a plain image), no external data file, no incompatible feature other than
 extended L2 entries and the compression type, not marked corrupt. For any
 other image `read_layer` answers None and the caller asks `qemu-img map`.
 The image must be frozen (a snapshot's); this never writes.
@@ -38,7 +39,8 @@ def read_layer(image: Path) -> list[Extent] | None:
     fd = os.open(image, os.O_RDONLY)
     try:
         head = header.read(fd)
-        if (head is None or head.version != 3 or head.crypt_method or head.incompatible & ~UNDERSTOOD
+        if (head is None or head.version != 3 or head.crypt_method not in (0, header.CRYPT_LUKS)
+                or head.incompatible & ~UNDERSTOOD
                 or not 9 <= head.cluster_bits <= 21):
             return None
         cluster, size = 1 << head.cluster_bits, head.size

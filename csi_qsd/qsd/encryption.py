@@ -22,19 +22,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from csi_qsd.errors import FailedPrecondition, QSDError
+from csi_qsd.errors import QSDError
 from csi_qsd.params import VolumeParameters
-from csi_qsd.qcow2 import backing
+from csi_qsd.qcow2.keyed import ITER_TIME_MS as ITER_TIME_MS  # re-exported: QSD's keyslots cost the same
+from csi_qsd.qcow2.keyed import chain_below as chain_below  # read from the headers, never through QEMU
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.sys.volume_keys import VolumeKey
 
 FORMAT = "luks"
-# PBKDF2 time QEMU spends per keyslot when it opens an encrypted layer, in QSD's main loop (its default is
-# 2000 ms, per layer of a chain, stalling every export of that QSD): a passphrase from a Secret should be random,
-# which no iteration count makes stronger or weaker. Adding a keyslot costs QEMU's benchmark of PBKDF2 (~1 s) more.
-ITER_TIME_MS = 100
 
 
 def layer_options(secret_id: str) -> QMPArgs:
@@ -44,26 +41,6 @@ def layer_options(secret_id: str) -> QMPArgs:
 
 def secret_object(secret_id: str, key: VolumeKey) -> QMPArgs:
     return {"qom-type": "secret", "id": secret_id, "data": key.base64(), "format": "base64"}
-
-
-def chain_below(image: Path) -> list[Path]:
-    """The images `image`'s header chain reads through, newest first, as their headers name them.
-
-    Raises FailedPrecondition for a chain that leaves the local filesystem
-    (a `json:` name: a copy from another node, not offered encrypted) or
-    loops; OSError if a header cannot be read.
-    """
-    found: list[Path] = []
-    current = image
-    while len(found) < backing.MAX_DEPTH:
-        name = backing.backing_name(current)
-        if not name:
-            return found
-        if name.startswith("json:"):
-            raise FailedPrecondition(f"image {current} reads through {name[:40]}…: encrypted chains are local only")
-        current = current.parent / name
-        found.append(current)
-    raise FailedPrecondition(f"image {image} reads through more than {backing.MAX_DEPTH} images")
 
 
 def backing_spec(chain: list[Path], params: VolumeParameters, secret_id: str, aio: str, *,

@@ -47,14 +47,17 @@ class NBDServer:
 @contextlib.asynccontextmanager
 async def serving(
     qemu_nbd: str, image: str, socket: Path, *, writable: bool = False, persistent: bool = False,
-    clients: int = 1, bitmaps: Sequence[str] = (), allocation_depth: bool = False,
+    clients: int = 1, bitmaps: Sequence[str] = (), allocation_depth: bool = False, secret: str = "",
+    stdin: bytes | None = None,
 ) -> AsyncIterator[NBDServer]:
     """qemu-nbd serving `image` (a filename or `json:` spec) on UNIX `socket`, listening; stopped on exit.
 
     `persistent`: it keeps serving when its clients leave (otherwise it
     exits after its first client). `clients`: how many at once. `bitmaps`:
     dirty bitmaps offered as `qemu:dirty-bitmap:NAME` contexts;
-    `allocation_depth`: the `qemu:allocation-depth` context. Raises
+    `allocation_depth`: the `qemu:allocation-depth` context. `secret`: a
+    `secret` object's `--object` options reading `stdin` (an encrypted
+    image's key: on a pipe, never argv), read before qemu-nbd forks. Raises
     HostCommandError if it cannot start, NBDError if it does not stop.
     """
     argv = [qemu_nbd, "--fork", "--socket", str(socket), f"--shared={clients}"]
@@ -63,9 +66,10 @@ async def serving(
     argv += ["--allocation-depth"] if allocation_depth else []
     for name in bitmaps:
         argv += ["--bitmap", name]
+    argv += ["--object", secret] if secret else []
     with tempfile.TemporaryDirectory(prefix="csi-qsd-nbd-") as work:
         pid_file = Path(work) / "pid"
-        await run(*argv, "--pid-file", str(pid_file), image, timeout=START_SECONDS)
+        await run(*argv, "--pid-file", str(pid_file), image, timeout=START_SECONDS, stdin=stdin)
         pid = int(pid_file.read_text())
     process = WatchedProcess.open(pid)
     if process is None:

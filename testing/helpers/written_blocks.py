@@ -17,9 +17,10 @@ import struct
 from pathlib import Path
 
 from csi_qsd.cli.client import CSIClient
-from csi_qsd.qcow2 import extents
+from csi_qsd.qcow2 import extents, keyed
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
+from csi_qsd.sys.volume_keys import VolumeKey
 from testing.harness import Sandbox
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -68,10 +69,14 @@ async def frozen_image(drv: Driver, snapshot_id: str) -> Path:
     return snapshot.image
 
 
-async def snapshot_content(drv: Driver, snapshot_id: str, out: Path) -> bytes:
-    """A snapshot's data, read from its frozen image chain."""
+async def snapshot_content(drv: Driver, snapshot_id: str, out: Path, key: str = "") -> bytes:
+    """A snapshot's data, read from its frozen image chain (an encrypted one's with its passphrase `key`)."""
     image = await frozen_image(drv, snapshot_id)
-    await run(drv.config.qemu_img, "convert", "-U", "-f", "qcow2", "-O", "raw", str(image), str(out))
+    if key:
+        await run(drv.config.qemu_img, "convert", "--object", keyed.SECRET, "-O", "raw",
+                  keyed.json_name(keyed.chain_spec(image)), str(out), stdin=VolumeKey(key).base64().encode())
+    else:
+        await run(drv.config.qemu_img, "convert", "-U", "-f", "qcow2", "-O", "raw", str(image), str(out))
     data = out.read_bytes()
     out.unlink()
     return data
@@ -84,8 +89,11 @@ def changed_clusters(old: bytes, new: bytes, granularity: int = CLUSTER) -> set[
 
 
 async def check_delta(drv: Driver, csi: CSIClient, box: Sandbox, base: str, target: str, touched: set[int],
-                      *, exact: bool = True, within_touched: bool = True, granularity: int = CLUSTER) -> set[int]:
+                      *, exact: bool = True, within_touched: bool = True, granularity: int = CLUSTER,
+                      key: str = "") -> set[int]:
     """The delta's granules, checked: every changed granule reported; with `exact` exactly the touched ones.
+
+    `key`: the passphrase of an encrypted volume, to read the snapshots' contents.
 
     `within_touched` without `exact`: nothing the test did not touch (a
     discard qcow2 ignores leaves a touched granule unchanged, unreported).
@@ -95,8 +103,8 @@ async def check_delta(drv: Driver, csi: CSIClient, box: Sandbox, base: str, targ
     assert ranges == sorted(ranges) and extents.coalesce(ranges) == ranges
     assert all(offset % granularity == 0 and length % granularity == 0 for offset, length in ranges)
     reported = extents.blocks(ranges, granularity)
-    truth = changed_clusters(await snapshot_content(drv, base, box.root / "b.raw"),
-                             await snapshot_content(drv, target, box.root / "t.raw"), granularity)
+    truth = changed_clusters(await snapshot_content(drv, base, box.root / "b.raw", key),
+                             await snapshot_content(drv, target, box.root / "t.raw", key), granularity)
     assert truth <= reported, f"changed granules not reported: {sorted(truth - reported)[:10]}"
     if within_touched:
         assert reported <= touched, f"reported, not touched: {sorted(reported - touched)[:10]}"

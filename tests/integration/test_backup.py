@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import mmap
 import os
+import secrets
 import stat
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ from csi_qsd.cli.client import CSIClient
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
 from testing.harness import Sandbox
+from testing.helpers.ciphertext import holds, luks
 from testing.helpers.written_blocks import BlockDevice
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -91,3 +94,71 @@ async def test_full_plus_five_incrementals_restore_byte_for_byte(
     assert not (box.root / "x").exists()
     await run(drv.config.qemu_img, "check", str(files[5]))
     os.sync()
+
+
+def write_direct(device: Path, offset: int, data: bytes) -> None:
+    """`data` at `offset` of the block device, O_DIRECT (from a page-aligned buffer), then fsync."""
+    buf = mmap.mmap(-1, len(data))
+    buf.write(data)
+    fd = os.open(device, os.O_RDWR | os.O_DIRECT)
+    try:
+        assert os.pwrite(fd, buf, offset) == len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def test_an_encrypted_volume_s_backups_are_ciphertext_and_restore_with_its_key(
+    box: Sandbox, driver: tuple[Driver, CSIClient],
+) -> None:
+    drv, csi = driver
+    key = "k-" + secrets.token_urlsafe(24)
+    key_file, wrong_file = box.root / "key", box.root / "wrong"
+    key_file.write_text(key)
+    wrong_file.write_text(key + "\n")
+    vid = (await csi.create_volume("pvc-bk-enc", SIZE, {"encrypted": "true"}, block=True,
+                                   secrets={"key": key})).volume_id
+    staging, target = box.staging("bk-enc"), box.target("bk-enc")
+    await csi.stage(vid, str(staging), block=True, secrets={"key": key})
+    await csi.publish(vid, str(staging), str(target), block=True)
+    marker = b"PLAINTEXT-" + secrets.token_hex(8).encode() + b"-"
+    pattern = marker * (256 * KIB // len(marker)) + b"\0" * (256 * KIB % len(marker))
+    write_direct(target, 3 * MIB, pattern)
+    s0 = (await csi.create_snapshot("bk-enc-0", vid)).snapshot_id
+    write_direct(target, 40 * MIB + 4 * KIB, pattern[:8 * KIB])
+    write_direct(target, 3 * MIB, b"\xa5" * 64 * KIB)
+    want = target.read_bytes()
+    s1 = (await csi.create_snapshot("bk-enc-1", vid)).snapshot_id
+    full, incremental = box.root / "full.qcow2", box.root / "incremental.qcow2"
+    state = ["--state-dir", str(box.state_dir)]
+
+    # Without the key, or with another (here the key and a newline), nothing is written.
+    code, _, err = await cli(box, "backup", s0, "-o", str(full), *state, check=False)
+    assert code == 1 and "INVALID_ARGUMENT" in err and "--key-file" in err and s0 in err
+    code, _, err = await cli(box, "backup", s0, "-o", str(full), *state, "--key-file", str(wrong_file), check=False)
+    assert code == 1 and "PERMISSION_DENIED" in err and "--key-file" in err
+    assert not full.exists() and not Path(f"{full}.json").exists()
+    assert key not in err
+
+    _, text, _ = await cli(box, "backup", s0, "-o", str(full), *state, "--key-file", str(key_file))
+    assert json.loads(text)["encrypted"] is True
+    _, text, _ = await cli(box, "backup", s1, "--since", s0, "-o", str(incremental), *state, "--key-file", str(key_file))
+    assert json.loads(text)["bytes_read"] == 2 * 64 * KIB  # the two clusters written after s0
+    for made in (full, incremental):
+        assert luks(made) and not holds(made, marker), made
+
+    restored, raw = box.root / "restored.qcow2", box.root / "restored.raw"
+    code, _, err = await cli(box, "restore", str(full), str(incremental), "-o", str(restored), check=False)
+    assert code == 1 and "INVALID_ARGUMENT" in err and "--key-file" in err
+    code, _, err = await cli(box, "restore", str(full), str(incremental), "-o", str(raw), "--format", "raw",
+                             "--key-file", str(key_file), check=False)
+    assert code == 1 and "INVALID_ARGUMENT" in err and not raw.exists()
+    await cli(box, "restore", str(full), str(incremental), "-o", str(restored), "--key-file", str(key_file))
+    assert luks(restored) and not holds(restored, marker)
+    spec = {"driver": "qcow2", "encrypt.key-secret": "key", "file": {"driver": "file", "filename": str(restored)}}
+    await run(drv.config.qemu_img, "convert", "--object", "secret,id=key,file=/dev/stdin", "-O", "raw",
+              "json:" + json.dumps(spec), str(raw), stdin=key.encode())
+    data = raw.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == hashlib.sha256(want).hexdigest()
+    assert data[40 * MIB + 4 * KIB:40 * MIB + 12 * KIB] == pattern[:8 * KIB]
+    assert data[3 * MIB + 64 * KIB:3 * MIB + 256 * KIB] == pattern[64 * KIB:]

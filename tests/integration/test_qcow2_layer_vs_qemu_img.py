@@ -3,7 +3,8 @@
 Real images made by qemu-img and written by qemu-io: plain clusters of
 several sizes and extended L2 subclusters, with writes that straddle
 (sub)cluster boundaries, zero writes, discards, compressed clusters, an end
-that is not a whole cluster, metadata preallocation. Images the reader does
+that is not a whole cluster, metadata preallocation, LUKS encryption (read
+without the key, compared with qemu-img's map with it). Images the reader does
 not know (version 2, an external data file) answer None, so the caller asks
 qemu-img.
 """
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from csi_qsd.qcow2 import extents, imagemap, tables
+from csi_qsd.qcow2 import extents, imagemap, keyed, tables
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
+from csi_qsd.sys.volume_keys import VolumeKey
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZE = 64 * MIB + 3 * 512  # not a whole number of clusters
@@ -98,3 +100,22 @@ async def test_images_it_does_not_know_are_left_to_qemu_img(tmp_path: Path) -> N
         assert tables.read_layer(image) is None, image
     qemu_io(old, "write -P 1 0 4k")
     assert await imagemap.layer_allocation(bundled("qemu-img"), old) == [(0, 64 * KIB)]
+
+
+@pytest.mark.parametrize("layout", ["", "cluster_size=131072,extended_l2=on"], ids=["default", "4k"])
+async def test_a_luks_layer_reads_like_qemu_img_map_with_its_key(tmp_path: Path, layout: str) -> None:
+    """The tables of an encrypted layer are read without the key and say what qemu-img says with it."""
+    key = VolumeKey("k-layer").base64().encode()
+    image = tmp_path / "luks.qcow2"
+    subprocess.run([bundled("qemu-img"), "create", "-q", "-f", "qcow2", "--object", keyed.SECRET,
+                    *options(layout, *keyed.CREATE_OPTIONS), str(image), str(SIZE)],
+                   input=key, check=True, capture_output=True)
+    opened = keyed.json_name(keyed.layer(image, None, read_only=False))
+    argv = [bundled("qemu-io"), "--object", keyed.SECRET]
+    for command in WRITES:
+        argv += ["-c", command]
+    subprocess.run([*argv, opened], input=key, check=True, capture_output=True)
+    assert keyed.encrypted(image)
+    found = tables.read_layer(image)
+    _, out = await run(bundled("qemu-img"), "map", "--output=json", "--object", keyed.SECRET, opened, stdin=key)
+    assert found == extents.parse_map(out) != []

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 
@@ -22,10 +23,12 @@ import pytest
 
 from csi_qsd.cli.client import CSIClient
 from csi_qsd.csi_pb import csi_pb2 as pb
-from csi_qsd.qcow2 import extents, imagemap
+from csi_qsd.qcow2 import extents, image_bitmaps, imagemap, keyed, layer_bitmaps
 from csi_qsd.server import Driver
 from csi_qsd.sys.run import run
-from testing.harness import Sandbox, qsd_pid, wait_restored
+from csi_qsd.sys.tools import bundled
+from csi_qsd.sys.volume_keys import VolumeKey
+from testing.harness import Sandbox, crash_qsd, qsd_pid, wait_restored
 from testing.helpers.written_blocks import CLUSTER, SIZE, BlockDevice, check_delta, frozen_image, snapshot_content
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -166,6 +169,69 @@ async def test_delta_matches_the_truth_through_deletes_crashes_and_flattens(
     messages = [m async for m in call]
     assert all(len(m.block_metadata) <= 2 and m.block_metadata_type == pb.VARIABLE_LENGTH for m in messages)
     assert len(messages) == (len(whole) + 1) // 2
+
+
+async def test_an_encrypted_volume_s_deltas_and_allocation_are_exact(
+    box: Sandbox, driver: tuple[Driver, CSIClient],
+) -> None:
+    """Every image of an encrypted volume carries the changed-block record, and its deltas are the truth."""
+    drv, csi = driver
+    key = "k-" + secrets.token_urlsafe(24)
+    vid = (await csi.create_volume("pvc-cbt-enc", SIZE, {"encrypted": "true"}, block=True,
+                                   secrets={"key": key})).volume_id
+    staging, target = box.staging("cbt-enc"), box.target("cbt-enc")
+    await csi.stage(vid, str(staging), block=True, secrets={"key": key})
+    await csi.publish(vid, str(staging), str(target), block=True)
+    dev = BlockDevice(target)
+    for seed, (offset, length) in enumerate([(0, MIB), (10 * MIB, 256 * KIB)], start=1):
+        dev.write(offset, length, seed)
+    dev.cut()
+    s0 = (await csi.create_snapshot("cbt-enc-0", vid)).snapshot_id
+    for seed, (offset, length) in enumerate([(128 * KIB, 64 * KIB), (5 * MIB - 4 * KIB, 8 * KIB),
+                                             (SIZE - 4 * KIB, 4 * KIB)], start=3):
+        dev.write(offset, length, seed)  # overwrites, one straddling a cluster boundary, new extents
+    dev.discard(10 * MIB, 128 * KIB)
+    w1 = dev.cut()
+    s1 = (await csi.create_snapshot("cbt-enc-1", vid)).snapshot_id
+    await check_delta(drv, csi, box, s0, s1, w1, key=key)
+
+    # The layer s1 froze holds QSD's record of the same writes, read with the key.
+    layer = await frozen_image(drv, s1)
+    assert keyed.encrypted(layer)
+    (marked,) = await image_bitmaps.read(drv.config.qemu_img, bundled("qemu-nbd"), layer, [layer_bitmaps.OWN],
+                                         key=VolumeKey(key))
+    assert extents.blocks(marked, CLUSTER) == w1
+
+    # A snapshot deleted between base and target, and a QSD killed: the images stay the record.
+    dev.write(30 * MIB, 64 * KIB, 7)
+    w2 = dev.cut()
+    s2 = (await csi.create_snapshot("cbt-enc-2", vid)).snapshot_id
+    await csi.delete_snapshot(s1)
+    await crash_qsd(box, csi, vid, dev.path)
+    dev.write(40 * MIB + 4 * KIB, 4 * KIB, 9)
+    w3 = dev.cut()
+    s3 = (await csi.create_snapshot("cbt-enc-3", vid)).snapshot_id
+    await check_delta(drv, csi, box, s0, s3, w1 | w2 | w3, key=key)
+    await check_delta(drv, csi, box, s2, s3, w3, key=key)
+    assert drv.changed_blocks.fallbacks == 0
+
+    # Allocated is what qemu-img maps of the chain opened with the key, and covers every non-zero cluster.
+    capacity, allocated = await csi.metadata_allocated(s3)
+    assert capacity == SIZE
+    image = await frozen_image(drv, s3)
+    _, mapped = await run(drv.config.qemu_img, "map", "--output=json", "--object", keyed.SECRET,
+                          keyed.json_name(keyed.chain_spec(image)), stdin=VolumeKey(key).base64().encode())
+    assert allocated == extents.clip(extents.parse_map(mapped), 0, SIZE) != []
+    content = await snapshot_content(drv, s3, box.root / "a.raw", key)
+    nonzero = {i for i in range(SIZE // CLUSTER) if content[i * CLUSTER:(i + 1) * CLUSTER].count(0) != CLUSTER}
+    assert nonzero <= extents.blocks(allocated, CLUSTER)
+
+    # Every image of the volume is LUKS and carries its record.
+    images = sorted((box.state_dir / "pool").glob(f"{vid}*"))
+    assert len(images) >= 3
+    for each in images:
+        info = (await image_bitmaps.chain_info(drv.config.qemu_img, each))[0]
+        assert info["encrypted"] and layer_bitmaps.OWN in image_bitmaps.bitmaps_of(info), each
 
 
 async def test_errors_name_the_snapshot(box: Sandbox, driver: tuple[Driver, CSIClient],

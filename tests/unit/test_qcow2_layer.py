@@ -22,9 +22,9 @@ HOST = 5 * CLUSTER  # some host offset
 SIZE = 64 * CLUSTER
 
 
-def image_with(path: Path, table: bytes, *, extended: bool) -> Path:
+def image_with(path: Path, table: bytes, *, extended: bool, crypt: int = 0) -> Path:
     """An image of SIZE bytes whose L1 table (at cluster 1) points at one L2 table (at cluster 2): `table`."""
-    head = header.Header(3, 0, 0, CLUSTER_BITS, SIZE, 0, 1, CLUSTER, 0, 0, 0, 0,
+    head = header.Header(3, 0, 0, CLUSTER_BITS, SIZE, crypt, 1, CLUSTER, 0, 0, 0, 0,
                          incompatible=header.INCOMPAT_EXTENDED_L2 if extended else 0, length=header.STRUCT.size)
     with path.open("wb") as out:
         out.write(head.pack())
@@ -65,3 +65,11 @@ def test_standard_entries(tmp_path: Path) -> None:
     found = L.read_layer(image_with(tmp_path / "layer.qcow2", table, extended=False))
     # data, zero, compressed: there; empty, or only the "copied" flag with no offset: not there
     assert found == [(11 * CLUSTER, CLUSTER), (13 * CLUSTER, CLUSTER), (15 * CLUSTER, CLUSTER)]
+
+
+def test_a_luks_image_s_tables_are_read_as_a_plain_one_s_and_the_old_aes_is_left_to_qemu(tmp_path: Path) -> None:
+    """A LUKS image's data clusters are ciphertext, its tables are not: they map the volume's offsets alike."""
+    table = struct.pack(">3Q", 0, HOST, L.ZERO)
+    luks = L.read_layer(image_with(tmp_path / "luks.qcow2", table, extended=False, crypt=header.CRYPT_LUKS))
+    assert luks == [(CLUSTER, 2 * CLUSTER)]
+    assert L.read_layer(image_with(tmp_path / "aes.qcow2", table, extended=False, crypt=1)) is None
