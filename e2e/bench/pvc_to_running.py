@@ -134,11 +134,17 @@ def _pod(name: str, volume: dict[str, Any], block: bool = False) -> dict[str, An
                      "volumes": [{"name": "data", **volume}]}}
 
 
+# Filesystem claims of 1 GiB; block claims smaller: host-path allocates a block volume in full (fallocate) in
+# the node's /var/lib, a 12 GiB tmpfs in the cluster tier, which 1 GiB claims fill at the eleventh.
+FILESYSTEM_CLAIM = "1Gi"
+BLOCK_CLAIM = "128Mi"
+
+
 def _claim(name: str, klass: str, block: bool = False) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
             "spec": {"storageClassName": klass, "accessModes": ["ReadWriteOnce"],
                      "volumeMode": "Block" if block else "Filesystem",
-                     "resources": {"requests": {"storage": "1Gi"}}}}
+                     "resources": {"requests": {"storage": BLOCK_CLAIM if block else FILESYSTEM_CLAIM}}}}
 
 
 def _driver_calls(cluster: Cluster) -> dict[str, tuple[float, int]]:

@@ -191,6 +191,9 @@ def test_provisioner_is_distributed(pod: Obj) -> None:
     # Owner of the CSIStorageCapacity objects: pod -> DaemonSet is one level.
     assert flag_value(args, "--capacity-ownerref-level") == "1"
     assert not has_switch(args, "--leader-election")
+    # A burst of claims is not held by client-go's default API rate (5/s, burst 10).
+    assert int(flag_value(args, "--kube-api-qps")) >= 20
+    assert int(flag_value(args, "--kube-api-burst")) >= 50
     # --default-fstype would give vhost-user-blk volumes a filesystem type.
     assert not flag_values(args, "--default-fstype")
     assert field_ref(provisioner, "NODE_NAME") == "spec.nodeName"
