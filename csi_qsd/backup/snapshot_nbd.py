@@ -13,7 +13,8 @@ these NBD metadata contexts:
   layers a flatten merged into it. Bitmaps QSD left inconsistent are not offered.
 
 It runs until SIGINT or SIGTERM (`csi_qsd.sys.nbd_unix` starts and stops
-the server). Only snapshots this node's catalog holds can be served.
+the server). Only snapshots this node's catalog holds can be served, and
+not those of encrypted volumes (a backup of them stays encrypted instead).
 
 `--socket` names a path the server binds; qemu-nbd removes whatever is there
 first, and so does the way out. Both are refused (before qemu-nbd starts)
@@ -32,7 +33,7 @@ from pathlib import Path
 from csi_qsd import validate
 from csi_qsd.catalog import Catalog, SnapshotState
 from csi_qsd.errors import InvalidArgument, NBDError, NotFound
-from csi_qsd.qcow2 import image_bitmaps
+from csi_qsd.qcow2 import image_bitmaps, keyed
 from csi_qsd.qcow2.imagemap import qcow2_spec
 from csi_qsd.sys import nbd_unix
 from csi_qsd.sys.signals import stop_event
@@ -78,6 +79,11 @@ async def serve(
     start, NBDError if it ends by itself.
     """
     image = await snapshot_image(catalog_path, snapshot_id)
+    if await asyncio.to_thread(keyed.encrypted, image):
+        # An NBD client reads plaintext: that would be the way around the volume's key.
+        raise InvalidArgument(
+            f"snapshot {snapshot_id} is of an encrypted volume: nbd-export would serve its data in the clear; "
+            "back it up with `csi-qsd volume backup --key-file` instead (the backup stays encrypted)")
     bitmaps = await served_contexts(qemu_img, image)
     remove_stale_socket(socket)
     try:

@@ -212,6 +212,14 @@ async def test_an_encrypted_volume_s_deltas_and_allocation_are_exact(
     w3 = dev.cut()
     s3 = (await csi.create_snapshot("cbt-enc-3", vid)).snapshot_id
     await check_delta(drv, csi, box, s0, s3, w1 | w2 | w3, key=key)
+
+    # A plaintext NBD export of it is refused, naming the way that keeps it encrypted.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "csi_qsd.cli", "volume", "--endpoint", box.endpoint, "nbd-export", s3,
+        "--socket", str(box.root / "enc.nbd"), "--state-dir", str(box.state_dir), stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 1 and b"INVALID_ARGUMENT" in err and b"--key-file" in err, err
+    assert not (box.root / "enc.nbd").exists()
     await check_delta(drv, csi, box, s2, s3, w3, key=key)
     assert drv.changed_blocks.fallbacks == 0
 
