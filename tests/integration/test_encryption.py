@@ -9,7 +9,6 @@ left behind; a QSD crash re-opens the chain from the key the node holds.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import secrets
@@ -24,49 +23,29 @@ from csi_qsd.sys import mounts
 from csi_qsd.sys.tools import bundled
 from testing import tiers
 from testing.harness import DriverProcess, Sandbox, crash_qsd, refused, write_synced
+from testing.helpers.ciphertext import holds, luks
+from testing.helpers.ciphertext import marker as new_marker
 
 MIB = 1 << 20
 ENCRYPTED = {"encrypted": "true"}
-
-
-def _marker() -> bytes:
-    return b"PLAINTEXT-" + secrets.token_hex(8).encode() + b"-"
-
-
-def _holds(path: Path, needle: bytes) -> bool:
-    """Whether `needle` is anywhere in the file at `path` (read in overlapping chunks)."""
-    with open(path, "rb") as f:
-        tail = b""
-        while chunk := f.read(4 * MIB):
-            if needle in tail + chunk:
-                return True
-            tail = chunk[-len(needle):]
-    return False
 
 
 def _images(box: Sandbox) -> list[Path]:
     return sorted((box.state_dir / "pool").glob("vol-*"))
 
 
-def _luks(image: Path) -> bool:
-    out = subprocess.run(["qemu-img", "info", "-U", "--output=json", str(image)], capture_output=True, check=True,
-                         text=True, env=dict(os.environ, LC_ALL="C")).stdout
-    info = json.loads(out)
-    return bool(info.get("encrypted")) and info["format-specific"]["data"]["encrypt"]["format"] == "luks"
-
-
 async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_checked_kept_and_never_logged(
         box: Sandbox, process: DriverProcess) -> None:
     key = "k-" + secrets.token_urlsafe(24)
     secret = {"key": key}
-    marker, later = _marker(), _marker()
+    marker, later = new_marker(), new_marker()
     csi = CSIClient(box.endpoint, timeout=120)
     try:
         await refused(csi.create_volume("pvc-enc", 64 * MIB, ENCRYPTED), grpc.StatusCode.INVALID_ARGUMENT,
                        "csi.storage.k8s.io/provisioner-secret-name", "'key'")
         vid = (await csi.create_volume("pvc-enc", 64 * MIB, ENCRYPTED, secrets=secret)).volume_id
         (image,) = _images(box)
-        assert _luks(image)
+        assert luks(image)
 
         staging, target = box.staging("enc"), box.target("pod")
         await refused(csi.stage(vid, str(staging)), grpc.StatusCode.INVALID_ARGUMENT,
@@ -109,12 +88,12 @@ async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_c
         images = _images(box)
         assert len(images) >= 3  # the snapshot's image, the volume's top over it, the restored volume's
         for path in images:
-            assert _luks(path), path
+            assert luks(path), path
             for needle in (marker, later, key.encode()):
-                assert not _holds(path, needle), (path, needle[:12])
+                assert not holds(path, needle), (path, needle[:12])
         for path in box.state_dir.rglob("*"):
             if path.is_file() and path.suffix not in (".sock",):
-                assert not _holds(path, key.encode()), path
+                assert not holds(path, key.encode()), path
         assert key not in process.log()
     finally:
         await csi.close()
@@ -122,7 +101,7 @@ async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_c
 
 async def test_a_block_volume_is_ciphertext_and_grows(box: Sandbox, process: DriverProcess) -> None:
     key = secrets.token_urlsafe(32)
-    marker = _marker()
+    marker = new_marker()
     csi = CSIClient(box.endpoint, timeout=120)
     try:
         vid = (await csi.create_volume("pvc-enc-block", 32 * MIB, ENCRYPTED, block=True,
@@ -150,7 +129,7 @@ async def test_a_block_volume_is_ciphertext_and_grows(box: Sandbox, process: Dri
         await csi.unpublish(vid, str(target))
         await csi.unstage(vid, str(staging))
         (image,) = _images(box)
-        assert _luks(image) and not _holds(image, marker) and not _holds(image, key.encode())
+        assert luks(image) and not holds(image, marker) and not holds(image, key.encode())
 
         # Not staged: a snapshot's new top needs the key from the snapshotter's Secret, checked first.
         await refused(csi.create_snapshot("snap-unstaged", vid), grpc.StatusCode.INVALID_ARGUMENT,
@@ -172,7 +151,7 @@ async def test_a_block_volume_is_ciphertext_and_grows(box: Sandbox, process: Dri
         await csi.unpublish(clone, str(target2))
         await csi.unstage(clone, str(staging2))
         assert len(_images(box)) == 4  # the volume's first image, two cuts over it, the clone's overlay
-        assert all(_luks(path) and not _holds(path, marker) for path in _images(box))
+        assert all(luks(path) and not holds(path, marker) for path in _images(box))
         assert key not in process.log()
     finally:
         await csi.close()
@@ -203,8 +182,8 @@ async def test_a_vm_disk_over_vhost_user_blk_is_ciphertext(box: Sandbox, process
         await csi.unpublish(vid, str(target))
         await csi.unstage(vid, str(staging))
         (image,) = _images(box)
-        assert _luks(image) and image.stat().st_size > MIB  # the write reached the image, as ciphertext
-        assert not _holds(image, b"\x5a" * 4096) and not _holds(image, key.encode())
+        assert luks(image) and image.stat().st_size > MIB  # the write reached the image, as ciphertext
+        assert not holds(image, b"\x5a" * 4096) and not holds(image, key.encode())
     finally:
         await csi.close()
 
@@ -213,7 +192,7 @@ async def test_a_driver_restarted_after_the_stage_reopens_the_volume_when_qsd_cr
         box: Sandbox, process: DriverProcess) -> None:
     """The key of a staged volume outlives the driver in the runtime directory: no new NodeStageVolume comes."""
     key = secrets.token_urlsafe(32)
-    marker = _marker()
+    marker = new_marker()
     csi = CSIClient(box.endpoint, timeout=120)
     try:
         vid = (await csi.create_volume("pvc-enc-restart", 64 * MIB, ENCRYPTED, secrets={"key": key})).volume_id
