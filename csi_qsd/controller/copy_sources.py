@@ -8,7 +8,9 @@ the node that asked for it: only that node may ask it again or release it
 certificate that node asked with (QEMU's `authz-simple` on that
 certificate's exact subject, kept beside the pid file for the server's
 restarts); the target checks in turn that the server's certificate names
-the source node (`tls-hostname`). While a lease reads a snapshot,
+the source node (`tls-hostname`). An encrypted snapshot is served as its
+image file as it lies on disk (ciphertext, opened on the target with the
+volume's key), so it must be one image (its volume's first layer). While a lease reads a snapshot,
 DeleteSnapshot of it (and DeleteVolume of a volume being cloned) is
 FAILED_PRECONDITION naming the copy and its node. A clone of a volume leases
 a hidden snapshot cut for it, deleted with the lease. A lease lasts

@@ -7,7 +7,11 @@ volume is at once a thin overlay on a local copy image whose backing file is
 that NBD export, so it can be staged and used before a byte has moved;
 `csi_qsd.node.copy_fill` then fills the copy image (QSD's block-stream),
 after which the copy image stands alone, the link is dropped and the lease
-released. The copy row is recorded before the lease is asked for, so a crash
+released. An encrypted source is served as its image file (ciphertext): the copy
+image is then an encrypted qcow2 of its own over that file, opened with the
+volume's key, which is checked over the link first and held (as a staged
+volume's, `csi_qsd.sys.volume_keys`) until the copy is done.
+The copy row is recorded before the lease is asked for, so a crash
 at any point leaves a row that `reconcile` finishes (the fill resumes) or
 undoes (the lease goes). The node-to-node calls are behind `CopyPeers`
 (`csi_qsd.copy_terms`, which `csi_qsd.transport.copy_peers` implements);
@@ -196,7 +200,7 @@ class CopyTargets:
             await self._make_encrypted(lease, intent.source, params, key, local)
             await asyncio.to_thread(self._keys.put, volume_id, key)
         else:
-            await self._refuse_encrypted(lease, intent.source, params)
+            self._refuse_encrypted(lease, intent.source, params)
             pieces = blank.image_bytes(lease.size, params.granularity, layer_bitmaps.OWN,
                                        backing=nbd_backing(lease.address, lease.export, lease.node),
                                        backing_format="raw")
@@ -217,7 +221,8 @@ class CopyTargets:
         self.on_copy(volume_id)
         return volume
 
-    async def _refuse_encrypted(self, lease: CopyLease, source: str, params: VolumeParameters) -> None:
+    @staticmethod
+    def _refuse_encrypted(lease: CopyLease, source: str, params: VolumeParameters) -> None:
         """InvalidArgument if the source and the new volume are not encrypted alike."""
         if lease.encrypted != params.encrypted:
             raise InvalidArgument(
@@ -231,7 +236,7 @@ class CopyTargets:
 
         Raises InvalidArgument, PermissionDenied, Unavailable, OSError.
         """
-        await self._refuse_encrypted(lease, source, params)
+        self._refuse_encrypted(lease, source, params)
         assert self._settings.tls is not None  # `create` refuses a node without
         cert, tls_key, ca = self._settings.tls
         if not await nbd_tcp.answers(lease.address, PROBE_SECONDS * 5):
