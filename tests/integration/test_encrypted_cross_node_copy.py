@@ -19,11 +19,17 @@ import secrets
 from pathlib import Path
 
 import grpc
+import pytest
 
+from csi_qsd.copy_terms import nbd_backing, point_backing
+from csi_qsd.errors import HostCommandError
+from csi_qsd.pools.files import FilePool
+from csi_qsd.qcow2 import backing
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.pem import PemFiles
 from csi_qsd.sys.run import run
 from csi_qsd.sys.tools import bundled
+from csi_qsd.sys.volume_keys import VolumeKey
 from testing.certs import mint
 from testing.harness import free_port, qsd_pids, refused, until
 from testing.helpers.ciphertext import holds, luks, marker
@@ -156,3 +162,24 @@ async def test_an_encrypted_snapshot_restored_on_another_node_stays_ciphertext_a
         assert key not in a.process.log() and key not in b.process.log()
         await until(lambda: _lease_gone(a, snapshot), "node-a's lease released by node-b", 30, interval=0.5)
         assert not _copy_servers(a.box)
+
+
+async def test_an_encrypted_copy_image_follows_its_source_to_a_new_address_only_with_its_key(tmp_path: Path) -> None:
+    """A source that came back on another port: the copy image's header names the new link (`point_backing`,
+    which opens the encrypted image with its key, on qemu-img's stdin); another key changes nothing."""
+    pool = FilePool(tmp_path / "pool", bundled("qemu-img"))
+    pool.prepare()
+    image = tmp_path / "pool" / "vol-0123456789abcdef01234567-copy.qcow2"
+    key = VolumeKey(secrets.token_urlsafe(32))
+    old = nbd_backing("127.0.0.1:10901", "vol-0123456789abcdef01234567", "node-a", encrypted=True)
+    await pool.create_encrypted_copy(image, SIZE, 1 << 16, key, old)
+    assert backing.backing_name(image) == old and luks(image)
+
+    new = nbd_backing("127.0.0.1:10902", "vol-0123456789abcdef01234567", "node-a", encrypted=True)
+    with pytest.raises(HostCommandError):
+        await point_backing(bundled("qemu-img"), image, "127.0.0.1:10902", "vol-0123456789abcdef01234567", "node-a",
+                            key=VolumeKey("another"))
+    assert backing.backing_name(image) == old
+    await point_backing(bundled("qemu-img"), image, "127.0.0.1:10902", "vol-0123456789abcdef01234567", "node-a",
+                        key=key)
+    assert backing.backing_name(image) == new and luks(image)
