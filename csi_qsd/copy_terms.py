@@ -23,6 +23,7 @@ from csi_qsd import validate
 from csi_qsd.errors import InvalidArgument
 from csi_qsd.sys import runtime
 from csi_qsd.sys.run import run
+from csi_qsd.sys.volume_keys import VolumeKey
 
 # The id of the TLS client credentials object in every QSD of a node that copies from peers.
 PEER_TLS_OBJECT = "cqpeer-tls"
@@ -36,6 +37,7 @@ RECONNECT_DELAY_SECONDS = 5
 # greets (`csi_qsd.controller.copy_targets.CopyLinkCheck`) and keeps this short, far below the QMP timeout
 # (10 s by default), for a source that goes away between the check and the open.
 OPEN_TIMEOUT_SECONDS = 2
+CHECK_SECONDS = 300  # a key's check of an encrypted lease reads the image's metadata over the link
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -58,6 +60,9 @@ class CopyLease:
     export: str
     size: int
     ttl: float = 0.0  # seconds the source keeps the lease without a renewal (0: for good)
+    # The export is the snapshot's image file as it lies on the source's disk (an encrypted volume's: ciphertext,
+    # opened here as qcow2 with the volume's key), not the snapshot's data as the source reads it.
+    encrypted: bool = False
 
 
 class CopyPeers(Protocol):
@@ -99,24 +104,49 @@ class CopySettings:
         return self.state_dir / "copies"
 
 
-def nbd_backing(address: str, export: str, node: str) -> str:
+def backing_format(encrypted: bool) -> str:
+    """The format of a copy image's backing: the snapshot's data (raw), or an encrypted snapshot's image (qcow2)."""
+    return "qcow2" if encrypted else "raw"
+
+
+def nbd_backing(address: str, export: str, node: str, *, encrypted: bool = False) -> str:
     """The `json:` backing file name of a copy image: the source's export, over TLS, bounded waits.
 
-    The source's certificate must name `node`, the source node (as its DNS name).
+    The source's certificate must name `node`, the source node (as its DNS name). An `encrypted` export is
+    the snapshot's image file: its LUKS layer is opened here (`csi_qsd.qsd.encryption` adds the key).
     """
     host, _, port = address.rpartition(":")
-    spec = {"driver": "raw", "file": {
+    spec = {"driver": backing_format(encrypted), "file": {
         "driver": "nbd", "server": {"type": "inet", "host": host.strip("[]"), "port": port}, "export": export,
         "tls-creds": PEER_TLS_OBJECT, "tls-hostname": node,
         "reconnect-delay": RECONNECT_DELAY_SECONDS, "open-timeout": OPEN_TIMEOUT_SECONDS}}
     return "json:" + json.dumps(spec, separators=(",", ":"))
 
 
-async def point_backing(qemu_img: str, image: Path, address: str, export: str, node: str) -> None:
+async def point_backing(qemu_img: str, image: Path, address: str, export: str, node: str, *,
+                        key: VolumeKey | None = None) -> None:
     """Make a copy image (open nowhere) read through the source's export at a new `address`.
 
     Only the header's backing name changes (`qemu-img rebase -u`, which opens no backing); the copied data stays.
+    An encrypted copy image (`key`) opens only with its key, which qemu-img reads from its stdin.
     Raises HostCommandError.
     """
-    await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", nbd_backing(address, export, node),
-              str(image))
+    name = nbd_backing(address, export, node, encrypted=key is not None)
+    if key is None:
+        await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", name, str(image))
+        return
+    opts = f"driver=qcow2,encrypt.key-secret=key,file.driver=file,file.filename={str(image).replace(',', ',,')}"
+    await run(qemu_img, "rebase", "-u", "--object", "secret,id=key,file=/dev/stdin,format=base64", "--image-opts",
+              "-F", "qcow2", "-b", name, opts, stdin=key.base64().encode())
+
+
+async def lease_opens_with(qemu_img: str, lease: CopyLease, tls_dir: Path, key: VolumeKey) -> bool:
+    """Whether `key` unlocks the encrypted snapshot image `lease` serves: `qemu-img check` of it over the lease's
+    NBD link (TLS files in `tls_dir`, QEMU's names), which reads its LUKS header. Exit code 1 is an open refused
+    (0, 2 and 3 report on an image it opened). The key goes on qemu-img's stdin only."""
+    spec = json.loads(nbd_backing(lease.address, lease.export, lease.node, encrypted=True)[5:])
+    spec.update({"encrypt.key-secret": "key", "backing": None})
+    code, _ = await run(qemu_img, "check", "-q", "--object", "secret,id=key,file=/dev/stdin,format=base64",
+                        "--object", f"tls-creds-x509,id={PEER_TLS_OBJECT},dir={tls_dir},endpoint=client",
+                        "json:" + json.dumps(spec), timeout=CHECK_SECONDS, check=False, stdin=key.base64().encode())
+    return code != 1

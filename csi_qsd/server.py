@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from csi_qsd.catalog import Catalog
+from csi_qsd.catalog import Catalog, CopyRole
 from csi_qsd.config import Config
 from csi_qsd.controller.changed_blocks import ChangedBlocks
 from csi_qsd.controller.copy_sources import CopySources
@@ -148,7 +148,9 @@ async def running_driver(config: Config) -> AsyncIterator[Driver]:
         await placed(catalog, qsd)
         await qsd.stop_beyond()
         keys = KeyStore(config.runtime_dir / volume_keys.KEYS_DIR)
-        await asyncio.to_thread(keys.keep_only, {stage.volume_id for stage in await catalog.stages()})
+        held = {stage.volume_id for stage in await catalog.stages()} | {  # and encrypted copies' while they fill
+            copy.volume_id for copy in await catalog.copies(CopyRole.TARGET)}
+        await asyncio.to_thread(keys.keep_only, held)
         exports = ExportPaths(ExportHost(qsd, config.exports_dir, {pool.id: pool, **device_pools}, failpoints,
                                          before_open=CopyLinkCheck(catalog), keys=keys))
         snapshots = Snapshots(catalog, pool, volumes, LiveImages(catalog, exports), locks, failpoints, keys=keys)
@@ -193,7 +195,8 @@ def copy_ends(config: Config, catalog: Catalog, pool: FilePool, exports: ExportP
         qemu_img=config.qemu_img, rate=config.copy_rate, lease_ttl=config.copy_lease_ttl,
         leases_per_node=config.copy_leases_per_node, runtime_dir=config.runtime_dir)
     fill = CopyFill(catalog, exports, locks, peers, settings)
-    targets = CopyTargets(catalog, pool, peers, settings, volumes.name_locks, on_copy=fill.start)
+    targets = CopyTargets(catalog, pool, peers, settings, volumes.name_locks, on_copy=fill.start,
+                          keys=exports.host.keys)
     return CopyEnds(targets, CopySources(catalog, snapshots, settings, locks), fill)
 
 

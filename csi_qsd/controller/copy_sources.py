@@ -8,7 +8,9 @@ the node that asked for it: only that node may ask it again or release it
 certificate that node asked with (QEMU's `authz-simple` on that
 certificate's exact subject, kept beside the pid file for the server's
 restarts); the target checks in turn that the server's certificate names
-the source node (`tls-hostname`). While a lease reads a snapshot,
+the source node (`tls-hostname`). An encrypted snapshot is served as its
+image file as it lies on disk (ciphertext, opened on the target with the
+volume's key), so it must be one image (its volume's first layer). While a lease reads a snapshot,
 DeleteSnapshot of it (and DeleteVolume of a volume being cloned) is
 FAILED_PRECONDITION naming the copy and its node. A clone of a volume leases
 a hidden snapshot cut for it, deleted with the lease. A lease lasts
@@ -41,6 +43,7 @@ from csi_qsd.catalog import (
     VolumeState,
     now,
 )
+from csi_qsd.controller.encrypted import image_encrypted
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.copy_terms import CopyLease, CopySettings, parse_source
 from csi_qsd.errors import (
@@ -51,7 +54,8 @@ from csi_qsd.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from csi_qsd.qcow2.imagemap import qcow2_spec
+from csi_qsd.qcow2.backing import backing_name
+from csi_qsd.qcow2.imagemap import file_spec, qcow2_spec
 from csi_qsd.sys import durable, nbd_tcp, runtime
 from csi_qsd.sys.locks import KeyedLocks
 
@@ -114,7 +118,7 @@ class CopySources:
                 raise NotFound(f"snapshot {record.snapshot_id} does not exist")
             self._renewed[copy_volume_id] = self._clock()
             return CopyLease("", record.snapshot_id, record.address, copy_volume_id, snapshot.size,
-                         self._settings.lease_ttl)
+                             self._settings.lease_ttl, await image_encrypted(Path(record.image)))
 
     async def _refuse_beyond_limit(self, node: str) -> None:
         """ResourceExhausted if `node` already holds as many leases here as one node may (a renewal is never
@@ -426,11 +430,28 @@ class CopySources:
                 await self._catalog.put_copy(moved)
                 record, port = moved, self._port(moved)
             pid = await nbd_tcp.start(
-                self._settings.qemu_nbd, qcow2_spec(Path(record.image), read_only=True), host=self._settings.host,
+                self._settings.qemu_nbd, await _served(record), host=self._settings.host,
                 port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=subject)
         log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
                  record.volume_id, record.snapshot_id, record.address, pid)
         return record
+
+
+async def _served(record: CopyRecord) -> str:
+    """What qemu-nbd serves of a lease's snapshot image: its data, or an encrypted one's file as it lies on disk
+    (ciphertext: the copy's node opens it with the volume's key), which must then hold the whole chain.
+
+    Raises FailedPrecondition for an encrypted snapshot over older layers, OSError.
+    """
+    image = Path(record.image)
+    if not await image_encrypted(image):
+        return qcow2_spec(image, read_only=True)
+    if await asyncio.to_thread(backing_name, image):
+        raise FailedPrecondition(
+            f"snapshot {record.snapshot_id} of an encrypted volume stands on older layers of its volume: an encrypted "
+            "snapshot is copied to another node only while it is its volume's first layer (one image); restore it on "
+            "this node instead, or copy a snapshot taken before any other")
+    return file_spec(image)
 
 
 def _not_yours(copy_volume_id: str, owner: str, node: str, action: str) -> PermissionDenied:

@@ -7,7 +7,11 @@ volume is at once a thin overlay on a local copy image whose backing file is
 that NBD export, so it can be staged and used before a byte has moved;
 `csi_qsd.node.copy_fill` then fills the copy image (QSD's block-stream),
 after which the copy image stands alone, the link is dropped and the lease
-released. The copy row is recorded before the lease is asked for, so a crash
+released. An encrypted source is served as its image file (ciphertext): the copy
+image is then an encrypted qcow2 of its own over that file, opened with the
+volume's key, which is checked over the link first and held (as a staged
+volume's, `csi_qsd.sys.volume_keys`) until the copy is done.
+The copy row is recorded before the lease is asked for, so a crash
 at any point leaves a row that `reconcile` finishes (the fill resumes) or
 undoes (the lease goes). The node-to-node calls are behind `CopyPeers`
 (`csi_qsd.copy_terms`, which `csi_qsd.transport.copy_peers` implements);
@@ -34,7 +38,7 @@ from csi_qsd.catalog import (
     VolumeState,
     now,
 )
-from csi_qsd.copy_terms import CopyPeers, CopySettings, nbd_backing, parse_source
+from csi_qsd.copy_terms import CopyLease, CopyPeers, CopySettings, lease_opens_with, nbd_backing, parse_source
 from csi_qsd.errors import (
     AlreadyExists,
     DriverError,
@@ -42,13 +46,25 @@ from csi_qsd.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    PermissionDenied,
     SourceUnreachable,
+    Unavailable,
 )
-from csi_qsd.params import Capability, ImageFormat, QoS, VolumeParameters, choose_size, unsupported_capability
+from csi_qsd.params import (
+    PROVISIONER_SECRET,
+    SECRET_KEY,
+    Capability,
+    ImageFormat,
+    QoS,
+    VolumeParameters,
+    choose_size,
+    unsupported_capability,
+)
 from csi_qsd.pools.base import Pool
 from csi_qsd.qcow2 import backing, blank, layer_bitmaps
 from csi_qsd.sys import durable, nbd_tcp
 from csi_qsd.sys.locks import KeyedLocks
+from csi_qsd.sys.volume_keys import KeyStore, VolumeKey
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +118,12 @@ class CopyTargets:
 
     def __init__(
         self, catalog: Catalog, pool: Pool, peers: CopyPeers, settings: CopySettings, name_locks: KeyedLocks,
-        on_copy: Callable[[str], None] = lambda volume_id: None,
+        on_copy: Callable[[str], None] = lambda volume_id: None, keys: KeyStore | None = None,
     ) -> None:
         self._catalog = catalog
+        # An encrypted copy's key, held as a staged volume's is (`csi_qsd.sys.volume_keys`) while its fill may
+        # have to open the volume; `csi_qsd.node.copy_fill` forgets it once the copy is done and it is unstaged.
+        self._keys = keys if keys is not None else KeyStore(None)
         self._pool = pool
         self._peers = peers
         self._settings = settings
@@ -116,12 +135,14 @@ class CopyTargets:
 
     async def create(
         self, name: str, required: int, limit: int, params: VolumeParameters, caps: list[Capability],
-        *, source: str, qos: QoS = QoS(),
+        *, source: str, qos: QoS = QoS(), key: VolumeKey | None = None, key_version: str = "",
     ) -> VolumeRecord:
         """A new volume over another node's snapshot (or a hidden cut of its volume), usable at once.
 
-        Raises InvalidArgument, NotFound (no node holds the source),
-        Unavailable (a peer could not be asked), OutOfRange, AlreadyExists.
+        An encrypted one (`key`, the volume's passphrase) reads the source's image files, ciphertext, and
+        opens them with `key`. Raises InvalidArgument, NotFound (no node holds the source),
+        Unavailable (a peer could not be asked), OutOfRange, AlreadyExists, PermissionDenied (`key` does
+        not open the source), FailedPrecondition.
         """
         parse_source(source)
         for cap in caps:
@@ -152,7 +173,7 @@ class CopyTargets:
                                 state=CopyState.LEASING, created_at=now())
             await self._catalog.put_copy(intent)
             try:
-                return await self._create(volume_id, intent, name, required, limit, params, qos)
+                return await self._create(volume_id, intent, name, required, limit, params, qos, key, key_version)
             except BaseException:
                 await self._undo(intent)
                 self._remember_for_retry(name, source, volume_id)
@@ -165,7 +186,7 @@ class CopyTargets:
 
     async def _create(
         self, volume_id: str, intent: CopyRecord, name: str, required: int, limit: int, params: VolumeParameters,
-        qos: QoS,
+        qos: QoS, key: VolumeKey | None, key_version: str,
     ) -> VolumeRecord:
         lease = await self._peers.lease(intent.source, volume_id)
         intent = dataclasses.replace(intent, node=lease.node, snapshot_id=lease.snapshot_id, address=lease.address)
@@ -175,15 +196,21 @@ class CopyTargets:
             raise OutOfRange(f"volume {name!r} must hold at least the {lease.size} bytes of its source")
         local = copy_image(self._pool, volume_id)
         top = self._pool.image_path(volume_id, ImageFormat.QCOW2)
-        pieces = blank.image_bytes(lease.size, params.granularity, layer_bitmaps.OWN,
-                                   backing=nbd_backing(lease.address, lease.export, lease.node),
-                                   backing_format="raw")
-        await asyncio.to_thread(durable.create, local, lambda fd: blank.write(fd, pieces))
-        await self._pool.create_overlay(top, local, size, params.granularity)
+        if key is not None:
+            await self._make_encrypted(lease, intent.source, params, key, local)
+            await asyncio.to_thread(self._keys.put, volume_id, key)
+        else:
+            self._refuse_encrypted(lease, intent.source, params)
+            pieces = blank.image_bytes(lease.size, params.granularity, layer_bitmaps.OWN,
+                                       backing=nbd_backing(lease.address, lease.export, lease.node),
+                                       backing_format="raw")
+            await asyncio.to_thread(durable.create, local, lambda fd: blank.write(fd, pieces))
+        await self._pool.create_overlay(top, local, size, params.granularity, key=key)
         created = now()
         volume = VolumeRecord(
             id=volume_id, name=name, capacity=size, params=params, image=top, state=VolumeState.READY,
-            pool=self._pool.id, created_at=created, backing=str(local), source=intent.source, qos=qos)
+            pool=self._pool.id, created_at=created, backing=str(local), source=intent.source, qos=qos,
+            key_version=key_version)
         snapshot = SnapshotRecord(
             id=validate.new_snapshot_id(), name=f"copy.{volume_id}", source_volume_id=volume_id, image=local,
             backing="", size=lease.size, created_at=created, state=SnapshotState.READY, hidden=True)
@@ -194,9 +221,41 @@ class CopyTargets:
         self.on_copy(volume_id)
         return volume
 
+    @staticmethod
+    def _refuse_encrypted(lease: CopyLease, source: str, params: VolumeParameters) -> None:
+        """InvalidArgument if the source and the new volume are not encrypted alike."""
+        if lease.encrypted != params.encrypted:
+            raise InvalidArgument(
+                f"{source.replace(':', ' ')} on node {lease.node} is {'' if lease.encrypted else 'not '}encrypted and "
+                f"the new volume's StorageClass says encrypted={str(params.encrypted).lower()}: a volume and its "
+                "source are encrypted alike")
+
+    async def _make_encrypted(self, lease: CopyLease, source: str, params: VolumeParameters, key: VolumeKey,
+                              local: Path) -> None:
+        """An encrypted copy image over the source's image file, once `key` is seen to open that file.
+
+        Raises InvalidArgument, PermissionDenied, Unavailable, OSError.
+        """
+        self._refuse_encrypted(lease, source, params)
+        assert self._settings.tls is not None  # `create` refuses a node without
+        cert, tls_key, ca = self._settings.tls
+        if not await nbd_tcp.answers(lease.address, PROBE_SECONDS * 5):
+            raise Unavailable(f"node {lease.node} serves {source.replace(':', ' ')} at {lease.address}, which does "
+                              "not answer; retry once it does")
+        async with nbd_tcp.credentials(self._settings.runtime_dir, cert, tls_key, ca, endpoint="client") as tls:
+            opens = await lease_opens_with(self._settings.qemu_img, lease, tls, key)
+        if not opens:
+            raise PermissionDenied(
+                f"the passphrase in entry {SECRET_KEY!r} of the Secret named by {PROVISIONER_SECRET!r} does not open "
+                f"{source.replace(':', ' ')} on node {lease.node}: an encrypted copy takes its source's Secret")
+        await self._pool.create_encrypted_copy(
+            local, lease.size, params.granularity, key,
+            nbd_backing(lease.address, lease.export, lease.node, encrypted=True))
+
     async def _undo(self, intent: CopyRecord) -> None:
-        """A create that failed or crashed: its images, its lease and its row go."""
+        """A create that failed or crashed: its images, its key, its lease and its row go."""
         if await self._catalog.volume(intent.volume_id) is None:
+            await asyncio.to_thread(self._keys.forget, intent.volume_id)
             for image in (self._pool.image_path(intent.volume_id, ImageFormat.QCOW2),
                           copy_image(self._pool, intent.volume_id)):
                 if image.exists():

@@ -67,11 +67,6 @@ def check_snapshot_parameters(parameters: dict[str, str]) -> None:
         raise InvalidArgument(f"unknown snapshot parameter {unknown[0]!r}: snapshots take no parameters")
 
 
-def _local_only(encrypted: bool, source: str) -> None:
-    if encrypted:
-        raise InvalidArgument(f"{source} is on another node: encrypted volumes are not copied across nodes")
-
-
 @dataclasses.dataclass(frozen=True)
 class CopyEnds:
     """Both ends of copies across nodes, for the CSI layer: the target's creates and fills, the source's leases.
@@ -162,18 +157,18 @@ class ControllerService(pb_grpc.ControllerServicer):
         elif source.WhichOneof("type") == "snapshot":
             snapshot_id = validate.snapshot_id(source.snapshot.snapshot_id, "volume_content_source.snapshot.snapshot_id")
             if self._copies is not None and self._config.copies_with_peers and await self._snapshots.get(snapshot_id) is None:
-                _local_only(params.encrypted, f"snapshot {snapshot_id}")
                 record = await self._copies.targets.create(
-                    name, required, limit, params, caps, source=f"snapshot:{snapshot_id}", qos=qos)
+                    name, required, limit, params, caps, source=f"snapshot:{snapshot_id}", qos=qos, key=key,
+                    key_version=version)
             else:
                 record = await self._snapshots.volume_from(
                     name, required, limit, params, caps, snapshot_id=snapshot_id, qos=qos, key=key, key_version=version)
         else:
             volume_id = validate.volume_id(source.volume.volume_id, "volume_content_source.volume.volume_id")
             if self._copies is not None and self._config.copies_with_peers and await self._volumes.get(volume_id) is None:
-                _local_only(params.encrypted, f"volume {volume_id}")
                 record = await self._copies.targets.create(
-                    name, required, limit, params, caps, source=f"volume:{volume_id}", qos=qos)
+                    name, required, limit, params, caps, source=f"volume:{volume_id}", qos=qos, key=key,
+                    key_version=version)
             else:
                 record = await self._snapshots.volume_from(
                     name, required, limit, params, caps, volume_id=volume_id, qos=qos, key=key, key_version=version)

@@ -173,7 +173,14 @@ class CopyFill:
                     if daemon.ready:
                         with contextlib.suppress(QSDError):
                             await attach.remove_volume(daemon.client, volume_id)
+            await self._forget_key_if_unstaged(volume_id)
         return True
+
+    async def _forget_key_if_unstaged(self, volume_id: str) -> None:
+        """An encrypted copy's key, held since CreateVolume for the fill, goes once the fill needs it no more, unless
+        a stage holds it (its unstage then drops it). Under the volume's lock: unstage checks the copy row under it."""
+        if await self._catalog.stage(volume_id) is None:
+            await asyncio.to_thread(self._exports.host.keys.forget, volume_id)
 
     async def close(self) -> None:
         """Stop watching; jobs running in QSD go on, and the next driver picks them up."""
@@ -200,7 +207,9 @@ class CopyFill:
             try:
                 if record.state is CopyState.RELEASING:
                     await self._peers.release(record.node, volume_id)
-                    await self._catalog.delete_copy(volume_id, CopyRole.TARGET)
+                    async with self._locks.hold(volume_id):
+                        await self._catalog.delete_copy(volume_id, CopyRole.TARGET)
+                        await self._forget_key_if_unstaged(volume_id)
                     log.info("event=copy_released volume_id=%s node=%s", volume_id, record.node)
                     return
                 volume = await self._catalog.volume(volume_id)
@@ -356,7 +365,11 @@ class CopyFill:
                         f"node {record.node} now serves this copy at {lease.address}, not {record.address}; volume "
                         f"{volume.id} is staged and reads through the old address until it is unstaged (then the "
                         "copy resumes)")
-            await point_backing(self._settings.qemu_img, local, lease.address, lease.export, record.node)
+            key = self._exports.host.keys.get(volume.id) if volume.params.encrypted else None
+            if volume.params.encrypted and key is None:
+                raise Unavailable(f"node {record.node} now serves this copy at {lease.address}; volume {volume.id} is "
+                                  "encrypted and this node holds no key for it: stage it (with its Secret) to go on")
+            await point_backing(self._settings.qemu_img, local, lease.address, lease.export, record.node, key=key)
             moved = dataclasses.replace(record, address=lease.address)
             await self._catalog.put_copy(moved)
         log.warning("event=copy_source_moved volume_id=%s node=%s old=%s new=%s", volume.id, record.node,

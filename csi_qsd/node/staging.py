@@ -23,6 +23,7 @@ from pathlib import Path
 from csi_qsd.catalog import (
     AccessType,
     Catalog,
+    CopyRole,
     PublishRecord,
     PublishState,
     StageRecord,
@@ -136,7 +137,7 @@ class Staging:
                 record = await kind.bring_up(volume, record, [], client)
             except BaseException:
                 await self._undo_stage(kind, volume, record)
-                self._exports.host.keys.forget(volume.id)
+                await self._drop_key(volume.id)
                 raise
             # Not waited onto the disk: a power loss takes the mounts, loop devices and QSD the row
             # describes with it, and kubelet stages again after the reboot. A crash keeps the row.
@@ -160,12 +161,18 @@ class Staging:
             await self._catalog.put_stage(dataclasses.replace(record, state=StageState.UNSTAGING), durable=False)
             self._failpoints.hit("unstage.after_intent")
             await self._exports.of(volume).tear_down(volume, record, client, thorough=False)
-            self._exports.host.keys.forget(volume_id)
+            await self._drop_key(volume_id)
             await self._catalog.delete_stage(volume_id)
             self._qsd.forget(volume_id)
             self._rebuild.forget(volume_id)
             log.info("event=unstaged volume_id=%s path=%s", volume_id, staging_path)
         self._on_unstaged(volume_id)
+
+    async def _drop_key(self, volume_id: str) -> None:
+        """The key a stage held goes, unless the volume's copy from another node still fills (under the volume's
+        lock, which `csi_qsd.node.copy_fill` takes to drop it once done)."""
+        if await self._catalog.copy(volume_id, CopyRole.TARGET) is None:
+            self._exports.host.keys.forget(volume_id)
 
     async def publish(self, spec: PublishSpec) -> None:
         """Raises NotFound, FailedPrecondition (not staged, single writer), AlreadyExists, Unavailable."""

@@ -149,6 +149,14 @@ class Pool(abc.ABC):
         the volume's chain does.
         """
 
+    async def create_encrypted_copy(self, image: Path, size: int, granularity: int, key: VolumeKey,
+                                    backing_name: str) -> None:
+        """An encrypted qcow2 `image` over another node's image (`backing_name`, a `json:` link), not opened.
+
+        Only a file pool holds encrypted images: raises FailedPrecondition elsewhere.
+        """
+        raise FailedPrecondition(f"pool {self.id!r} holds no encrypted images")
+
     async def opens_with(self, image: Path, key: VolumeKey) -> bool:
         """Whether `key` unlocks the encrypted image `image` (only a file pool holds encrypted images)."""
         return False

@@ -108,7 +108,7 @@ class FilePool(Pool):
 
     async def _create_encrypted(
         self, image: Path, size: int, granularity: int, key: VolumeKey, *, preallocation: str = "off",
-        backing: Path | None = None,
+        backing: Path | None = None, backing_name: str = "",
     ) -> None:
         """A qcow2 `image` with a LUKS header of its own, opened by `key` (over `backing`, unopened: O(1) in data).
 
@@ -121,8 +121,9 @@ class FilePool(Pool):
         options = [*keyed.CREATE_OPTIONS, f"preallocation={preallocation}", "lazy_refcounts=off",
                    *qcow2_options(granularity)]
         argv = [self._qemu_img, "create", "-q", "-f", "qcow2", "--object", keyed.SECRET, "-o", ",".join(options)]
-        if backing is not None:
-            argv += ["-u", "-b", backing.name, "-F", "qcow2"]
+        name = backing_name or (backing.name if backing is not None else "")
+        if name:  # not opened (-u): another node's link is opened by QSD, with the key
+            argv += ["-u", "-b", name, "-F", "qcow2"]
         try:
             await run(*argv, str(tmp), str(size), timeout=3600, stdin=key.base64().encode())
             await image_bitmaps.add_tracking(self._qemu_img, tmp, granularity, key=key)
@@ -180,6 +181,11 @@ class FilePool(Pool):
         pieces = blank.image_bytes(
             size, granularity, layer_bitmaps.OWN, backing=backing.name, backing_format=backing_format)
         await asyncio.to_thread(durable.create, image, lambda fd: blank.write(fd, pieces))
+
+    async def create_encrypted_copy(self, image: Path, size: int, granularity: int, key: VolumeKey,
+                                    backing_name: str) -> None:
+        """An encrypted copy image over another node's encrypted image (`backing_name`: a `json:` NBD link), unopened."""
+        await self._create_encrypted(image, size, granularity, key, backing_name=backing_name)
 
     async def opens_with(self, image: Path, key: VolumeKey) -> bool:
         """Whether `key` unlocks `image`'s LUKS header (`csi_qsd.qcow2.keyed.opens_with`)."""
@@ -305,13 +311,29 @@ class FilePool(Pool):
         async with self._check_slots:
             # The format from the name, never probed: a qcow2 whose header is lost must not pass as raw.
             fmt = "qcow2" if image.suffix == ".qcow2" else "raw"
-            code, out = await run(self._qemu_img, "check", "-U", "-f", fmt, "--output=json", str(image),
-                                  timeout=CHECK_TIMEOUT, check=False)
+            if fmt == "qcow2" and await asyncio.to_thread(_encrypted, image):
+                # QEMU checks an encrypted image only opened with its key, which this node holds only while
+                # it is staged: its headers are read instead (`qemu-img info` does no I/O, takes no key), alone
+                # (a copy's backing is a link to another node, opened only by QSD).
+                spec = {"driver": "qcow2", "backing": None, "file": {"driver": "file", "filename": str(image)}}
+                code, out = await run(self._qemu_img, "info", "-U", "--output=json", "json:" + json.dumps(spec),
+                                      timeout=CHECK_TIMEOUT, check=False)
+            else:
+                code, out = await run(self._qemu_img, "check", "-U", "-f", fmt, "--output=json", str(image),
+                                      timeout=CHECK_TIMEOUT, check=False)
         problem = _check_result(image, code, out)
         if len(self._checked) >= CHECK_CACHE_MAX:
             self._checked.clear()
         self._checked[image] = (signature, problem)
         return problem
+
+
+def _encrypted(image: Path) -> bool:
+    """Whether `image`'s qcow2 header says LUKS (False for one that cannot be read: the check tells why)."""
+    try:
+        return keyed.encrypted(image)
+    except OSError:
+        return False
 
 
 def _check_result(image: Path, code: int, out: str) -> str:

@@ -38,6 +38,14 @@ def qcow2_spec(image: Path, *, read_only: bool) -> str:
     return "json:" + json.dumps(spec)
 
 
+def file_spec(image: Path) -> str:
+    """A `json:` filename for qemu-nbd: a frozen image's file as it lies on disk, read-only beside QSD (force-share).
+
+    No format node: an encrypted image's data stays ciphertext (its reader opens the qcow2 with the key).
+    """
+    return "json:" + json.dumps({"driver": "file", "filename": str(image), "read-only": True, "force-share": True})
+
+
 async def layer_allocation(qemu_img: str, image: Path) -> list[Extent]:
     """The ranges `image` itself holds (data or zero clusters), ignoring its backing files.
 

@@ -37,24 +37,35 @@ def encrypted(image: Path) -> bool:
     return head is not None and head.crypt_method == header.CRYPT_LUKS
 
 
-def chain_below(image: Path) -> list[Path]:
-    """The images `image`'s header chain reads through, newest first, as their headers name them.
+def local_chain(image: Path) -> tuple[list[Path], Path, str]:
+    """The local images `image`'s header chain reads through (newest first, as their headers name them), the
+    last of them (or `image`), and the `json:` name that one reads through next ("" where the chain ends here).
 
-    Raises FailedPrecondition for a chain that leaves the local filesystem
-    (a `json:` name: a copy from another node, not offered encrypted) or
-    loops; OSError if a header cannot be read.
+    Raises FailedPrecondition for a chain that loops; OSError if a header cannot be read.
     """
     found: list[Path] = []
     current = image
     while len(found) < backing.MAX_DEPTH:
         name = backing.backing_name(current)
-        if not name:
-            return found
-        if name.startswith("json:"):
-            raise FailedPrecondition(f"image {current} reads through {name[:40]}…: encrypted chains are local only")
+        if not name or name.startswith("json:"):
+            return found, current, name
         current = current.parent / name
         found.append(current)
     raise FailedPrecondition(f"image {image} reads through more than {backing.MAX_DEPTH} images")
+
+
+def chain_below(image: Path) -> list[Path]:
+    """The images `image`'s header chain reads through, newest first: all on this node (host tools read them).
+
+    Raises FailedPrecondition for a chain that leaves the local filesystem
+    (a `json:` name: a copy from another node still filling) or loops;
+    OSError if a header cannot be read.
+    """
+    found, last, link = local_chain(image)
+    if link:
+        raise FailedPrecondition(f"image {last} reads through {link[:40]}…: a copy from another node is read "
+                                 "here once it is whole")
+    return found
 
 
 def layer(image: Path, below: dict[str, Any] | None, *, read_only: bool = True) -> dict[str, Any]:

@@ -9,6 +9,7 @@ opened from a backing chain are found by the image's file name
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 from csi_qsd.errors import QSDError
@@ -94,15 +95,29 @@ def format_node_of(nodes: dict[str, BlockNodeInfo], image: str) -> str:
 
     A node QEMU opened from a backing chain reports the image's file name; an
     overlay we attached with blockdev-snapshot reports a json: pseudo-name,
-    so it is found through its file node, whose name follows our scheme.
+    so it is found through its file node, whose name follows our scheme. A
+    layer opened with options of its own (an encrypted one, keyed) reports a
+    json: pseudo-name that holds its image's file name.
     """
     for name, info in nodes.items():
-        if info["drv"] == "qcow2" and info["file"] == image:
+        if info["drv"] == "qcow2" and image in (info["file"], _pseudo_file(info["file"])):
             return name
         candidate = graph.format_node_over(name) if info["drv"] == "file" and info["file"] == image else None
         if candidate is not None and candidate in nodes:
             return candidate
     return ""
+
+
+def _pseudo_file(name: str) -> str:
+    """The file name inside a node's json: pseudo-name (`json:{..., "file": {"filename": ...}}`), or ''."""
+    if not name.startswith("json:"):
+        return ""
+    try:
+        spec = json.loads(name[5:])
+    except ValueError:
+        return ""
+    file = spec.get("file") if isinstance(spec, dict) else None
+    return str(file.get("filename", "")) if isinstance(file, dict) and file.get("driver") == "file" else ""
 
 
 async def start_fill(client: QSDClient, job_id: str, node: str, speed: int) -> None:

@@ -12,20 +12,23 @@ itself then lives in QEMU's memory as the layers' master keys. A backing
 layer QEMU opens from the header alone is refused ("Parameter
 'encrypt.key-secret' is required for cipher"): a fresh open names each
 layer below the top with its key (`backing_spec`), read from the images'
-headers (never through QEMU). The key goes to QSD over QMP only (base64 in
+headers (never through QEMU), down to a copy's link to another node's
+encrypted image file (ciphertext over NBD, opened here with the same key). The key goes to QSD over QMP only (base64 in
 `data`), never in a file or on a command line; nothing here logs it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from csi_qsd.errors import QSDError
+from csi_qsd.errors import FailedPrecondition, QSDError
 from csi_qsd.params import VolumeParameters
+from csi_qsd.qcow2 import backing
 from csi_qsd.qcow2.keyed import ITER_TIME_MS as ITER_TIME_MS  # re-exported: QSD's keyslots cost the same
-from csi_qsd.qcow2.keyed import chain_below as chain_below  # read from the headers, never through QEMU
+from csi_qsd.qcow2.keyed import local_chain
 from csi_qsd.qsd import graph
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.graph import QMPArgs
@@ -43,23 +46,58 @@ def secret_object(secret_id: str, key: VolumeKey) -> QMPArgs:
     return {"qom-type": "secret", "id": secret_id, "data": key.base64(), "format": "base64"}
 
 
-def backing_spec(chain: list[Path], params: VolumeParameters, secret_id: str, aio: str, *,
+def chain_below(image: Path) -> list[Path | QMPArgs]:
+    """The images `image`'s header chain reads through, newest first, as their headers name them.
+
+    A copy from another node ends in a `json:` name: the source's encrypted
+    image file over NBD (`csi_qsd.copy_terms.nbd_backing`), given as those
+    options (a qcow2 over that link), to be keyed like any other layer.
+    Raises FailedPrecondition for a chain that leaves the local filesystem
+    otherwise, or loops; OSError if a header cannot be read.
+    """
+    local, last, link = local_chain(image)
+    found: list[Path | QMPArgs] = list(local)
+    if link:
+        found.append(_linked_layer(last, link))
+    return found
+
+
+def _linked_layer(image: Path, name: str) -> QMPArgs:
+    """The options of an encrypted layer another node serves (its image file over NBD). Raises FailedPrecondition."""
+    try:
+        spec = json.loads(name[5:])
+    except ValueError:
+        spec = None
+    if not isinstance(spec, dict) or spec.get("driver") != "qcow2" or not backing.nbd_address(name):
+        raise FailedPrecondition(f"image {image} reads through {name[:40]}…: an encrypted chain leaves this node "
+                                 "only for an encrypted image another node serves")
+    spec["file"] = {**spec["file"], "read-only": True}
+    return spec
+
+
+def backing_spec(chain: list[Path | QMPArgs], params: VolumeParameters, secret_id: str, aio: str, *,
                  direct: bool = False) -> QMPArgs | None:
-    """The `backing` option of a top layer that reads through `chain` (newest first), each layer keyed."""
+    """The `backing` option of a top layer that reads through `chain` (newest first), each layer keyed.
+
+    A copy image (the layer over another node's link) is read-only only as a backing is, not explicitly:
+    the fill's block-stream reopens it writable, which an explicit read-only file node would refuse.
+    """
     spec: QMPArgs | None = None
     for image in reversed(chain):
-        layer: QMPArgs = {
-            "driver": "qcow2",
-            "file": graph.file_blockdev(None, image, params, read_only=True, aio=aio, direct=direct),
-            **layer_options(secret_id),
-        }
+        if isinstance(image, Path):
+            over_link = len(chain) > 1 and not isinstance(chain[-1], Path) and image == chain[-2]
+            layer: QMPArgs = {"driver": "qcow2", "file": graph.file_blockdev(
+                None, image, params, read_only=not over_link, aio=aio, direct=direct)}
+        else:
+            layer = dict(image)
+        layer.update(layer_options(secret_id))
         if spec is not None:
             layer["backing"] = spec
         spec = layer
     return spec
 
 
-def keyed(spec: QMPArgs, secret_id: str, chain: list[Path] | None, params: VolumeParameters, aio: str, *,
+def keyed(spec: QMPArgs, secret_id: str, chain: list[Path | QMPArgs] | None, params: VolumeParameters, aio: str, *,
           direct: bool = False) -> QMPArgs:
     """`spec` (a format node's blockdev-add arguments) made to open an encrypted layer; with `chain`, its backing
     layers named and keyed too (None: the caller attaches the backing, as blockdev-snapshot does)."""

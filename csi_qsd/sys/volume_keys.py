@@ -4,7 +4,10 @@ A staged encrypted volume may have to be opened again without a new
 NodeStageVolume: after a QSD crash (the rebuild), for a snapshot's overlay
 (a new layer needs the key to make its LUKS header) and for a restore or a
 clone cut from it. The key comes with NodeStageVolume and goes at
-NodeUnstageVolume. It is kept in this process's memory and, so that a
+NodeUnstageVolume. A volume copied from another node needs it too while
+its copy fills (which a restarted driver resumes): that key comes with
+CreateVolume and goes once the copy is whole and the volume not staged.
+It is kept in this process's memory and, so that a
 driver restarted while QSD runs can still rebuild after a later QSD crash,
 in one file per volume (mode 0600) under `--runtime-dir`/keys (0700): the
 runtime directory is tmpfs in the manifests, so a key never reaches a disk,

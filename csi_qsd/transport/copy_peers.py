@@ -92,7 +92,10 @@ def checked_lease(name: str, peer_address: str, copy_volume_id: str, answer: dic
         raise ValueError(f"size {size!r} is not a volume size")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl < math.inf:
         raise ValueError(f"ttl {ttl!r} is not a number of seconds")
-    return CopyLease(name, snapshot_id, address, copy_volume_id, size, float(ttl))
+    encrypted = answer.get("encrypted", False)  # absent from an earlier version's answer: it served data
+    if not isinstance(encrypted, bool):
+        raise ValueError(f"encrypted {encrypted!r} is not true or false")
+    return CopyLease(name, snapshot_id, address, copy_volume_id, size, float(ttl), encrypted)
 
 
 class CopyPeerList(Protocol):

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 from pathlib import Path
 
 MIB = 1 << 20
+
+
+def marker() -> bytes:
+    """A pattern no image holds by chance."""
+    return b"PLAINTEXT-" + secrets.token_hex(8).encode() + b"-"
 
 
 def holds(path: Path, needle: bytes) -> bool:

@@ -24,13 +24,10 @@ from csi_qsd.sys.tools import bundled
 from testing import tiers
 from testing.harness import DriverProcess, Sandbox, crash_qsd, refused, write_synced
 from testing.helpers.ciphertext import holds, luks
+from testing.helpers.ciphertext import marker as new_marker
 
 MIB = 1 << 20
 ENCRYPTED = {"encrypted": "true"}
-
-
-def _marker() -> bytes:
-    return b"PLAINTEXT-" + secrets.token_hex(8).encode() + b"-"
 
 
 def _images(box: Sandbox) -> list[Path]:
@@ -41,7 +38,7 @@ async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_c
         box: Sandbox, process: DriverProcess) -> None:
     key = "k-" + secrets.token_urlsafe(24)
     secret = {"key": key}
-    marker, later = _marker(), _marker()
+    marker, later = new_marker(), new_marker()
     csi = CSIClient(box.endpoint, timeout=120)
     try:
         await refused(csi.create_volume("pvc-enc", 64 * MIB, ENCRYPTED), grpc.StatusCode.INVALID_ARGUMENT,
@@ -104,7 +101,7 @@ async def test_a_pod_s_filesystem_and_a_snapshot_are_ciphertext_and_the_key_is_c
 
 async def test_a_block_volume_is_ciphertext_and_grows(box: Sandbox, process: DriverProcess) -> None:
     key = secrets.token_urlsafe(32)
-    marker = _marker()
+    marker = new_marker()
     csi = CSIClient(box.endpoint, timeout=120)
     try:
         vid = (await csi.create_volume("pvc-enc-block", 32 * MIB, ENCRYPTED, block=True,
@@ -195,7 +192,7 @@ async def test_a_driver_restarted_after_the_stage_reopens_the_volume_when_qsd_cr
         box: Sandbox, process: DriverProcess) -> None:
     """The key of a staged volume outlives the driver in the runtime directory: no new NodeStageVolume comes."""
     key = secrets.token_urlsafe(32)
-    marker = _marker()
+    marker = new_marker()
     csi = CSIClient(box.endpoint, timeout=120)
     try:
         vid = (await csi.create_volume("pvc-enc-restart", 64 * MIB, ENCRYPTED, secrets={"key": key})).volume_id
