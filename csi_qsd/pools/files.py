@@ -310,16 +310,17 @@ class FilePool(Pool):
             return cached[1]
         async with self._check_slots:
             # The format from the name, never probed: a qcow2 whose header is lost must not pass as raw.
-            fmt = "qcow2" if image.suffix == ".qcow2" else "raw"
-            if fmt == "qcow2" and await asyncio.to_thread(_encrypted, image):
-                # QEMU checks an encrypted image only opened with its key, which this node holds only while
-                # it is staged: its headers are read instead (`qemu-img info` does no I/O, takes no key), alone
-                # (a copy's backing is a link to another node, opened only by QSD).
-                spec = {"driver": "qcow2", "backing": None, "file": {"driver": "file", "filename": str(image)}}
-                code, out = await run(self._qemu_img, "info", "-U", "--output=json", "json:" + json.dumps(spec),
+            if image.suffix != ".qcow2":
+                code, out = await run(self._qemu_img, "check", "-U", "-f", "raw", "--output=json", str(image),
                                       timeout=CHECK_TIMEOUT, check=False)
             else:
-                code, out = await run(self._qemu_img, "check", "-U", "-f", fmt, "--output=json", str(image),
+                # Alone: a check reads only the image's own metadata, and a copy's backing is a link to another
+                # node that only QSD opens (with its TLS credentials). QEMU checks an encrypted image only
+                # opened with its key, which this node holds only while it is staged: its headers are read
+                # instead (`qemu-img info` does no I/O, takes no key).
+                spec = {"driver": "qcow2", "backing": None, "file": {"driver": "file", "filename": str(image)}}
+                tool = "info" if await asyncio.to_thread(_encrypted, image) else "check"
+                code, out = await run(self._qemu_img, tool, "-U", "--output=json", "json:" + json.dumps(spec),
                                       timeout=CHECK_TIMEOUT, check=False)
         problem = _check_result(image, code, out)
         if len(self._checked) >= CHECK_CACHE_MAX:

@@ -170,6 +170,9 @@ async def test_restore_on_another_node_survives_a_crash_of_each_side(pair: Pair)
     # Idempotent: the same request answers the same volume.
     again = await b.csi.create_volume("restored", SIZE, block=True, from_snapshot=snapshot)
     assert again.volume_id == vid
+    # Not staged while it fills: healthy (its image is checked alone, not through the link to node A).
+    condition = await _condition(b, vid)
+    assert not condition.abnormal and "being copied from node node-a" in condition.message, condition
 
     code, message = await _code(a.csi.delete_snapshot(snapshot))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and vid in message and "node-b" in message, message
