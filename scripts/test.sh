@@ -28,7 +28,8 @@ if [ "$#" -eq 0 ] && command -v go >/dev/null 2>&1; then
 fi
 .venv/bin/python -m mypy
 .venv/bin/python -m ruff check csi_qsd testing tests e2e scripts
-.venv/bin/python -m pytest -p no:cacheprovider -ra "$@"
+# The slowest tests are listed at the end: what to look at first when the run nears its time budget.
+.venv/bin/python -m pytest -p no:cacheprovider -ra --durations=30 "$@"
 if [ "$#" -eq 0 ] && [ -x .venv/bin/qemu-storage-daemon-10 ] && \
     [ "$(readlink .venv/bin/qemu-storage-daemon)" != qemu-storage-daemon-10 ]; then
   echo "== again on $(.venv/bin/qemu-storage-daemon-10 --version | head -1)"
