@@ -63,6 +63,9 @@ class CopyLease:
     # The export is the snapshot's image file as it lies on the source's disk (an encrypted volume's: ciphertext,
     # opened here as qcow2 with the volume's key), not the snapshot's data as the source reads it.
     encrypted: bool = False
+    # An encrypted snapshot over older layers: where each older layer's image file is served (host:port, the same
+    # export name), the next older first. Empty from an earlier version, which served one image.
+    older: tuple[str, ...] = ()
 
 
 class CopyPeers(Protocol):
@@ -109,29 +112,39 @@ def backing_format(encrypted: bool) -> str:
     return "qcow2" if encrypted else "raw"
 
 
-def nbd_backing(address: str, export: str, node: str, *, encrypted: bool = False) -> str:
+def nbd_backing(address: str, export: str, node: str, *, encrypted: bool = False, older: tuple[str, ...] = ()) -> str:
     """The `json:` backing file name of a copy image: the source's export, over TLS, bounded waits.
 
     The source's certificate must name `node`, the source node (as its DNS name). An `encrypted` export is
-    the snapshot's image file: its LUKS layer is opened here (`csi_qsd.qsd.encryption` adds the key).
+    the snapshot's image file: its LUKS layer is opened here (`csi_qsd.qsd.encryption` adds the key), and
+    its `older` layers (each served at its own address) are its `backing`, nested, newest first.
     """
-    host, _, port = address.rpartition(":")
-    spec = {"driver": backing_format(encrypted), "file": {
-        "driver": "nbd", "server": {"type": "inet", "host": host.strip("[]"), "port": port}, "export": export,
-        "tls-creds": PEER_TLS_OBJECT, "tls-hostname": node,
-        "reconnect-delay": RECONNECT_DELAY_SECONDS, "open-timeout": OPEN_TIMEOUT_SECONDS}}
+    spec: dict[str, object] | None = None
+    for at in reversed((address, *older)):
+        layer = _nbd_layer(at, export, node, encrypted)
+        if spec is not None:
+            layer["backing"] = spec
+        spec = layer
     return "json:" + json.dumps(spec, separators=(",", ":"))
 
 
+def _nbd_layer(address: str, export: str, node: str, encrypted: bool) -> dict[str, object]:
+    host, _, port = address.rpartition(":")
+    return {"driver": backing_format(encrypted), "file": {
+        "driver": "nbd", "server": {"type": "inet", "host": host.strip("[]"), "port": port}, "export": export,
+        "tls-creds": PEER_TLS_OBJECT, "tls-hostname": node,
+        "reconnect-delay": RECONNECT_DELAY_SECONDS, "open-timeout": OPEN_TIMEOUT_SECONDS}}
+
+
 async def point_backing(qemu_img: str, image: Path, address: str, export: str, node: str, *,
-                        key: VolumeKey | None = None) -> None:
+                        key: VolumeKey | None = None, older: tuple[str, ...] = ()) -> None:
     """Make a copy image (open nowhere) read through the source's export at a new `address`.
 
     Only the header's backing name changes (`qemu-img rebase -u`, which opens no backing); the copied data stays.
     An encrypted copy image (`key`) opens only with its key, which qemu-img reads from its stdin.
     Raises HostCommandError.
     """
-    name = nbd_backing(address, export, node, encrypted=key is not None)
+    name = nbd_backing(address, export, node, encrypted=key is not None, older=older)
     if key is None:
         await run(qemu_img, "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", name, str(image))
         return

@@ -9,8 +9,10 @@ certificate that node asked with (QEMU's `authz-simple` on that
 certificate's exact subject, kept beside the pid file for the server's
 restarts); the target checks in turn that the server's certificate names
 the source node (`tls-hostname`). An encrypted snapshot is served as its
-image file as it lies on disk (ciphertext, opened on the target with the
-volume's key), so it must be one image (its volume's first layer). While a lease reads a snapshot,
+image files as they lie on disk (ciphertext, opened on the target with the
+volume's key): the snapshot's on the lease's address, each older layer of its
+chain by a server of its own (qemu-nbd serves one image), on ports kept
+beside the pid files and started, stopped and moved with the first. While a lease reads a snapshot,
 DeleteSnapshot of it (and DeleteVolume of a volume being cloned) is
 FAILED_PRECONDITION naming the copy and its node. A clone of a volume leases
 a hidden snapshot cut for it, deleted with the lease. A lease lasts
@@ -43,6 +45,8 @@ from csi_qsd.catalog import (
     VolumeState,
     now,
 )
+from csi_qsd.controller.copy_layers import OlderLayers
+from csi_qsd.controller.copy_layers import port as address_port
 from csi_qsd.controller.encrypted import image_encrypted
 from csi_qsd.controller.snapshots import Snapshots
 from csi_qsd.copy_terms import CopyLease, CopySettings, parse_source
@@ -54,7 +58,7 @@ from csi_qsd.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from csi_qsd.qcow2.backing import backing_name
+from csi_qsd.qcow2 import keyed
 from csi_qsd.qcow2.imagemap import file_spec, qcow2_spec
 from csi_qsd.sys import durable, nbd_tcp, runtime
 from csi_qsd.sys.locks import KeyedLocks
@@ -84,6 +88,7 @@ class CopySources:
         self._expiry: asyncio.Task[None] | None = None
         # One node's new leases are granted one at a time, so its count against the limit is exact.
         self._granting: dict[str, asyncio.Lock] = {}
+        self._older = OlderLayers(settings.copies_dir, settings.qemu_nbd, lambda: self._settings.host)
 
     async def lease(self, copy_volume_id: str, node: str, source: str, subject: str = "") -> CopyLease:
         """Serve `source` for the copy `copy_volume_id` on `node` (idempotent), to the client certificate whose
@@ -118,7 +123,8 @@ class CopySources:
                 raise NotFound(f"snapshot {record.snapshot_id} does not exist")
             self._renewed[copy_volume_id] = self._clock()
             return CopyLease("", record.snapshot_id, record.address, copy_volume_id, snapshot.size,
-                             self._settings.lease_ttl, await image_encrypted(Path(record.image)))
+                             self._settings.lease_ttl, await image_encrypted(Path(record.image)),
+                             tuple(await self._older.addresses(copy_volume_id)))
 
     async def _refuse_beyond_limit(self, node: str) -> None:
         """ResourceExhausted if `node` already holds as many leases here as one node may (a renewal is never
@@ -184,8 +190,10 @@ class CopySources:
 
     async def _free_port(self, copy_volume_id: str) -> int:
         """A port of --copy-ports that no other lease records and nothing listens on. Raises ResourceExhausted."""
-        taken = {self._port(r) for r in await self._catalog.copies(CopyRole.SOURCE)
-                 if r.volume_id != copy_volume_id and r.address}
+        taken = set[int]()
+        for r in await self._catalog.copies(CopyRole.SOURCE):
+            if r.volume_id != copy_volume_id and r.address:
+                taken.update(address_port(a) for a in [r.address, *await self._older.addresses(r.volume_id)])
         port = await asyncio.to_thread(nbd_tcp.pick_port, self._settings.host, self._settings.ports, taken)
         if port is None:
             raise ResourceExhausted(f"every copy port of this node ({self._settings.ports.start}-"
@@ -326,7 +334,7 @@ class CopySources:
         if record.state is CopyState.REVOKED:  # serves and holds nothing
             await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
             return
-        await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
+        await self._stop(record)
         await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
         if parse_source(record.source)[0] == "volume":
             await self._snapshots.delete(record.snapshot_id)  # the hidden cut made for this clone
@@ -362,7 +370,7 @@ class CopySources:
                 continue
             if await self._catalog.snapshot(record.snapshot_id) is None:
                 log.warning("event=copy_lease_dropped copy_volume_id=%s reason=snapshot_gone", record.volume_id)
-                await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
+                await self._stop(record)
                 await asyncio.to_thread(self._subject_file(record.volume_id).unlink, missing_ok=True)
                 await self._catalog.delete_copy(record.volume_id, CopyRole.SOURCE)
                 continue
@@ -382,9 +390,14 @@ class CopySources:
     def _pid_file(self, copy_volume_id: str) -> Path:
         return self._settings.copies_dir / f"{copy_volume_id}.pid"
 
+    async def _stop(self, record: CopyRecord) -> None:
+        """Stop every server of a lease: its snapshot's and its older layers'."""
+        await nbd_tcp.stop(self._pid_file(record.volume_id), self._port(record))
+        await self._older.stop(record.volume_id)
+
     @staticmethod
     def _port(record: CopyRecord) -> int:
-        return int(record.address.rpartition(":")[2])
+        return address_port(record.address)
 
     async def _serve(self, record: CopyRecord, subject: str) -> CopyRecord:
         """Serve the lease to the certificate `subject` if its server is gone (or started before the node's TLS
@@ -398,13 +411,15 @@ class CopySources:
         --copy-ports, recorded, and the copy's node learns it when it asks
         the lease again (`csi_qsd.node.copy_fill`). Raises ResourceExhausted, HostCommandError.
         """
-        pid_file, port = self._pid_file(record.volume_id), self._port(record)
-        pid = nbd_tcp.serving_pid(pid_file, port)
+        pid_file = self._pid_file(record.volume_id)
+        pid = nbd_tcp.serving_pid(pid_file, self._port(record))
         assert self._settings.tls is not None
         cert, key, ca = self._settings.tls
+        specs = await _served(record)
         reason = "" if pid is None else (
             "authz" if not nbd_tcp.admits_only(pid, subject)  # another subject, or an earlier version's glob
-            else "certificate" if nbd_tcp.started_before(pid, (cert, key, ca)) else "")
+            else "certificate" if nbd_tcp.started_before(pid, (cert, key, ca))
+            else "" if await self._older.serving(record.volume_id, len(specs) - 1) else "older_layer")
         if pid is not None and not reason:
             return record
         async with contextlib.AsyncExitStack() as stack:
@@ -419,39 +434,45 @@ class CopySources:
             if pid is not None:  # the copy's NBD client reconnects to the same port (QEMU's reconnect-delay)
                 log.warning("event=copy_server_restarted copy_volume_id=%s node=%s reason=%s", record.volume_id,
                             record.node, reason)
-                await nbd_tcp.stop(pid_file, port)
-            host = record.address.rpartition(":")[0]
-            if host != self._settings.host or not await asyncio.to_thread(nbd_tcp.port_free, host, port):
-                moved = dataclasses.replace(
-                    record, address=f"{self._settings.host}:{await self._free_port(record.volume_id)}")
-                log.warning("event=copy_lease_moved copy_volume_id=%s node=%s old=%s new=%s reason=%s",
-                            record.volume_id, record.node, record.address, moved.address,
-                            "address_changed" if host != self._settings.host else "port_taken")
-                await self._catalog.put_copy(moved)
-                record, port = moved, self._port(moved)
+            before = [address_port(a) for a in await self._older.addresses(record.volume_id)]
+            await self._stop(record)
+            placed = await self._placed(record, before if len(before) in (0, len(specs) - 1) else None)
             pid = await nbd_tcp.start(
-                self._settings.qemu_nbd, await _served(record), host=self._settings.host,
-                port=port, export=record.volume_id, tls=tls, pid_file=pid_file, admit=subject)
+                self._settings.qemu_nbd, specs[0], host=self._settings.host,
+                port=self._port(placed), export=record.volume_id, tls=tls, pid_file=pid_file, admit=subject)
+            record, moved = placed, placed.address != record.address
+            await self._older.serve(record.volume_id, specs[1:], tls=tls, admit=subject,
+                                    ports=[] if moved else before, free_port=lambda: self._free_port(record.volume_id))
         log.info("event=copy_serving copy_volume_id=%s snapshot_id=%s address=%s pid=%d",
                  record.volume_id, record.snapshot_id, record.address, pid)
         return record
 
+    async def _placed(self, record: CopyRecord, older: list[int] | None) -> CopyRecord:
+        """The lease at its recorded address if that (and each of its `older` layers' ports) is still free here,
+        else moved to a free port, recorded: the copy's node learns it when it asks the lease again, and the
+        older layers' new ports with it (None: they are to be served anew, so the lease moves too)."""
+        host = record.address.rpartition(":")[0]
+        free = [await asyncio.to_thread(nbd_tcp.port_free, host, p) for p in [self._port(record), *(older or [])]]
+        if host == self._settings.host and older is not None and all(free):
+            return record
+        moved = dataclasses.replace(record, address=f"{self._settings.host}:{await self._free_port(record.volume_id)}")
+        log.warning("event=copy_lease_moved copy_volume_id=%s node=%s old=%s new=%s reason=%s",
+                    record.volume_id, record.node, record.address, moved.address,
+                    "address_changed" if host != self._settings.host else "port_taken")
+        await self._catalog.put_copy(moved)
+        return moved
 
-async def _served(record: CopyRecord) -> str:
-    """What qemu-nbd serves of a lease's snapshot image: its data, or an encrypted one's file as it lies on disk
-    (ciphertext: the copy's node opens it with the volume's key), which must then hold the whole chain.
 
-    Raises FailedPrecondition for an encrypted snapshot over older layers, OSError.
+async def _served(record: CopyRecord) -> list[str]:
+    """What qemu-nbd serves of a lease's snapshot image: its data; or an encrypted one's file as it lies on disk
+    (ciphertext: the copy's node opens it with the volume's key), then each older layer's file, next older first.
+
+    Raises FailedPrecondition for an encrypted chain that is not all on this node, OSError.
     """
     image = Path(record.image)
     if not await image_encrypted(image):
-        return qcow2_spec(image, read_only=True)
-    if await asyncio.to_thread(backing_name, image):
-        raise FailedPrecondition(
-            f"snapshot {record.snapshot_id} of an encrypted volume stands on older layers of its volume: an encrypted "
-            "snapshot is copied to another node only while it is its volume's first layer (one image); restore it on "
-            "this node instead, or copy a snapshot taken before any other")
-    return file_spec(image)
+        return [qcow2_spec(image, read_only=True)]
+    return [file_spec(layer) for layer in [image, *await asyncio.to_thread(keyed.chain_below, image)]]
 
 
 def _not_yours(copy_volume_id: str, owner: str, node: str, action: str) -> PermissionDenied:

@@ -250,7 +250,7 @@ class CopyTargets:
                 f"{source.replace(':', ' ')} on node {lease.node}: an encrypted copy takes its source's Secret")
         await self._pool.create_encrypted_copy(
             local, lease.size, params.granularity, key,
-            nbd_backing(lease.address, lease.export, lease.node, encrypted=True))
+            nbd_backing(lease.address, lease.export, lease.node, encrypted=True, older=lease.older))
 
     async def _undo(self, intent: CopyRecord) -> None:
         """A create that failed or crashed: its images, its key, its lease and its row go."""

@@ -130,7 +130,7 @@ def copy_handler(leases: CopySources, peers: CopyPeerList,
                                        "only")
             got = await leases.lease(copy_volume_id, node, _text(request, "source"), client_subject(context))
             return {"snapshot_id": got.snapshot_id, "address": got.address, "export": got.export, "size": got.size,
-                    "ttl": got.ttl, "encrypted": got.encrypted}
+                    "ttl": got.ttl, "encrypted": got.encrypted, "older": list(got.older)}
         return await _answer("CopyLease", request, context, grant)
 
     async def release(request: dict[str, Any], context: grpc.aio.ServicerContext) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from csi_qsd.errors import Aborted, DriverError, NotFound, QSDError, SourceLost,
 from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.node import placement
 from csi_qsd.qcow2.backing import names_backing
-from csi_qsd.qsd import attach, block_jobs
+from csi_qsd.qsd import attach, block_jobs, encryption, graph
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys import nbd_tcp
 from csi_qsd.sys.locks import KeyedLocks
@@ -286,6 +286,7 @@ class CopyFill:
                 renew_at, ttl = await self._renew_while_streaming(record, volume.id, loop.time(), ttl)
             await asyncio.sleep(POLL_SECONDS)
         await client.finish_job(job)  # finalizes (the copy image drops its backing) and dismisses; QSDError if failed
+        await encryption.drop_link_layers(client, graph.nodes_for(volume.id).link)
         if await asyncio.to_thread(names_backing, local):
             raise QSDError(f"the copy image {local} still names its backing file after the stream")
         await self._close_if_unstaged(volume)
@@ -369,7 +370,8 @@ class CopyFill:
             if volume.params.encrypted and key is None:
                 raise Unavailable(f"node {record.node} now serves this copy at {lease.address}; volume {volume.id} is "
                                   "encrypted and this node holds no key for it: stage it (with its Secret) to go on")
-            await point_backing(self._settings.qemu_img, local, lease.address, lease.export, record.node, key=key)
+            await point_backing(self._settings.qemu_img, local, lease.address, lease.export, record.node, key=key,
+                                older=lease.older)
             moved = dataclasses.replace(record, address=lease.address)
             await self._catalog.put_copy(moved)
         log.warning("event=copy_source_moved volume_id=%s node=%s old=%s new=%s", volume.id, record.node,

@@ -67,7 +67,8 @@ class TopImage:
             return spec
         image = self.image_file()
         below = encryption.chain_below(image.path) if chain else None
-        return encryption.keyed(spec, self.nodes.secret, below, self.params, image.aio, direct=image.direct)
+        return encryption.keyed(spec, self.nodes.secret, below, self.params, image.aio, direct=image.direct,
+                                link=self.nodes.link)
 
     def image_file(self) -> ImageFile:
         if not isinstance(self.storage, ImageFile):
@@ -75,8 +76,10 @@ class TopImage:
         return self.storage
 
     @contextlib.asynccontextmanager
-    async def key_loaded(self, client: QSDClient) -> AsyncIterator[None]:
-        """The volume's secret in QSD while the body opens its layers (nothing for a plain volume).
+    async def key_loaded(self, client: QSDClient, *, links: bool = True) -> AsyncIterator[None]:
+        """The volume's secret in QSD while the body opens its layers (nothing for a plain volume), and with
+        `links` the older layers under a copy's link, as nodes of their own (`encryption.link_layers`), which
+        go again if the body fails.
 
         Raises FailedPrecondition for an encrypted volume whose key this node does not hold.
         """
@@ -88,7 +91,26 @@ class TopImage:
                 f"volume {self.volume_id} is encrypted and this node holds no key for it: stage it again with "
                 f"the Secret named by {NODE_STAGE_SECRET!r}")
         async with encryption.loaded(client, self.nodes.secret, self.key):
-            yield
+            added: list[str] = []
+            try:
+                if links:
+                    await self._add_link_layers(client, added)
+                yield
+            except BaseException:
+                for name in reversed(added):  # newest first: each frees the next
+                    with contextlib.suppress(QSDError):
+                        await client.blockdev_del(name)
+                raise
+
+    async def _add_link_layers(self, client: QSDClient, added: list[str]) -> None:
+        """Add the older layers under a copy's link (`encryption.link_layers`) QSD does not have yet, oldest first;
+        each name to `added` as it comes."""
+        present = await client.node_names()
+        chain = encryption.chain_below(self.image_file().path)
+        for spec in encryption.link_layers(chain, self.nodes.secret, self.nodes.link):
+            if spec["node-name"] not in present:
+                await client.blockdev_add(spec)
+                added.append(str(spec["node-name"]))
 
 
 async def ensure_top(
@@ -323,7 +345,7 @@ async def check_key(client: QSDClient, top: TopImage) -> None:
         "file": {"driver": "file", "filename": str(image.path), "read-only": True, "locking": "off"},
         **encryption.layer_options(top.nodes.secret),
     }
-    async with top.key_loaded(client):
+    async with top.key_loaded(client, links=False):
         try:
             await client.blockdev_add(spec)
         except QSDError as exc:
@@ -423,6 +445,7 @@ async def remove_volume(client: QSDClient, volume_id: str) -> None:
     refused = [answer for answer in await client.execute_in_turn(steps) if isinstance(answer, QSDError)]
     if refused:
         raise refused[0]
+    await encryption.drop_link_layers(client, nodes.link)
     for name in await client.node_names():  # a file node whose format node never came up
         if graph.volume_of(name) == volume_id:
             await client.blockdev_del(name)

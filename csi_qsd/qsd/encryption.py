@@ -13,7 +13,8 @@ layer QEMU opens from the header alone is refused ("Parameter
 'encrypt.key-secret' is required for cipher"): a fresh open names each
 layer below the top with its key (`backing_spec`), read from the images'
 headers (never through QEMU), down to a copy's link to another node's
-encrypted image file (ciphertext over NBD, opened here with the same key). The key goes to QSD over QMP only (base64 in
+encrypted image file (ciphertext over NBD, opened here with the same key)
+and the older layers that node serves under it, each a node of its own. The key goes to QSD over QMP only (base64 in
 `data`), never in a file or on a command line; nothing here logs it.
 """
 
@@ -63,31 +64,69 @@ def chain_below(image: Path) -> list[Path | QMPArgs]:
 
 
 def _linked_layer(image: Path, name: str) -> QMPArgs:
-    """The options of an encrypted layer another node serves (its image file over NBD). Raises FailedPrecondition."""
+    """The options of an encrypted layer another node serves (its image file over NBD), with the older layers it
+    serves the same way as its nested `backing`. Raises FailedPrecondition."""
     try:
         spec = json.loads(name[5:])
     except ValueError:
         spec = None
-    if not isinstance(spec, dict) or spec.get("driver") != "qcow2" or not backing.nbd_address(name):
+    layer: object = spec
+    while _served_layer(layer):
+        assert isinstance(layer, dict)
+        layer["file"] = {**layer["file"], "read-only": True}
+        layer = layer.get("backing")
+    if layer is not None or not isinstance(spec, dict):
         raise FailedPrecondition(f"image {image} reads through {name[:40]}…: an encrypted chain leaves this node "
                                  "only for an encrypted image another node serves")
-    spec["file"] = {**spec["file"], "read-only": True}
     return spec
 
 
+def _served_layer(layer: object) -> bool:
+    """Whether `layer` is a qcow2 over another node's NBD export."""
+    return (isinstance(layer, dict) and layer.get("driver") == "qcow2"
+            and bool(backing.nbd_address("json:" + json.dumps({"file": layer.get("file")}))))
+
+
+def link_layers(chain: list[Path | QMPArgs], secret_id: str, link: str) -> list[QMPArgs]:
+    """The blockdev-add arguments of the layers `chain`'s link reads when it stands on older ones (`_linked_layer`;
+    none for one image): oldest first, each keyed, named `link` + 1 (the link's own), 2, ..., each over the next.
+
+    Nodes of their own, named: QEMU opens a layer given as options (not a
+    node name) through the backing name its header holds, relative, which
+    a layer read over NBD has no directory to resolve against ("Cannot
+    generate a base directory for NBD nodes"); and it merges the copy
+    image's `json:` backing name into its link's options, so the link is
+    named by its node name too.
+    """
+    found: list[QMPArgs] = []
+    layer = chain[-1] if chain and isinstance(chain[-1], dict) else None
+    while isinstance(layer, dict):
+        found.append({k: v for k, v in layer.items() if k != "backing"})
+        layer = layer.get("backing")
+    if len(found) < 2:
+        return []
+    return [{**layer, **layer_options(secret_id), "node-name": f"{link}{i}", "read-only": True,
+             "backing": f"{link}{i + 1}" if i < len(found) else None}
+            for i, layer in reversed(list(enumerate(found, 1)))]
+
+
 def backing_spec(chain: list[Path | QMPArgs], params: VolumeParameters, secret_id: str, aio: str, *,
-                 direct: bool = False) -> QMPArgs | None:
+                 direct: bool = False, link: str = "") -> QMPArgs | str | None:
     """The `backing` option of a top layer that reads through `chain` (newest first), each layer keyed.
 
     A copy image (the layer over another node's link) is read-only only as a backing is, not explicitly:
-    the fill's block-stream reopens it writable, which an explicit read-only file node would refuse.
+    the fill's block-stream reopens it writable, which an explicit read-only file node would refuse. A link
+    over older layers is the node `link` + 1 (`link_layers`), added before.
     """
-    spec: QMPArgs | None = None
+    spec: QMPArgs | str | None = None
     for image in reversed(chain):
         if isinstance(image, Path):
             over_link = len(chain) > 1 and not isinstance(chain[-1], Path) and image == chain[-2]
             layer: QMPArgs = {"driver": "qcow2", "file": graph.file_blockdev(
                 None, image, params, read_only=not over_link, aio=aio, direct=direct)}
+        elif isinstance(image.get("backing"), dict):
+            spec = f"{link}1"
+            continue
         else:
             layer = dict(image)
         layer.update(layer_options(secret_id))
@@ -98,13 +137,22 @@ def backing_spec(chain: list[Path | QMPArgs], params: VolumeParameters, secret_i
 
 
 def keyed(spec: QMPArgs, secret_id: str, chain: list[Path | QMPArgs] | None, params: VolumeParameters, aio: str, *,
-          direct: bool = False) -> QMPArgs:
+          direct: bool = False, link: str = "") -> QMPArgs:
     """`spec` (a format node's blockdev-add arguments) made to open an encrypted layer; with `chain`, its backing
     layers named and keyed too (None: the caller attaches the backing, as blockdev-snapshot does)."""
     spec.update(layer_options(secret_id))
     if chain:
-        spec["backing"] = backing_spec(chain, params, secret_id, aio, direct=direct)
+        spec["backing"] = backing_spec(chain, params, secret_id, aio, direct=direct, link=link)
     return spec
+
+
+async def drop_link_layers(client: QSDClient, link: str) -> None:
+    """Remove the older layers named `link` + 1, 2, ... (`link_layers`), newest first, once nothing reads them
+    (the copy whole, or its volume closed). Raises QSDError."""
+    present, i = await client.node_names(), 1
+    while f"{link}{i}" in present:
+        await client.blockdev_del(f"{link}{i}")
+        i += 1
 
 
 @contextlib.asynccontextmanager

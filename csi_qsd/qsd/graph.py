@@ -40,6 +40,7 @@ class VolumeNodes:
     throttle_group: str  # the object holding the volume's limits
     move_job: str  # the block job that moves the volume to a new home (`csi_qsd.qsd.move`)
     secret: str  # an encrypted volume's key, only while QSD opens its layers (`csi_qsd.qsd.encryption`)
+    link: str  # + 1, 2, ...: the older layers another node serves under a copy's link (`csi_qsd.qsd.encryption`)
 
 
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -71,6 +72,7 @@ def nodes_for(volume_id: str, generation: int = 0) -> VolumeNodes:
         throttle_group=f"{NODE_PREFIX}{suffix}-tg",
         move_job=f"{NODE_PREFIX}{suffix}-mv",
         secret=f"{NODE_PREFIX}{suffix}-k",
+        link=f"{NODE_PREFIX}{suffix}-l",
     )
 
 

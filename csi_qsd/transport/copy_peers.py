@@ -46,6 +46,7 @@ SERVICE = "csi_qsd.v1.Copies"
 LEASES_SERVICE = "csi_qsd.v1.CopyLeases"  # csi_qsd.csi.copy_service serves it on the driver's UNIX socket
 CALL_SECONDS = 60.0  # a lease of a volume cuts a snapshot first
 MAX_LEASE_BYTES = 1 << 63  # qcow2's limit is far below; anything above is no volume
+MAX_OLDER_LAYERS = 255  # a chain is at most 256 images deep (`csi_qsd.qcow2.backing.MAX_DEPTH`)
 
 
 def encode_message(message: dict[str, Any]) -> bytes:
@@ -83,11 +84,10 @@ def checked_lease(name: str, peer_address: str, copy_volume_id: str, answer: dic
         raise ValueError(f"snapshot_id {snapshot_id!r} is not a snapshot ID")
     if export != copy_volume_id:
         raise ValueError(f"export {export!r} is not the copy's own ({copy_volume_id})")
-    address = validate.check_address(address if isinstance(address, str) else repr(address), "address")
-    host = address.rpartition(":")[0]
-    if not same_host(host, peer_address.rpartition(":")[0]):
-        raise ValueError(f"address {address} is not on the peer's host ({peer_address}, --peer {name}): a node "
-                         "serves its copies on its own address (--copy-address must be the host its --peer names)")
+    older = answer.get("older", [])  # absent from an earlier version's answer: one image
+    if not isinstance(older, list) or len(older) > MAX_OLDER_LAYERS:
+        raise ValueError(f"older {older!r} is not a list of at most {MAX_OLDER_LAYERS} addresses")
+    address, *rest = [_peer_address(a, name, peer_address) for a in [address, *older]]
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_LEASE_BYTES:
         raise ValueError(f"size {size!r} is not a volume size")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl < math.inf:
@@ -95,7 +95,17 @@ def checked_lease(name: str, peer_address: str, copy_volume_id: str, answer: dic
     encrypted = answer.get("encrypted", False)  # absent from an earlier version's answer: it served data
     if not isinstance(encrypted, bool):
         raise ValueError(f"encrypted {encrypted!r} is not true or false")
-    return CopyLease(name, snapshot_id, address, copy_volume_id, size, float(ttl), encrypted)
+    return CopyLease(name, snapshot_id, address, copy_volume_id, size, float(ttl), encrypted, tuple(rest))
+
+
+def _peer_address(address: object, name: str, peer_address: str) -> str:
+    """`address` checked as host:port on the peer's host (the one this node already trusts by --peer)."""
+    address = validate.check_address(address if isinstance(address, str) else repr(address), "address")
+    host = address.rpartition(":")[0]
+    if not same_host(host, peer_address.rpartition(":")[0]):
+        raise ValueError(f"address {address} is not on the peer's host ({peer_address}, --peer {name}): a node "
+                         "serves its copies on its own address (--copy-address must be the host its --peer names)")
+    return address
 
 
 class CopyPeerList(Protocol):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 from pathlib import Path
 
@@ -59,6 +60,15 @@ def _pool_images(node: Node) -> list[Path]:
     return sorted((node.box.state_dir / "pool").glob("vol-*"))
 
 
+def _write_at(device: Path, offset: int, data: bytes) -> None:
+    fd = os.open(device, os.O_WRONLY)
+    try:
+        assert os.pwrite(fd, data, offset) == len(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _held_keys(node: Node) -> list[str]:
     directory = node.box.runtime_dir / "keys"
     return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
@@ -75,6 +85,21 @@ async def _source(a: Node, key: str, data: bytes) -> tuple[str, str]:
     await a.csi.unpublish(vid, str(target))
     await a.csi.unstage(vid, str(staging))
     return vid, (await a.csi.create_snapshot("snap", vid, secrets=secret)).snapshot_id
+
+
+async def _later_snapshot(a: Node, vid: str, key: str, data: bytes, second: bytes) -> tuple[str, bytes]:
+    """The volume's second half written with `second` over `data`, then a snapshot of it (over the first): its
+    ID and the data it holds."""
+    secret = {"key": key}
+    later = (second * (SIZE // 2 // len(second) + 1))[:SIZE // 2]
+    staging, target = a.box.staging(vid), a.box.target(vid)
+    await a.csi.stage(vid, str(staging), block=True, secrets=secret)
+    await a.csi.publish(vid, str(staging), str(target), block=True)
+    await asyncio.to_thread(_write_at, target, SIZE // 2, later)
+    await a.csi.unpublish(vid, str(target))
+    await a.csi.unstage(vid, str(staging))
+    snapshot = (await a.csi.create_snapshot("later", vid, secrets=secret)).snapshot_id
+    return snapshot, data[:SIZE // 2] + later
 
 
 async def _refused_with_nothing_left(a: Node, b: Node, snapshot: str, key: str) -> None:
@@ -107,7 +132,7 @@ async def test_an_encrypted_snapshot_restored_on_another_node_stays_ciphertext_a
     pki = mint(tmp_path / "pki")
     a_address, b_address, low = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", free_port()
     key = secrets.token_urlsafe(32)
-    pattern = marker()
+    pattern, second = marker(), marker()
     data = (pattern * (SIZE // len(pattern) + 1))[:SIZE]
     async with _node("node-a", pki, a_address, "--copy-ports", f"{low}-{low + 4}", "--peer",
                      f"node-b={b_address}") as a, \
@@ -145,22 +170,35 @@ async def test_an_encrypted_snapshot_restored_on_another_node_stays_ciphertext_a
         await b.csi.unpublish(vid, str(target))
         await b.csi.unstage(vid, str(staging))
 
-        # A snapshot over older layers is not offered yet: refused, naming it, with nothing left on B.
-        later = (await a.csi.create_snapshot("later", source_vid, secrets={"key": key})).snapshot_id
-        await refused(b.csi.create_volume("layered", SIZE, ENCRYPTED, block=True, from_snapshot=later,
-                                          secrets={"key": key}), grpc.StatusCode.FAILED_PRECONDITION, later)
-        assert [v.volume_id for v in await b.csi.list_volumes()] == [vid]
+        await until(lambda: _lease_gone(a, snapshot), "node-a's lease released by node-b", 30, interval=0.5)
+        assert not _copy_servers(a.box)
+
+        # A later snapshot over older layers: A serves each layer's image file, B reads them as one chain.
+        later, expected = await _later_snapshot(a, source_vid, key, data, second)
+        layered = (await b.csi.create_volume("layered", SIZE, ENCRYPTED, block=True, from_snapshot=later,
+                                             secrets={"key": key})).volume_id
+        assert len(_copy_servers(a.box)) == 2, "one server per layer of the later snapshot's chain"
+        await until(lambda: _local(b, layered), lambda: f"the layered copy done; node-b log:\n"
+                    f"{b.process.log()[-4000:]}", 120, interval=0.5)
+        staging, target = b.box.staging(layered), b.box.target(layered)
+        await _as_the_co(lambda: b.csi.stage(layered, str(staging), block=True, secrets={"key": key}))
+        await _as_the_co(lambda: b.csi.publish(layered, str(staging), str(target), block=True))
+        got = await asyncio.to_thread(_read, target, 0, SIZE)
+        assert got[:SIZE // 2] == expected[:SIZE // 2], "blocks only the older layer holds"
+        assert got == expected
+        await b.csi.unpublish(layered, str(target))
+        await b.csi.unstage(layered, str(staging))
 
         images = _pool_images(b)
-        assert len(images) == 2, images  # the copy image and the volume's top over it
+        assert len(images) == 4, images  # per copy: the copy image and the volume's top over it
         for image in images:
             assert luks(image), image
-            assert not holds(image, pattern), f"{image} holds the pattern in the clear"
-            assert not holds(image, key.encode())
-        _, info = await run(bundled("qemu-img"), "info", "-U", "--output=json", str(images[0]))
-        assert "backing-filename" not in json.loads(info), info
+            for clear in (pattern, second, key.encode()):
+                assert not holds(image, clear), f"{image} holds {clear[:8]!r} in the clear"
+            _, info = await run(bundled("qemu-img"), "info", "-U", "--output=json", str(image))
+            assert "json:" not in json.loads(info).get("backing-filename", ""), info
         assert key not in a.process.log() and key not in b.process.log()
-        await until(lambda: _lease_gone(a, snapshot), "node-a's lease released by node-b", 30, interval=0.5)
+        await until(lambda: _lease_gone(a, later), "node-a's lease of the later snapshot released", 30, interval=0.5)
         assert not _copy_servers(a.box)
 
 

@@ -50,7 +50,7 @@ def test_an_encrypted_copy_s_chain_ends_in_the_keyed_link_and_its_copy_image_may
     chain = encryption.chain_below(top)
     assert chain[0] == copy and isinstance(chain[1], dict) and chain[1]["file"]["driver"] == "nbd"
     spec = encryption.backing_spec(chain, VolumeParameters(), "cq-k", "threads")
-    assert spec is not None
+    assert isinstance(spec, dict)
     assert spec["encrypt"]["key-secret"] == "cq-k" and spec["backing"]["encrypt"]["key-secret"] == "cq-k"
     # block-stream reopens the copy image writable: its file is read-only only as a backing is, not explicitly.
     assert spec["file"]["filename"] == str(copy) and "read-only" not in spec["file"]
@@ -71,3 +71,43 @@ def test_a_keyed_layer_is_found_by_the_file_its_pseudo_name_holds() -> None:
              "#block8": BlockNodeInfo(node_name="#block8", drv="file", file="/pool/c.qcow2", ro=True, virtual_size=1)}
     assert format_node_of(nodes, "/pool/c.qcow2") == "#block7"
     assert format_node_of(nodes, "/pool/other.qcow2") == ""
+
+
+def test_a_lease_lists_the_addresses_of_its_older_layers_each_on_the_peer_s_host() -> None:
+    lease = checked_lease("node-a", "10.0.0.5:9811", COPY,
+                          {**ANSWER, "encrypted": True, "older": ["10.0.0.5:10901", "10.0.0.5:10902"]})
+    assert lease.older == ("10.0.0.5:10901", "10.0.0.5:10902")
+    assert checked_lease("node-a", "10.0.0.5:9811", COPY, ANSWER).older == ()  # an earlier version: one image
+    with pytest.raises(ValueError, match="not on the peer's host"):
+        checked_lease("node-a", "10.0.0.5:9811", COPY, {**ANSWER, "older": ["10.0.0.66:10901"]})
+    with pytest.raises(ValueError, match="not a list"):
+        checked_lease("node-a", "10.0.0.5:9811", COPY, {**ANSWER, "older": "10.0.0.5:10901"})
+
+
+def test_a_link_to_a_chain_reads_its_older_layers_as_named_nodes_each_keyed(tmp_path: Path) -> None:
+    """QEMU resolves a layer given as options through its header's relative backing name, which a layer read over
+    NBD cannot: the link and its older layers are nodes of their own, the copy image's backing names the link's."""
+    link = nbd_backing("10.0.0.7:10901", COPY, "node-a", encrypted=True, older=("10.0.0.7:10902", "10.0.0.7:10903"))
+    copy = _image(tmp_path / f"{COPY}-copy.qcow2", link, "qcow2")
+    top = _image(tmp_path / f"{COPY}.qcow2", copy.name, "qcow2")
+    chain = encryption.chain_below(top)
+    spec = encryption.backing_spec(chain, VolumeParameters(), "cq-k", "threads", link="cq-l")
+    assert isinstance(spec, dict) and spec["backing"] == "cq-l1"  # the copy image over the link's node
+    older = encryption.link_layers(chain, "cq-k", "cq-l")  # oldest first: each over the next by its name
+    assert [(o["node-name"], o["backing"], o["file"]["server"]["port"]) for o in older] == [
+        ("cq-l3", None, "10903"), ("cq-l2", "cq-l3", "10902"), ("cq-l1", "cq-l2", "10901")]
+    for layer in older:
+        assert layer["encrypt"]["key-secret"] == "cq-k" and layer["read-only"] is True
+        assert layer["file"]["read-only"] is True and layer["file"]["driver"] == "nbd"
+    single = _image(tmp_path / "s.qcow2", nbd_backing("10.0.0.7:10901", COPY, "node-a", encrypted=True), "qcow2")
+    assert encryption.link_layers(encryption.chain_below(_image(tmp_path / "t.qcow2", single.name, "qcow2")),
+                                  "cq-k", "cq-l") == []
+
+
+def test_an_encrypted_chain_refuses_a_plain_layer_below_a_link(tmp_path: Path) -> None:
+    spec = json.loads(nbd_backing("10.0.0.7:10901", COPY, "node-a", encrypted=True)[5:])
+    spec["backing"] = json.loads(nbd_backing("10.0.0.7:10902", COPY, "node-a")[5:])  # raw: data, not a layer
+    copy = _image(tmp_path / "c.qcow2", "json:" + json.dumps(spec), "qcow2")
+    top = _image(tmp_path / "t.qcow2", copy.name, "qcow2")
+    with pytest.raises(FailedPrecondition, match="only for an encrypted image another node serves"):
+        encryption.chain_below(top)
