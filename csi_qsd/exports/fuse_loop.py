@@ -26,7 +26,7 @@ from csi_qsd.errors import FailedPrecondition, NotFound, StillInUse
 from csi_qsd.exports.base import ExportPath, VolumeStats
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import block, filesystem
-from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd import attach, export_nodes, graph
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.sys import caps, filesystems, fusectl, loop, mounts
 
@@ -87,17 +87,17 @@ class FuseLoopExport(ExportPath):
         # Asked before QSD opens the image: a volume never written needs no probe for a filesystem.
         blank = stage.access_type is AccessType.MOUNT and await asyncio.to_thread(
             self.host.pools[volume.pool].reads_as_zeros, volume.image)
-        fresh_export = not await attach.has_export(client, top.nodes.fuse_export)
+        fresh_export = not await export_nodes.has_export(client, top.nodes.fuse_export)
         if fresh_export:
             await self._drop_stale_host_state(volume, stage, publishes)
         daemon = self.host.daemon_of(volume.id)
-        spec = (attach.fuse_export(top, export, writable=True, iothreads=daemon.fuse_iothreads(),
+        spec = (export_nodes.fuse_export(top, export, writable=True, iothreads=daemon.fuse_iothreads(),
                                    io_uring=daemon.fuse_paths.io_uring, growable=daemon.fuse_paths.growable)
                 if fresh_export else None)
         # A growable export stands on a size guard made at the image's length, once it is open.
         batched = spec if spec is not None and not spec.get("growable") else None
         if not await attach.ensure_top(client, top, export=batched) and spec is not None:
-            await attach.add_fuse_export(client, top, spec)
+            await export_nodes.add_fuse_export(client, top, spec)
         self.host.failpoints.hit("stage.after_export")
         # Both wait for QSD to answer the FUSE file (a stat, an open): asked together. A crash before the
         # limit is raised leaves the stage row STAGING, and the kubelet's retry exports afresh.
@@ -220,7 +220,7 @@ class FuseLoopExport(ExportPath):
 
     async def condition(self, volume: VolumeRecord) -> tuple[bool, str]:
         export_id = graph.nodes_for(volume.id).fuse_export
-        if not await attach.has_export(self.host.client_of(volume.id), export_id):
+        if not await export_nodes.has_export(self.host.client_of(volume.id), export_id):
             return True, f"export {export_id} is missing from qemu-storage-daemon"
         if self.export_broken(volume.id):
             return True, f"the FUSE export of volume {volume.id} is not connected to qemu-storage-daemon"

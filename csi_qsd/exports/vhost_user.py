@@ -27,7 +27,7 @@ from csi_qsd.errors import FailedPrecondition, Unavailable
 from csi_qsd.exports.base import ExportPath, VolumeStats, refuse_block
 from csi_qsd.params import ExportKind
 from csi_qsd.publish import vhost_user
-from csi_qsd.qsd import attach, features, graph
+from csi_qsd.qsd import attach, export_nodes, features, graph
 from csi_qsd.qsd import move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from csi_qsd.qsd.iothreads import IOThreadPool
@@ -73,7 +73,7 @@ class VhostUserExport(ExportPath):
         await asyncio.to_thread(vhost_user.unhide, socket_dir)  # a growth the driver did not live to finish
         socket = socket_dir / vhost_user.SOCKET_NAME
         writable = not any(p.readonly for p in publishes)  # the one publish's mode
-        await attach.ensure_vhost_export(client, top, socket, writable=writable, iothreads=self._iothreads(volume))
+        await export_nodes.ensure_vhost_export(client, top, socket, writable=writable, iothreads=self._iothreads(volume))
         vhost_user.restrict_socket(socket, self.group(volume, stage))
         return stage
 
@@ -107,7 +107,7 @@ class VhostUserExport(ExportPath):
             top = self.host.top_image(volume)
             socket = socket_dir / vhost_user.SOCKET_NAME
             await self.host.client_of(volume.id).export_del(top.nodes.vhost_export)
-            await attach.ensure_vhost_export(self.host.client_of(volume.id), top, socket, writable=not record.readonly,
+            await export_nodes.ensure_vhost_export(self.host.client_of(volume.id), top, socket, writable=not record.readonly,
                                              iothreads=self._iothreads(volume))
             vhost_user.restrict_socket(socket, self.group(volume, stage))
         await vhost_user.ensure_published(socket_dir, record.target_path)
@@ -143,7 +143,7 @@ class VhostUserExport(ExportPath):
                 f"{socket}. Detach the disk from the VM (device_del, then chardev-remove) or stop the VM; "
                 "a retry succeeds once it let go"
             )
-        if not peers.listening and await attach.has_export(self.host.client_of(volume.id), graph.nodes_for(volume.id).vhost_export):
+        if not peers.listening and await export_nodes.has_export(self.host.client_of(volume.id), graph.nodes_for(volume.id).vhost_export):
             raise Unavailable(
                 f"qemu-storage-daemon exports volume {volume.id} at {socket} but no listening socket is in this "
                 "network namespace: run the plugin in qemu-storage-daemon's network namespace"
@@ -154,7 +154,7 @@ class VhostUserExport(ExportPath):
 
     async def condition(self, volume: VolumeRecord) -> tuple[bool, str]:
         export_id = graph.nodes_for(volume.id).vhost_export
-        if not await attach.has_export(self.host.client_of(volume.id), export_id):
+        if not await export_nodes.has_export(self.host.client_of(volume.id), export_id):
             return True, f"export {export_id} is missing from qemu-storage-daemon"
         return False, "volume is healthy"
 

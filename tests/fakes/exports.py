@@ -12,7 +12,7 @@ from csi_qsd.catalog import AccessType, PublishRecord, StageRecord, VolumeRecord
 from csi_qsd.exports.base import ExportHost, ExportPath, VolumeStats
 from csi_qsd.exports.export_kinds import ExportPaths
 from csi_qsd.params import ExportKind
-from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd import attach, export_nodes, graph
 from csi_qsd.qsd import move as qsd_move
 from csi_qsd.qsd.client import QSDClient
 from tests.fakes.crash import Crash
@@ -105,7 +105,7 @@ class FakeExport(ExportPath):
         self.calls.append(Call("bring_up", volume.id, client))
         await self._step("bring_up")
         top = self.host.top_image(volume)
-        fresh = not await attach.has_export(client, top.nodes.fuse_export)
+        fresh = not await export_nodes.has_export(client, top.nodes.fuse_export)
         if fresh:  # a new export: whatever stood on an old one is dead
             self._drop_host_side(volume.id, stage.loop_device)
         await attach.ensure_top(client, top)

@@ -22,7 +22,7 @@ from csi_qsd.csi_pb import csi_pb2 as pb
 from csi_qsd.errors import StartupError
 from csi_qsd.params import ImageFormat
 from csi_qsd.pools.regions import Region
-from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd import export_nodes, graph
 from testing.harness import Sandbox, free_port, in_process_driver, qsd_pid, running_driver, until
 from testing.helpers.metrics_scrape import Scrape, scrape
 from testing.helpers.nvme_pools import (
@@ -269,7 +269,7 @@ async def test_volumes_grow_in_place_while_in_use(box: Sandbox) -> None:
             assert await csi.expand(vm.volume_id, str(vstaging), 32 * MIB) == 32 * MIB
             nodes = graph.nodes_for(vm.volume_id)
             assert (await client.named_nodes())[nodes.throttle]["virtual_size"] == 32 * MIB
-            assert await attach.has_export(client, nodes.vhost_export)
+            assert await export_nodes.has_export(client, nodes.vhost_export)
             assert qsd_pid(box) == pid, "QSD died under the growth"
             assert await csi.expand(vm.volume_id, str(vstaging), 32 * MIB) == 32 * MIB  # a retry changes nothing
 

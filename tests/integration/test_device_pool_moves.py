@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd import export_nodes, graph
 from testing.harness import Sandbox, in_process_driver, qsd_pid
 from testing.helpers.nvme_pools import (
     MIB,
@@ -127,7 +127,7 @@ async def test_block_and_vm_volumes_move_to_grow(box: Sandbox) -> None:
             assert nvme.read(vm_old.start, vm_old.length) == bytes(vm_old.length)
             nodes = graph.nodes_for(vm.volume_id, 1)
             assert (await client.named_nodes())[nodes.throttle]["virtual_size"] == 32 * MIB
-            assert await attach.has_export(client, nodes.vhost_export)
+            assert await export_nodes.has_export(client, nodes.vhost_export)
             assert graph.nodes_for(vm.volume_id, 0).format not in await client.node_names()
             assert qsd_pid(box) == pid, "QSD died under the moves"
             assert await csi.expand(vm.volume_id, str(vstaging), 32 * MIB) == 32 * MIB  # a retry changes nothing

@@ -32,7 +32,7 @@ from csi_qsd.params import ExportKind, ImageFormat, VolumeParameters
 from csi_qsd.pool_specs.device_spec import DevicePoolSpec
 from csi_qsd.pools.block_device import LABEL_MAGIC
 from csi_qsd.pools.nvme import NvmeDevicePool
-from csi_qsd.qsd import attach, graph
+from csi_qsd.qsd import export_nodes, graph
 from csi_qsd.qsd.graph import QMPArgs
 from csi_qsd.server import Driver
 from testing.harness import Sandbox, in_process_driver, qsd_pid, until, wait_new_qsd
@@ -172,7 +172,7 @@ async def test_vm_volume_lifecycle_and_a_qsd_restart(
         os.kill(old, signal.SIGKILL)
         await wait_new_qsd(box, old)
         await until(lambda: driver.daemon.ready, "the new QSD rebuilt", 60)
-        assert await attach.has_export(client, nodes.vhost_export)
+        assert await export_nodes.has_export(client, nodes.vhost_export)
         assert pool.base.node_name in await client.node_names()  # attached again before the rebuild
         assert (target / "vhost-user-blk.sock").is_socket()
 
