@@ -54,6 +54,8 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
     ("encryption_cost", ["--kinds", "pod", "--runtime", "0.3", "--rounds", "1", "--region-mib", "64"],
      ["encrypted (qcow2 + LUKS aes-256-xts) vs plain", "/proc/cpuinfo flags", "4k randread QD32", "4k randwrite QD32",
       "busy cores enc / plain"]),
+    ("encryption_layers", ["--count", "2000", "--rounds", "1", "--size-mib", "64"],
+     ["/proc/cpuinfo flags", "CPU us/IO", "4k randwrite QD32", "4k randread QD32", "qcow2-luks", "luks/qcow2"]),
     ("snapshot_latency", ["--sizes", "1"],
      ["latency, ms (ratio = driver p50 / baseline p50)", "CreateSnapshot, 1 GiB (published, live cut)",
       "baseline: full copy, qemu-img convert + fsync", "target: p50 < 50 ms", "1 GiB p50", "worst max"]),

@@ -38,7 +38,7 @@ from csi_qsd.sys.tools import bundled
 from e2e.bench.encryption_cost import cpu_offers
 from e2e.bench.report_tables import figure, ratio, table
 
-IMAGE_SIZE = 1 << 30
+MIB = 1 << 20
 PASSPHRASE = "bench-passphrase"
 
 
@@ -68,18 +68,18 @@ def _secret(key_file: Path) -> str:
     return f"secret,id=key,file={key_file}"
 
 
-def prepare(qemu_img: str, workdir: Path, layout: Layout, key_file: Path) -> Path:
+def prepare(qemu_img: str, workdir: Path, layout: Layout, key_file: Path, size: int) -> Path:
     """The layout's image, every cluster written once (a bench of allocation would measure qcow2, not LUKS)."""
     image = workdir / f"{layout.name.replace('/', '-')}.qcow2"
     subprocess.run([qemu_img, "create", "-q", "--object", _secret(key_file), *layout.create, str(image),
-                    str(IMAGE_SIZE + (16 << 20))], check=True)
+                    str(size + 16 * MIB)], check=True)
     if layout.name == "luks/qcow2":
         # The luks driver reads its header from the qcow2 node's first bytes: a header-only luks file copied in.
         header = workdir / "header.luks"
         subprocess.run([qemu_img, "create", "-q", "--object", _secret(key_file), "-f", "luks", "-o",
                         "key-secret=key,iter-time=10", str(header), "0"], check=True)
         subprocess.run([qemu_img, "convert", "-n", "-f", "raw", "-O", "qcow2", str(header), str(image)], check=True)
-    run_bench(qemu_img, layout, image, key_file, write=True, count=IMAGE_SIZE // (64 << 10), size=64 << 10)
+    run_bench(qemu_img, layout, image, key_file, write=True, count=size // (64 << 10), size=64 << 10)
     return image
 
 
@@ -103,13 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="/var/tmp", help="where the images live (a disk filesystem, not tmpfs)")
     parser.add_argument("--count", type=int, default=200_000, help="4k I/Os per run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--size-mib", type=int, default=1024, help="each image's size, written whole first")
     args = parser.parse_args(argv)
     print(f"CPU: {cpu_offers()}; {os.cpu_count()} cores; {args.qemu_img}")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="csi-qsd-enc-layers-") as tmp:
         workdir = Path(tmp)
         key_file = workdir / "key"
         key_file.write_text(PASSPHRASE)
-        images = {layout.name: prepare(args.qemu_img, workdir, layout, key_file) for layout in LAYOUTS}
+        images = {layout.name: prepare(args.qemu_img, workdir, layout, key_file, args.size_mib * MIB)
+                  for layout in LAYOUTS}
         samples: dict[tuple[str, bool], list[Sample]] = {}
         for _ in range(args.rounds):
             for write in (True, False):
