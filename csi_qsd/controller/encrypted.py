@@ -16,7 +16,7 @@ from csi_qsd.catalog import VolumeRecord
 from csi_qsd.errors import InvalidArgument, PermissionDenied
 from csi_qsd.params import PROVISIONER_SECRET, SECRET_KEY, SNAPSHOTTER_SECRET, VolumeParameters
 from csi_qsd.pools.base import Pool
-from csi_qsd.qcow2 import header
+from csi_qsd.qcow2 import keyed
 from csi_qsd.sys.volume_keys import KeyStore, VolumeKey
 
 
@@ -26,8 +26,7 @@ def _secret(name: str) -> str:
 
 async def image_encrypted(image: Path) -> bool:
     """Whether `image`'s qcow2 header says LUKS (a snapshot's image: its volume may be gone). Raises OSError."""
-    head = await asyncio.to_thread(header.read_file, image)
-    return head is not None and head.crypt_method == header.CRYPT_LUKS
+    return await asyncio.to_thread(keyed.encrypted, image)
 
 
 async def check_source(
