@@ -31,7 +31,7 @@ IO_WQ = "iou-wrk"  # the kernel's io_uring workers, as many as the work needs: n
 @dataclass(frozen=True)
 class Run:
     iops: float
-    threads: dict[str, float]  # QSD thread (workers summed as "worker") -> share of one CPU during the run
+    threads: dict[str, float]  # QSD thread (pool and io_uring workers summed by kind) -> share of one CPU in the run
 
     def ceiling(self) -> float:
         """IOPS with a core per QSD thread (and the client's own): bounded by the busiest thread, or by the pool
@@ -69,15 +69,16 @@ async def serving(qsd: str, spec: str, export: str, at: Path, objects: list[str]
     threads = [f"iothread,id=io{index}" for index in range(os.cpu_count() or 1)]
     argv = [qsd, *[arg for obj in [*objects, *threads] for arg in ("--object", obj)],
             "--blockdev", f"{spec},node-name=top", "--export", export]
-    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    log = at.with_name(at.name + ".log")
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while not _ready(at, fuse):
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
-                out = process.communicate()[0]
-                raise RuntimeError(f"qemu-storage-daemon did not export {spec}: {out.strip()}")
+                process.wait()
+                raise RuntimeError(f"qemu-storage-daemon did not export {spec}: {log.read_text().strip()}")
             await asyncio.sleep(0.05)
         yield process.pid
     finally:
@@ -87,6 +88,8 @@ async def serving(qsd: str, spec: str, export: str, at: Path, objects: list[str]
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        if fuse and os.path.ismount(at):  # a QSD killed leaves its mount behind
+            subprocess.run(["umount", "-l", str(at)], check=False)
         if not fuse:
             at.unlink(missing_ok=True)
 
