@@ -90,7 +90,7 @@ BENCHES: list[tuple[str, list[str], list[str]]] = [
 def test_every_bench_has_a_smoke_run() -> None:
     benches = {p.stem for p in (REPO / "e2e" / "bench").glob("*.py")}
     helpers = {"__init__", "sizes", "latencies", "process_usage", "report_tables", "shell", "fio", "loop_devices",
-               "staged_volumes", "served_bench", "blkio_client", "device_pool"}
+               "staged_volumes", "served_bench", "blkio_client", "device_pool", "standalone_qsd"}
     in_the_cluster_tier = {"pvc_to_running", "storage_e2e"}  # e2e/cluster/test_cluster_bench_smoke.py
     assert benches - helpers - in_the_cluster_tier == {name for name, _, _ in BENCHES} | {"dataplane", "vs_hostpath"}
 
