@@ -43,11 +43,11 @@ import argparse
 import asyncio
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +69,6 @@ CIPHERS: dict[str, tuple[str, ...]] = {
     "aes-256-cbc-essiv": ("cipher-alg=aes-256", "cipher-mode=cbc", "ivgen-alg=essiv", "ivgen-hash-alg=sha256"),
     "aes-128-cbc-essiv": ("cipher-alg=aes-128", "cipher-mode=cbc", "ivgen-alg=essiv", "ivgen-hash-alg=sha256"),
 }
-FILE = "driver=file,filename={path},aio=io_uring"
 
 
 @dataclass(frozen=True)
@@ -83,13 +82,13 @@ class Layout:
 
     def spec(self, path: Path) -> str:
         """The node graph with dotted keys (a --blockdev or qemu-img's --image-opts)."""
-        file = ",".join(f"file.{part}" for part in FILE.format(path=str(path).replace(",", ",,")).split(","))
+        under = "file.file." if self.kind == "luks/qcow2" else "file."
+        file = f"{under}driver=file,{under}filename={str(path).replace(',', ',,')},{under}aio=io_uring"
         if self.kind == "plain":
             return f"driver=qcow2,{file}"
         if self.kind == "qcow2-luks":
             return f"driver=qcow2,encrypt.format=luks,encrypt.key-secret=key,{file}"
-        inner = file.replace("file.", "file.file.")
-        return f"driver=luks,key-secret=key,file.driver=qcow2,{inner}"
+        return f"driver=luks,key-secret=key,file.driver=qcow2,{file}"
 
 
 @dataclass
@@ -171,10 +170,10 @@ async def export_table(path: str, qsd: str, images: dict[Layout, Path], key_file
     rows = []
     for write in (True, False):
         plain = runs[(Layout("plain"), write)]
-        base, base_ceiling = _mean(r.iops for r in plain), _mean(r.ceiling() for r in plain)
+        base, base_ceiling = statistics.mean(r.iops for r in plain), statistics.mean(r.ceiling() for r in plain)
         for layout in images:
             mine = runs[(layout, write)]
-            iops, ceiling = _mean(r.iops for r in mine), _mean(r.ceiling() for r in mine)
+            iops, ceiling = statistics.mean(r.iops for r in mine), statistics.mean(r.ceiling() for r in mine)
             busy = ", ".join(f"{name} {share:.2f}" for name, share in
                              sorted(mine[-1].threads.items(), key=lambda item: -item[1]) if share >= 0.03)
             rows.append([_job(write), layout.name, figure(iops), ratio(iops, base), figure(ceiling),
@@ -201,11 +200,6 @@ def _job(write: bool) -> str:
 
 def _iops(runs: list[Sample], count: int) -> float:
     return count / (sum(s.seconds for s in runs) / len(runs))
-
-
-def _mean(values: Iterable[float]) -> float:
-    items = list(values)
-    return sum(items) / max(len(items), 1)
 
 
 def main(argv: list[str] | None = None) -> int:

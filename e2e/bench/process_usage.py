@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 
@@ -81,6 +81,15 @@ class ThreadCPU:
             label = "main" if tid == pid else name if name != own else f"t{tid - pid}"
             threads[tid] = (label, (int(fields[11]) + int(fields[12])) / tick)
         return cls(pid, time.monotonic(), cpu_seconds(pid), threads)
+
+    def shares_since(self, before: "ThreadCPU", label: Callable[[str], str] = lambda name: name) -> dict[str, float]:
+        """Each live thread's share of one CPU since `before`, summed by `label(thread name)`."""
+        seconds = max(self.at - before.at, 1e-9)
+        shares: dict[str, float] = {}
+        for tid, (name, now) in self.threads.items():
+            key = label(name)
+            shares[key] = shares.get(key, 0.0) + (now - before.threads.get(tid, (name, 0.0))[1]) / seconds
+        return shares
 
     def busiest_since(self, before: "ThreadCPU") -> float:
         """The share of one CPU the busiest thread used since `before`."""

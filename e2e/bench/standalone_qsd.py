@@ -103,10 +103,6 @@ async def measure(pid: int, at: Path, *, fuse: bool, write: bool, seconds: float
         iops = await fio(job, at, runtime=seconds, size=size)
     else:
         iops = await blkio_client.iops("virtio-blk-vhost-user", at, write=write, seconds=seconds, size=size)
-    after = ThreadCPU.take(pid)
-    elapsed = max(after.at - before.at, 1e-9)
-    threads: dict[str, float] = {}
-    for tid, (name, now) in after.threads.items():
-        label = next((pool for pool in (WORKER, IO_WQ) if name.startswith(pool)), name)
-        threads[label] = threads.get(label, 0.0) + (now - before.threads.get(tid, (name, 0.0))[1]) / elapsed
-    return Run(iops, threads)
+    shares = ThreadCPU.take(pid).shares_since(
+        before, lambda name: next((pool for pool in (WORKER, IO_WQ) if name.startswith(pool)), name))
+    return Run(iops, shares)
